@@ -1,0 +1,21 @@
+"""hccompile: a torch.compile backend (`backend="hc"`) that recomputes mHC hyper-connections and
+lowers plain-PyTorch attention subgraphs to Triton kernels."""
+from . import compat as _compat
+
+_compat.check_torch_version()
+
+from . import lowering  # noqa: E402  (registers torch.ops.hccompile.*)
+from .debug import Report, explain  # noqa: E402
+from .lowering import causal_linear_attn  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def backend(gm, example_inputs, **kwargs):
+    """The `hc` backend as a callable: torch.compile(m, backend=hccompile.backend)."""
+    from .backend import hc_backend
+
+    return hc_backend(gm, example_inputs, **kwargs)
+
+
+__all__ = ["backend", "explain", "Report", "causal_linear_attn", "__version__"]

@@ -1,0 +1,214 @@
+"""The `hc` backend: Dynamo graph -> our Dynamo-stage passes -> compile_fx(config_patches) with our
+joint-graph and post-grad passes installed -> Inductor codegen.
+
+Registered under the name "hc" by the `torch_dynamo_backends` entry point (pyproject.toml), so
+`torch.compile(m, backend="hc")` works without importing hccompile. Never also decorate this with
+`@register_backend("hc")`: the name would be registered twice and the lookup would fail.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import compat
+from . import lowering  # noqa: F401  (custom ops must exist before any cached graph runs)
+from .config import HCConfig, resolve
+from .debug.dump import Dumper, graph_code, install_depyf_hook
+from .debug.report import GraphReport, PassRecord
+from .passes import pass_source_files, passes_for_stage
+from .passes.base import PassContext
+
+log = logging.getLogger("hccompile")
+
+_graph_ids = itertools.count()
+_collect = threading.local()  # explain() gathers GraphReports here
+
+
+def _copy_nodes_into(dst: fx.Graph, src: fx.Graph) -> None:
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = dst.graph_copy(src, val_map)
+    dst.output(out)
+    for old, new in val_map.items():
+        new.name = old.name if new.name != old.name and old.name not in dst._graph_namespace._used_names \
+            else new.name
+        # Dynamo keeps facts on placeholder nodes as attributes (e.g. _dynamo_source)
+        for attr, value in vars(old).items():
+            if attr.startswith("_dynamo"):
+                setattr(new, attr, value)
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    _copy_nodes_into(new, graph)
+    return new
+
+
+def _restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    """Put `snapshot`'s nodes back into `graph` in place (hooks must mutate the graph they get)."""
+    for n in reversed(list(graph.nodes)):
+        graph.erase_node(n)
+    _copy_nodes_into(graph, snapshot)
+
+
+class _CompileState:
+    """Everything one backend call shares with the hooks that Inductor calls later."""
+
+    def __init__(self, cfg: HCConfig, report: GraphReport, dumper: Dumper | None,
+                 example_inputs: list[Any], fake_mode: Any):
+        self.cfg = cfg
+        self.report = report
+        self.dumper = dumper
+        self.example_inputs = example_inputs
+        self.fake_mode = fake_mode
+        self.current_graph = "forward"  # set by the inner_compile wrapper before post-grad passes
+
+    def run_passes(self, stage: str, target: Any, graph_name: str) -> None:
+        """Run the enabled passes of `stage` on `target` (GraphModule or Graph), recording each."""
+        graph = target.graph if isinstance(target, fx.GraphModule) else target
+        for pass_cls in passes_for_stage(stage):
+            if pass_cls.name in self.cfg.disable_passes:
+                continue
+            record = PassRecord(pass_cls.name, stage, graph=graph_name, nodes_before=len(graph.nodes))
+            self.report.passes.append(record)
+            ctx = PassContext(config=self.cfg, example_inputs=self.example_inputs,
+                              fake_mode=self.fake_mode, graph_name=graph_name, report=self.report)
+            prefix = f"{stage}.{pass_cls.name}.{graph_name}"
+            if self.dumper:
+                self.dumper.write(f"{prefix}.before.py", graph_code(target))
+            snapshot = _copy_graph(graph)
+            t0 = time.perf_counter()
+            try:
+                record.changed = bool(pass_cls().run(target, ctx, record))
+            except Exception as e:  # noqa: BLE001 - any pass bug must fall back, not break the model
+                record.error = f"{type(e).__name__}: {e}"
+                if self.cfg.strict:
+                    raise
+                _restore_graph(graph, snapshot)
+                if isinstance(target, fx.GraphModule):
+                    target.recompile()
+                warnings.warn(f"hccompile: pass {pass_cls.name!r} failed on the {graph_name} graph "
+                              f"({record.error}); its changes were undone. Pass strict=True to "
+                              f"raise instead.", stacklevel=2)
+                log.debug("pass %s failed", pass_cls.name, exc_info=True)
+            record.time_s = time.perf_counter() - t0
+            record.nodes_after = len(graph.nodes)
+            self.report.add_time(f"hccompile {stage} passes", record.time_s)
+            if self.dumper:
+                self.dumper.write(f"{prefix}.after.py", graph_code(target))
+
+
+class HCGraphPass(CustomGraphPass):
+    """One composite pass per Inductor hook; it runs every pass registered for its stage."""
+
+    def __init__(self, stage: str, state: _CompileState, prior: Any = None):
+        self.stage = stage
+        self.state = state
+        self.prior = prior  # a pass the user had installed on the same hook keeps running
+
+    def __call__(self, graph: fx.Graph) -> None:
+        name = "joint" if self.stage == "joint" else self.state.current_graph
+        self.state.run_passes(self.stage, graph, name)
+        if self.prior is not None:
+            for p in self.prior if isinstance(self.prior, (list, tuple)) else [self.prior]:
+                p(graph)
+
+    def uuid(self) -> Any:
+        cfg = self.state.cfg
+        extra = repr((self.stage, sorted(cfg.disable_passes), cfg.probe, cfg.probe_tolerance,
+                      [p.name for p in passes_for_stage(self.stage)]))
+        prior = self.prior
+        if prior is not None:
+            extra += repr([getattr(p, "uuid", lambda: None)() for p in
+                           (prior if isinstance(prior, (list, tuple)) else [prior])])
+        return compat.hash_files(pass_source_files(), extra)
+
+
+def hc_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None,
+               options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The torch.compile backend. `mode=` and `options=` behave as for backend="inductor"; our own
+    options are listed in hccompile.config.OPTIONS (docs/options.md)."""
+    cfg = resolve(options, mode)
+    return compile_graph(gm, example_inputs, cfg)
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    compat.check_torch_version()
+    report = GraphReport(next(_graph_ids), config=cfg.as_dict())
+    dumper = Dumper(cfg.dump_dir, report.graph_id) if cfg.dump_dir else None
+    if dumper:
+        report.dump_dir = dumper.dir
+        dumper.write("00_dynamo_graph.py", graph_code(gm))
+        if cfg.depyf:
+            install_depyf_hook(cfg.dump_dir)
+    state = _CompileState(cfg, report, dumper, list(example_inputs),
+                          compat.fake_mode_of(example_inputs, gm))
+
+    original = fx.GraphModule(gm, _copy_graph(gm.graph))
+    state.run_passes("dynamo", gm, "dynamo")
+
+    def timed_inner(gm_: fx.GraphModule, inputs_: Any, **kwargs: Any) -> Any:
+        which = "backward" if kwargs.get("is_backward") else (
+            "inference" if kwargs.get("is_inference") else "forward")
+        state.current_graph = which
+        if dumper:
+            dumper.write(f"aot_{which}.py", graph_code(gm_))
+        t0 = time.perf_counter()
+        out = compile_fx_inner(gm_, inputs_, **kwargs)
+        report.add_time(f"inductor {which}", time.perf_counter() - t0)
+        if dumper:
+            dumper.write(f"inductor_{which}_code.py", getattr(out, "source_code", None))
+            dumper.report(report)  # the backward may compile after the forward ran
+        return out
+
+    from torch._inductor import config as inductor_config
+
+    patches = dict(cfg.inductor_patches)
+    patches["joint_custom_pre_pass"] = compat.custom_pass_hook_value(
+        HCGraphPass("joint", state, patches.get("joint_custom_pre_pass",
+                                                inductor_config.joint_custom_pre_pass)))
+    patches["post_grad_custom_pre_pass"] = compat.custom_pass_hook_value(
+        HCGraphPass("post_grad", state, patches.get("post_grad_custom_pre_pass",
+                                                    inductor_config.post_grad_custom_pre_pass)))
+    if dumper:
+        patches["force_disable_caches"] = True  # a cache hit would skip our passes and dumps
+
+    t0 = time.perf_counter()
+    try:
+        compiled = compile_fx(gm, example_inputs, inner_compile=timed_inner, config_patches=patches)
+    except Exception as e:
+        if cfg.strict or _is_user_error(e):
+            raise
+        report.fallback = f"{type(e).__name__}: {e}"
+        warnings.warn(f"hccompile: compiling the rewritten graph failed ({report.fallback}); "
+                      f"falling back to plain Inductor. Pass strict=True to raise instead.",
+                      stacklevel=2)
+        log.debug("compile_fx failed", exc_info=True)
+        fallback_patches = dict(cfg.inductor_patches)
+        if dumper:
+            fallback_patches["force_disable_caches"] = True
+        compiled = compile_fx(original, example_inputs, config_patches=fallback_patches)
+    report.add_time("aot+inductor (total)", time.perf_counter() - t0)
+
+    log.info("hccompile: %s", report.summary_line())
+    for r in report.refusals:
+        log.debug("hccompile: refused %s at %s: %s", r["pattern"], r.get("node"), r["reason"])
+    if dumper:
+        dumper.report(report)
+    for collector in getattr(_collect, "stack", []):
+        collector.append(report)
+    return compiled
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """Errors that plain Inductor would raise too (bad shapes in the user's own code) pass through."""
+    return isinstance(e, (torch._dynamo.exc.UserError,))

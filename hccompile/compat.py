@@ -1,0 +1,63 @@
+"""Every difference between the torch versions we support (2.11 and 2.13) lives here."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+MIN_TORCH = (2, 11)
+
+
+def check_torch_version() -> None:
+    if TORCH_VERSION < MIN_TORCH:
+        raise RuntimeError(
+            f"hccompile needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}"
+        )
+
+
+def custom_pass_hook_value(pass_obj: Any) -> Any:
+    """Value for `joint_custom_pre_pass` / `post_grad_custom_pre_pass`.
+
+    2.11 takes exactly one CustomGraphPass per hook; 2.13 also accepts a list. We always install
+    one composite pass, so a single object works on both.
+    """
+    return pass_obj
+
+
+def size_hint(value: Any) -> int:
+    """Concrete value of a possibly symbolic int, without adding a guard."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        node = value.node
+        hint = getattr(node, "hint", None)
+        if hint is not None:
+            return int(hint)
+        return int(node.shape_env.size_hint(node.expr))
+    return int(value)
+
+
+def concrete_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(size_hint(s) for s in t.shape)
+
+
+def fake_mode_of(example_inputs: Any, gm: torch.fx.GraphModule | None = None):
+    """The fake mode of the Dynamo graph's example values (the tracing context's), which is not
+    always the one the example inputs would suggest."""
+    from torch._guards import detect_fake_mode
+
+    if gm is not None:
+        for n in gm.graph.nodes:
+            val = n.meta.get("example_value")
+            if isinstance(val, torch.Tensor):
+                mode = detect_fake_mode([val])
+                if mode is not None:
+                    return mode
+    return detect_fake_mode(example_inputs)
+
+
+def hash_files(paths: tuple[str, ...], extra: str = "") -> bytes:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(paths, extra)

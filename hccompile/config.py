@@ -1,0 +1,180 @@
+"""hccompile's options: one table, validated, settable by `options=` or by environment variable.
+
+Precedence: `options=` > environment variable > default. Any key that is not one of ours must be a
+`torch._inductor.config` key (as with `backend="inductor"`); anything else is an error that lists the
+valid options.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+ENV_PREFIX = "HCCOMPILE_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    default: Any
+    kind: type | tuple[type, ...]
+    doc: str
+    env: str = ""
+    parse: Callable[[str], Any] | None = None
+    check: Callable[[Any], str | None] | None = None  # returns an error message or None
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {text!r}")
+
+
+def _parse_list(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _check_pass_names(value: Any) -> str | None:
+    from .passes import all_pass_names
+
+    unknown = sorted(set(value) - set(all_pass_names()))
+    if unknown:
+        return f"unknown pass name(s) {unknown}; known passes: {sorted(all_pass_names())}"
+    return None
+
+
+def _check_probe_tolerance(value: Any) -> str | None:
+    return None if 0 < value < 1 else f"must be in (0, 1), got {value}"
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in [
+        Option("dump_dir", None, (str, os.PathLike, type(None)),
+               "Write per-graph dumps (pass graphs before/after, report.json, report.md, depyf "
+               "sources, AOT and Inductor graphs) under this directory. Disables Inductor's caches.",
+               env="HCCOMPILE_DUMP", parse=str),
+        Option("strict", False, bool,
+               "Re-raise when one of our passes fails instead of falling back to plain Inductor.",
+               env="HCCOMPILE_STRICT", parse=_parse_bool),
+        Option("disable_passes", (), (tuple, list),
+               "Names of hccompile passes to skip (see `hccompile.passes.all_pass_names()`).",
+               env="HCCOMPILE_DISABLE_PASSES", parse=_parse_list, check=_check_pass_names),
+        Option("probe", True, bool,
+               "Verify every matched candidate numerically on random probe inputs at compile time "
+               "before replacing it; a mismatch refuses the candidate.",
+               env="HCCOMPILE_PROBE", parse=_parse_bool),
+        Option("probe_tolerance", 2e-2, float,
+               "Relative RMS error under which a low-precision (fp16/bf16) probe counts as a match; "
+               "fp32/fp64 probes use 1e-4.",
+               env="HCCOMPILE_PROBE_TOLERANCE", parse=float, check=_check_probe_tolerance),
+        Option("depyf", True, bool,
+               "With dump_dir: also write depyf's decompiled Dynamo bytecode.",
+               env="HCCOMPILE_DEPYF", parse=_parse_bool),
+    ]
+}
+
+
+class OptionError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class HCConfig:
+    """Resolved hccompile options plus the Inductor config patches to apply."""
+
+    values: dict[str, Any]
+    inductor_patches: dict[str, Any]
+    mode: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "values")
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.values, "mode": self.mode, "inductor": dict(self.inductor_patches)}
+
+
+def _inductor_config_keys() -> dict[str, Any]:
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.get_config_copy()
+
+
+def _coerce(opt: Option, value: Any, source: str) -> Any:
+    if opt.kind is bool and isinstance(value, int) and not isinstance(value, bool):
+        value = bool(value)
+    if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, opt.kind):
+        raise OptionError(
+            f"hccompile option {opt.name!r} ({source}): expected {_kind_name(opt.kind)}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if opt.check is not None:
+        err = opt.check(value)
+        if err:
+            raise OptionError(f"hccompile option {opt.name!r} ({source}): {err}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+
+
+def resolve(options: dict[str, Any] | None = None, mode: str | None = None,
+            environ: dict[str, str] | None = None) -> HCConfig:
+    """Validate `options=` and the environment; split ours from Inductor's."""
+    environ = os.environ if environ is None else environ
+    options = dict(options or {})
+    values: dict[str, Any] = {}
+    for name, opt in OPTIONS.items():
+        if name in options:
+            values[name] = _coerce(opt, options.pop(name), "options=")
+        elif opt.env and opt.env in environ:
+            raw = environ[opt.env]
+            try:
+                parsed = opt.parse(raw) if opt.parse else raw
+            except ValueError as e:
+                raise OptionError(f"environment variable {opt.env}={raw!r}: {e}") from None
+            values[name] = _coerce(opt, parsed, f"env {opt.env}")
+        else:
+            values[name] = opt.default
+
+    inductor_keys = _inductor_config_keys()
+    patches: dict[str, Any] = {}
+    if mode is not None and mode != "default":
+        from torch._inductor import list_mode_options
+
+        modes = list_mode_options()
+        if mode not in modes:
+            raise OptionError(f"mode={mode!r} is not one of {sorted(modes)}")
+        patches.update(list_mode_options(mode))
+    for key, val in options.items():
+        attr = key.replace("-", "_")
+        if attr not in inductor_keys:
+            raise OptionError(
+                f"unknown option {key!r}. hccompile options: {sorted(OPTIONS)}; any "
+                f"torch._inductor.config key is accepted too (e.g. 'max_autotune', "
+                f"'triton.cudagraphs', 'epilogue_fusion')."
+            )
+        patches[attr] = val
+    return HCConfig(values=values, inductor_patches=patches, mode=mode)
+
+
+def options_table_markdown() -> str:
+    """The options table for docs/options.md (kept in sync by a test)."""
+    rows = ["| option | env var | default | meaning |", "|---|---|---|---|"]
+    for opt in OPTIONS.values():
+        rows.append(f"| `{opt.name}` | `{opt.env}` | `{opt.default!r}` | {opt.doc} |")
+    return "\n".join(rows)

@@ -1,0 +1,221 @@
+"""Helpers for matching on Dynamo (torch-IR) graphs, where one operation has many spellings:
+`a @ b`, `torch.matmul(a, b)`, `a.matmul(b)`; `torch.tril(x)`, `x.tril()`; and so on."""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from ..compat import size_hint
+
+# canonical op name -> (call_function targets, call_method names)
+_SPELLINGS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
+    "matmul": ((operator.matmul, torch.matmul, torch.bmm), ("matmul", "bmm", "__matmul__")),
+    "einsum": ((torch.einsum, torch.functional.einsum), ()),
+    "transpose": ((torch.transpose, torch.swapaxes, torch.swapdims), ("transpose", "swapaxes", "swapdims")),
+    "permute": ((torch.permute,), ("permute",)),
+    "tril": ((torch.tril,), ("tril",)),
+    "triu": ((torch.triu,), ("triu",)),
+    "masked_fill": ((torch.masked_fill,), ("masked_fill",)),
+    "where": ((torch.where,), ("where",)),
+    "mul": ((operator.mul, torch.mul, torch.multiply), ("mul", "multiply", "__mul__")),
+    "div": ((operator.truediv, torch.div, torch.true_divide), ("div", "divide", "true_divide", "__truediv__")),
+    "softmax": ((torch.softmax, torch.nn.functional.softmax, torch.log_softmax,
+                 torch.nn.functional.log_softmax), ("softmax", "log_softmax")),
+    "cast": ((), ("float", "to", "type_as", "half", "bfloat16", "double", "type")),
+    "contiguous": ((), ("contiguous",)),
+    "getattr": ((getattr,), ()),
+}
+
+_FN_TO_KIND: dict[Any, str] = {}
+_METHOD_TO_KIND: dict[str, str] = {}
+for _kind, (_fns, _methods) in _SPELLINGS.items():
+    for _f in _fns:
+        _FN_TO_KIND[_f] = _kind
+    for _m in _methods:
+        _METHOD_TO_KIND[_m] = _kind
+
+_RANDOM_TARGETS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+                   torch.bernoulli, torch.nn.functional.dropout, torch.dropout, torch.multinomial,
+                   torch.normal}
+
+
+def kind(node: Any) -> str | None:
+    """Canonical name of what `node` computes, or None for anything we do not model."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        k = _FN_TO_KIND.get(node.target)
+        if k == "getattr" and len(node.args) == 2 and node.args[1] in ("mT", "T"):
+            return "mT"
+        return k
+    if node.op == "call_method":
+        return _METHOD_TO_KIND.get(node.target)
+    return None
+
+
+def describe(node: Any) -> str:
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if node.op == "call_method":
+        return f".{node.target}()"
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return f"{node.op} {node.target}"
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def scalar(value: Any) -> float | None:
+    """A compile-time Python number (not a SymFloat, not a tensor)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def example(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def ndim(node: Any) -> int | None:
+    ev = example(node)
+    return ev.dim() if isinstance(ev, torch.Tensor) else None
+
+
+def permutation_of(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
+    """If `node` is a pure dim permutation of its input, return (input, perm) with
+    node.dim(i) == input.dim(perm[i])."""
+    k = kind(node)
+    n = ndim(node)
+    if n is None:
+        return None
+    if k == "transpose":
+        src = node.args[0]
+        d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
+        if not isinstance(d0, int) or not isinstance(d1, int):
+            return None
+        d0, d1 = d0 % n, d1 % n
+        perm = list(range(n))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+        return src, perm
+    if k == "mT":
+        perm = list(range(n))
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+        return node.args[0], perm
+    if k == "permute":
+        dims = node.args[1:] if node.op == "call_method" else (arg(node, 1, "dims"),)
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = tuple(dims[0])
+        if len(dims) != n or not all(isinstance(d, int) for d in dims):
+            return None
+        return node.args[0], [d % n for d in dims]
+    return None
+
+
+def ancestors(node: fx.Node, stop: Iterable[fx.Node] = ()) -> list[fx.Node]:
+    """Nodes `node` depends on, stopping at (and excluding the inputs of) `stop`, in graph order."""
+    stop = set(stop)
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stop:
+            continue
+        todo.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def is_impure(node: fx.Node) -> str | None:
+    """Why evaluating this node at compile time would be wrong (randomness, mutation), or None."""
+    if node.op == "call_function":
+        if node.target in _RANDOM_TARGETS:
+            return f"random op {describe(node)}"
+        name = getattr(node.target, "__name__", "")
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            return f"mutating op {name}"
+        if name.endswith("_") and not name.startswith("_"):
+            return f"in-place op {name}"
+    if node.op == "call_method":
+        if node.target.endswith("_") and not node.target.startswith("_"):
+            return f"in-place method .{node.target}()"
+        if node.target in ("dropout", "bernoulli", "random_", "uniform_", "normal_"):
+            return f"random method .{node.target}()"
+    if node.op == "call_module":
+        return "module call"
+    return None
+
+
+def evaluate(gm: fx.GraphModule, wanted: list[fx.Node], overrides: dict[fx.Node, Any],
+             example_inputs: list[Any], max_nodes: int = 256) -> list[Any]:
+    """Evaluate only what `wanted` needs, with `overrides` standing in for some nodes and the real
+    example inputs for placeholders. Refuses (ValueError) random or mutating work."""
+    needed: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    for w in wanted:
+        for n in ancestors(w, stop=overrides):
+            if n not in seen:
+                seen.add(n)
+                needed.append(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    needed.sort(key=order.__getitem__)
+    if len(needed) > max_nodes:
+        raise ValueError(f"probe region has {len(needed)} nodes (limit {max_nodes})")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = dict(overrides)
+
+    def load(a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: env[n])
+
+    for n in needed:
+        if n in env:
+            continue
+        why = is_impure(n)
+        if why:
+            raise ValueError(f"probe region contains a {why}")
+        if n.op == "placeholder":
+            value = example_inputs[placeholders.index(n)]
+            if isinstance(value, torch.SymInt):
+                value = size_hint(value)
+            if isinstance(value, torch.Tensor) and _is_fake(value):
+                raise ValueError("example inputs are fake tensors; cannot probe")
+            env[n] = value
+        elif n.op == "get_attr":
+            obj: Any = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            env[n] = obj
+        elif n.op == "call_function":
+            env[n] = n.target(*load(n.args), **load(n.kwargs))
+        elif n.op == "call_method":
+            self_arg, *rest = load(n.args)
+            env[n] = getattr(self_arg, n.target)(*rest, **load(n.kwargs))
+        else:
+            raise ValueError(f"cannot evaluate {n.op} node {n.name}")
+    return [env[w] for w in wanted]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom > 0 else (0.0 if num == 0 else float("inf"))

@@ -1,0 +1,43 @@
+"""Records which hccompile ops reached each post-grad graph (forward, backward or inference), so
+the report shows that a lowering holds in both directions. Changes nothing."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from .base import GraphPass, PassContext, register_pass
+
+
+def graph_role(graph: fx.Graph) -> str:
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    has_tangents = any(n.startswith("tangents") for n in names)
+    has_primals = any(n.startswith("primals") for n in names)
+    if has_tangents and has_primals:
+        return "joint"
+    if has_tangents:
+        return "backward"
+    if has_primals:
+        return "forward"
+    return "inference"
+
+
+def hccompile_ops(graph: fx.Graph) -> list[str]:
+    ops = []
+    for n in graph.nodes:
+        if n.op == "call_function" and str(n.target).startswith("hccompile."):
+            ops.append(str(n.target))
+    return ops
+
+
+@register_pass
+class OpInventoryPass(GraphPass):
+    name = "op_inventory"
+    stage = "post_grad"
+    order = 1000
+
+    def run(self, graph: fx.Graph, ctx: PassContext, record: Any) -> bool:
+        ops = hccompile_ops(graph)
+        record.notes.append(f"{ctx.graph_name}: {', '.join(ops) if ops else 'no hccompile ops'}")
+        ctx.report.lowered_ops.setdefault(ctx.graph_name, []).extend(ops)
+        return False
