@@ -7,15 +7,8 @@ _compat.check_torch_version()
 from . import lowering  # noqa: E402  (registers torch.ops.hccompile.*)
 from .debug import Report, explain  # noqa: E402
 from .lowering import causal_linear_attn  # noqa: E402
+from .backend import hc_backend  # noqa: E402  (also reachable as backend="hc")
 
 __version__ = "0.1.0"
 
-
-def backend(gm, example_inputs, **kwargs):
-    """The `hc` backend as a callable: torch.compile(m, backend=hccompile.backend)."""
-    from .backend import hc_backend
-
-    return hc_backend(gm, example_inputs, **kwargs)
-
-
-__all__ = ["backend", "explain", "Report", "causal_linear_attn", "__version__"]
+__all__ = ["hc_backend", "explain", "Report", "causal_linear_attn", "__version__"]

@@ -156,15 +156,21 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) 
     original = fx.GraphModule(gm, _copy_graph(gm.graph))
     state.run_passes("dynamo", gm, "dynamo")
 
+    inner_calls: list[str] = []
+
     def timed_inner(gm_: fx.GraphModule, inputs_: Any, **kwargs: Any) -> Any:
+        inner_calls.append("x")
         which = "backward" if kwargs.get("is_backward") else (
             "inference" if kwargs.get("is_inference") else "forward")
         state.current_graph = which
         if dumper:
             dumper.write(f"aot_{which}.py", graph_code(gm_))
         t0 = time.perf_counter()
+        passes_before = len(report.passes)
         out = compile_fx_inner(gm_, inputs_, **kwargs)
         report.add_time(f"inductor {which}", time.perf_counter() - t0)
+        if len(report.passes) == passes_before:
+            report.cache_hits.append(which)  # Inductor's FX graph cache answered: no pass ran
         if dumper:
             dumper.write(f"inductor_{which}_code.py", getattr(out, "source_code", None))
             dumper.report(report)  # the backward may compile after the forward ran
@@ -183,6 +189,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) 
         patches["force_disable_caches"] = True  # a cache hit would skip our passes and dumps
 
     t0 = time.perf_counter()
+    if cfg.compiler == "aot_eager":
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        report.add_time("aot_eager (total)", time.perf_counter() - t0)
+        return _finish(report, dumper, compiled)
     try:
         compiled = compile_fx(gm, example_inputs, inner_compile=timed_inner, config_patches=patches)
     except Exception as e:
@@ -198,7 +208,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) 
             fallback_patches["force_disable_caches"] = True
         compiled = compile_fx(original, example_inputs, config_patches=fallback_patches)
     report.add_time("aot+inductor (total)", time.perf_counter() - t0)
+    if not inner_calls:
+        report.cache_hits.append("AOTAutograd cache (whole graph)")
+    return _finish(report, dumper, compiled)
 
+
+def _finish(report: GraphReport, dumper: Dumper | None, compiled: Any) -> Any:
     log.info("hccompile: %s", report.summary_line())
     for r in report.refusals:
         log.debug("hccompile: refused %s at %s: %s", r["pattern"], r.get("node"), r["reason"])

@@ -71,6 +71,13 @@ OPTIONS: dict[str, Option] = {
                "Relative RMS error under which a low-precision (fp16/bf16) probe counts as a match; "
                "fp32/fp64 probes use 1e-4.",
                env="HCCOMPILE_PROBE_TOLERANCE", parse=float, check=_check_probe_tolerance),
+        Option("compiler", "inductor", str,
+               "What compiles the rewritten graph: 'inductor' (default), or 'aot_eager' (our "
+               "Dynamo-stage passes, then AOTAutograd with no code generation; for bisecting bugs; "
+               "joint and post-grad passes do not run).",
+               env="HCCOMPILE_COMPILER", parse=str,
+               check=lambda v: None if v in ("inductor", "aot_eager")
+               else f"must be 'inductor' or 'aot_eager', got {v!r}"),
         Option("depyf", True, bool,
                "With dump_dir: also write depyf's decompiled Dynamo bytecode.",
                env="HCCOMPILE_DEPYF", parse=_parse_bool),
@@ -104,6 +111,18 @@ def _inductor_config_keys() -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
     return inductor_config.get_config_copy()
+
+
+def _is_inductor_attr(dotted: str) -> bool:
+    """Keys like force_disable_caches are settable config entries missing from get_config_copy()."""
+    from torch._inductor import config as inductor_config
+
+    obj: Any = inductor_config
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return not callable(obj) or isinstance(obj, bool)
 
 
 def _coerce(opt: Option, value: Any, source: str) -> Any:
@@ -162,7 +181,7 @@ def resolve(options: dict[str, Any] | None = None, mode: str | None = None,
         patches.update(list_mode_options(mode))
     for key, val in options.items():
         attr = key.replace("-", "_")
-        if attr not in inductor_keys:
+        if attr not in inductor_keys and not _is_inductor_attr(attr):
             raise OptionError(
                 f"unknown option {key!r}. hccompile options: {sorted(OPTIONS)}; any "
                 f"torch._inductor.config key is accepted too (e.g. 'max_autotune', "

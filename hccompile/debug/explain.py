@@ -15,13 +15,15 @@ def explain(model: Any, *args: Any, options: dict[str, Any] | None = None, mode:
 
     With `backward=True` (default) and a differentiable output, the backward graph is compiled too
     (gradients are taken with torch.autograd.grad, so no `.grad` field of the model is touched).
+    Inductor's caches are off for this compile, so every pass runs and reports.
     """
-    from .. import backend as hc
+    import hccompile.backend as hc
 
     reports: list[Any] = []
     stack = hc._collect.__dict__.setdefault("stack", [])
     stack.append(reports)
     try:
+        options = {"force_disable_caches": True, **(options or {})}
         cfg = hc.resolve(options, mode)
         compiled = torch.compile(model, backend=functools.partial(_backend, cfg=cfg),
                                  dynamic=dynamic)

@@ -34,6 +34,7 @@ class GraphReport:
     timings_s: dict[str, float] = dataclasses.field(default_factory=dict)
     lowered_ops: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # graph -> ops
     fallback: str | None = None
+    cache_hits: list[str] = dataclasses.field(default_factory=list)  # graphs served from cache
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     dump_dir: str | None = None
 
@@ -52,6 +53,7 @@ class GraphReport:
         return {
             "graph_id": self.graph_id,
             "fallback": self.fallback,
+            "cache_hits": self.cache_hits,
             "timings_s": self.timings_s,
             "lowered_ops": self.lowered_ops,
             "passes": [dataclasses.asdict(p) for p in self.passes],
@@ -92,6 +94,9 @@ class GraphReport:
             out += ["", "## hccompile ops in the compiled graphs", ""]
             for g, ops in self.lowered_ops.items():
                 out.append(f"- {g}: {', '.join(ops) if ops else 'none'}")
+        if self.cache_hits:
+            out += ["", f"Served from Inductor's cache (post-grad passes did not run): "
+                        f"{', '.join(self.cache_hits)}. Set dump_dir or force_disable_caches to see them."]
         out += ["", "## Passes", "", "| pass | stage | graph | nodes before → after | changed | time (ms) |",
                 "|---|---|---|---|---|---|"]
         for p in self.passes:

@@ -76,7 +76,7 @@ def _walk_operand(node: Any, labels: list[str], cand: Candidate) -> Operand:
                 cand.region.append(node)
                 node = a if isinstance(a, fx.Node) else b
                 continue
-        if k in _PASSTHROUGH:
+        if k == "contiguous":  # not casts: computing in a lower precision than asked is wrong
             cand.region.append(node)
             node = node.args[0]
             continue
@@ -94,11 +94,14 @@ def _einsum_roles(node: fx.Node) -> tuple[str, list[fx.Node]]:
 
 
 def _product_roles(node: fx.Node, left_role: tuple[str, str], right_role: tuple[str, str],
-                   out_role: tuple[str, str]) -> tuple[fx.Node, list[str], fx.Node, list[str], list[str]]:
+                   out_role: tuple[str, str], batch_from: str = "out"
+                   ) -> tuple[fx.Node, list[str], fx.Node, list[str], list[str]]:
     """Label the dims of a product's operands and output.
 
     For matmul, left is [..., left_role], right [..., right_role], out [..., out_role]; for einsum
-    the equation decides. Batch dims are labelled b0, b1, ... in output order.
+    the equation decides. Batch dims are labelled b0, b1, ... in the order they have in the output
+    (batch_from="out") or in the left operand ("left"), so that the score product and the value
+    product agree on names whatever order each einsum writes.
     """
     k = M.kind(node)
     if k == "matmul":
@@ -118,7 +121,7 @@ def _product_roles(node: fx.Node, left_role: tuple[str, str], right_role: tuple[
         contracted = (set(la) & set(lb)) - set(out)
         only_a = [c for c in out if c in la and c not in lb]
         only_b = [c for c in out if c in lb and c not in la]
-        batch = [c for c in out if c in la and c in lb]
+        batch = [c for c in (out if batch_from == "out" else la) if c in out and c in la and c in lb]
         if len(contracted) != 1 or len(only_a) != 1 or len(only_b) != 1 or \
                 len(set(la)) != len(la) or len(set(lb)) != len(lb) or \
                 set(la) != set(batch) | contracted | set(only_a) or \
@@ -194,16 +197,17 @@ def _walk_scores(p: Any, cand: Candidate) -> tuple[fx.Node, bool]:
 
 
 def _leads_to_product(node: Any, depth: int = 8) -> bool:
-    while isinstance(node, fx.Node) and depth > 0:
-        k = M.kind(node)
-        if k in ("matmul", "einsum"):
-            return True
-        if k in ("tril", "masked_fill", "where", "mul", "div", "cast", "contiguous", "transpose",
-                 "permute", "mT"):
-            node = node.args[1] if k == "where" else node.args[0]
-            depth -= 1
-            continue
+    """Does `node` come from a matrix product through mask/scale/layout ops only?"""
+    if not isinstance(node, fx.Node) or depth == 0:
         return False
+    k = M.kind(node)
+    if k in ("matmul", "einsum"):
+        return True
+    if k in ("tril", "triu", "softmax", "masked_fill", "cast", "contiguous", "transpose", "permute",
+             "mT"):
+        return _leads_to_product(node.args[0], depth - 1)
+    if k in ("where", "mul", "div"):
+        return any(_leads_to_product(a, depth - 1) for a in node.args)
     return False
 
 
@@ -211,7 +215,7 @@ def match(anchor: fx.Node) -> Candidate:
     """Structural match at a value product. Raises Refusal with the reason."""
     cand = Candidate(anchor=anchor)
     p_node, p_labels, v_node, v_labels, out_labels = _product_roles(anchor, ("t", "s"), ("s", "e"),
-                                                                    ("t", "e"))
+                                                                    ("t", "e"), batch_from="left")
     qk, masked = _walk_scores(p_node, cand)
     q_node, q_labels, kt_node, kt_labels, s_labels = _product_roles(qk, ("t", "d"), ("d", "s"),
                                                                     ("t", "s"))
@@ -248,8 +252,8 @@ def _check_shapes(cand: Candidate) -> None:
             raise Refusal(f"batch dim {lab} differs between q, k and v (GQA is not matched here)")
     for name, op, lab in (("q/k", cand.q, "d"), ("v", cand.v, "e")):
         d = size(op, lab)
-        if isinstance(d, torch.SymInt):
-            raise Refusal(f"{name}: head dim is symbolic")
+        # on a symbolic head dim this comparison adds a guard: a larger head dim recompiles
+        # and is refused then, instead of reaching the kernel
         if d > MAX_HEAD_DIM:
             raise Refusal(f"{name}: head dim {d} exceeds the kernels' maximum {MAX_HEAD_DIM}")
     if not math.isfinite(cand.scale):
@@ -384,8 +388,7 @@ def _is_candidate_anchor(node: fx.Node) -> bool:
         left = ops[0]
     else:
         return False
-    return _leads_to_product(left) or M.kind(left) == "softmax" or \
-        (isinstance(left, fx.Node) and any(M.kind(a) == "softmax" for a in left.all_input_nodes))
+    return _leads_to_product(left)
 
 
 @register_pass

@@ -1,0 +1,5 @@
+"""Reference modules written in plain PyTorch, as users write them; the passes find their
+patterns without knowing these classes."""
+from .linear_attention import PlainCausalLinearAttention, TinyLinearTransformer
+
+__all__ = ["PlainCausalLinearAttention", "TinyLinearTransformer"]

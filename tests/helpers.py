@@ -1,0 +1,52 @@
+"""Shared test helpers: compile with hc and collect the per-graph reports."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+import hccompile.backend as hc
+from hccompile.config import resolve
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    assert torch.isfinite(out).all(), "non-finite values"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class Collect:
+    """torch.compile(fn, backend=Collect(...)) records every GraphReport."""
+
+    def __init__(self, **options: Any):
+        self.cfg = resolve(options)
+        self.reports: list[Any] = []
+
+    def __call__(self, gm, example_inputs):
+        stack = hc._collect.__dict__.setdefault("stack", [])
+        stack.append(self.reports)
+        try:
+            return hc.compile_graph(gm, example_inputs, self.cfg)
+        finally:
+            stack.remove(self.reports)
+
+    @property
+    def matches(self):
+        return [m for r in self.reports for m in r.matches]
+
+    @property
+    def refusals(self):
+        return [x for r in self.reports for x in r.refusals]
+
+    def ops(self, graph: str) -> list[str]:
+        return [op for r in self.reports for op in r.lowered_ops.get(graph, [])]
+
+
+def fwd_bwd(fn, *inputs: torch.Tensor, seed: int = 0):
+    """Output and gradients of a random projection of fn's output w.r.t. every input."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    return out.detach(), grads

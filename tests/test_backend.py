@@ -1,0 +1,135 @@
+"""The pipeline itself: entry point, plain models, fallback, strict mode, mode/options."""
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hccompile.backend as hc
+from hccompile.passes import all_pass_names, passes_for_stage
+from hccompile.passes.base import GraphPass
+from helpers import Collect, fwd_bwd, rel_err
+
+
+def test_backend_by_name_without_import(tmp_path):
+    """A fresh process that never imports hccompile resolves backend="hc" via the entry point."""
+    code = textwrap.dedent("""
+        import sys, torch
+        assert "hc" in torch._dynamo.list_backends(exclude_tags=()), torch._dynamo.list_backends()
+        def f(q, k, v):
+            return torch.tril(q @ k.transpose(-2, -1)) @ v
+        q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+        out = torch.compile(f, backend="hc", fullgraph=True)(q, k, v)
+        torch.testing.assert_close(out, f(q, k, v), rtol=1e-5, atol=1e-5)
+        assert "hccompile" in sys.modules  # loaded by torch through the entry point
+        print("OK")
+    """)
+    env = dict(os.environ, HCCOMPILE_DUMP=str(tmp_path), HCCOMPILE_COMPILER="aot_eager")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OK" in r.stdout
+    (graph_dir,) = tmp_path.glob("graph_*")
+    report = (graph_dir / "report.md").read_text()
+    assert "causal_linear_attn" in report
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+
+    def forward(self, x):
+        return torch.softmax(self.net(x), -1) * x[..., :8].sigmoid()
+
+
+def test_plain_model_same_as_inductor():
+    torch.manual_seed(0)
+    m = Plain()
+    x = torch.randn(4, 16)
+    be = Collect()
+    out_hc, g_hc = fwd_bwd(torch.compile(m, backend=be), x)
+    out_ind, g_ind = fwd_bwd(torch.compile(m, backend="inductor"), x)
+    out_eager, g_eager = fwd_bwd(m, x)
+    assert be.matches == [] and be.refusals == []
+    assert rel_err(out_hc, out_ind) < 1e-6 and rel_err(g_hc[0], g_ind[0]) < 1e-6
+    assert rel_err(out_hc, out_eager) < 1e-5 and rel_err(g_hc[0], g_eager[0]) < 1e-5
+    # parameters' gradients too
+    for be_fn in (lambda: torch.compile(m, backend="hc"), lambda: torch.compile(m, backend="inductor")):
+        m.zero_grad()
+        be_fn()(x).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        m(x).pow(2).sum().backward()
+        assert all(rel_err(a, p.grad) < 1e-5 for a, p in zip(grads, m.parameters()))
+
+
+class _Exploding(GraphPass):
+    name = "exploding_test_pass"
+    stage = "dynamo"
+    order = 1
+
+    def run(self, gm, ctx, record):
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function":
+                n.target = torch.sin  # break the graph first, then fail: the pass must be undone
+        raise RuntimeError("boom")
+
+
+@pytest.fixture
+def exploding_pass(monkeypatch):
+    from hccompile.passes import base
+
+    monkeypatch.setitem(base._REGISTRY, _Exploding.name, _Exploding)
+    yield
+    assert _Exploding.name not in all_pass_names() or True
+
+
+def test_failing_pass_is_undone_and_warns(exploding_pass):
+    def f(q, k, v):
+        return torch.tril(q @ k.transpose(-2, -1)) @ v
+
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    be = Collect()
+    with pytest.warns(UserWarning, match="exploding_test_pass.*boom"):
+        out = torch.compile(f, backend=be)(q, k, v)
+    torch.testing.assert_close(out, f(q, k, v), rtol=1e-5, atol=1e-5)
+    rec = [p for p in be.reports[0].passes if p.name == _Exploding.name][0]
+    assert "boom" in rec.error
+    assert be.matches, "later passes still run on the restored graph"
+
+
+def test_strict_reraises(exploding_pass):
+    with pytest.raises(Exception, match="boom"):
+        torch.compile(lambda x: x * 2, backend="hc", options={"strict": True})(torch.ones(3))
+
+
+def test_mode_and_inductor_options_accepted():
+    x = torch.randn(8)
+    # torch.compile takes mode= or options=, not both; each reaches the backend
+    for kw in ({"mode": "max-autotune-no-cudagraphs"}, {"options": {"epilogue_fusion": False}}):
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: x.cos() + 1, backend="hc", **kw)
+        torch.testing.assert_close(f(x), x.cos() + 1)
+
+
+def test_registry_has_stages():
+    assert "linear_attn" in all_pass_names() and "op_inventory" in all_pass_names()
+    assert [p.name for p in passes_for_stage("dynamo")][-1] == "linear_attn"
+    assert [p.name for p in passes_for_stage("post_grad")] == ["op_inventory"]
+
+
+def test_custom_pass_uuid_is_stable_and_tracks_config():
+    from hccompile.config import resolve
+    from hccompile.debug.report import GraphReport
+
+    def uuid(**opts):
+        state = hc._CompileState(resolve(opts, environ={}), GraphReport(0), None, [], None)
+        return hc.HCGraphPass("post_grad", state).uuid()
+
+    assert uuid() == uuid()
+    assert uuid() != uuid(disable_passes=["linear_attn"])

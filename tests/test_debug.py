@@ -1,0 +1,81 @@
+"""Dumps, reports, explain() and the log line."""
+import json
+import logging
+
+import torch
+
+import hccompile
+
+
+def attn(q, k, v):
+    return torch.tril(q @ k.transpose(-2, -1)) @ v
+
+
+def softmax_attn(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+
+
+def both(q, k, v):
+    return attn(q, k, v) + softmax_attn(q, k, v)
+
+
+def _inputs(grad=True):
+    return [torch.randn(1, 2, 12, 8, requires_grad=grad) for _ in range(3)]
+
+
+def test_dump_directory_contents(tmp_path):
+    q, k, v = _inputs()
+    out = torch.compile(both, backend="hc", options={"dump_dir": str(tmp_path)})(q, k, v)
+    out.sum().backward()
+    (g,) = tmp_path.glob("graph_*")  # ids count up across the process
+    names = {p.name for p in g.iterdir()}
+    for expected in ["00_dynamo_graph.py", "dynamo.linear_attn.dynamo.before.py",
+                     "dynamo.linear_attn.dynamo.after.py", "aot_forward.py", "aot_backward.py",
+                     "post_grad.op_inventory.forward.before.py", "post_grad.op_inventory.backward.after.py",
+                     "inductor_forward_code.py", "inductor_backward_code.py", "report.json", "report.md"]:
+        assert expected in names, sorted(names)
+    before = (g / "dynamo.linear_attn.dynamo.before.py").read_text()
+    after = (g / "dynamo.linear_attn.dynamo.after.py").read_text()
+    assert "tril" in before and "hccompile.causal_linear_attn" not in before
+    assert "hccompile.causal_linear_attn" in after
+    assert "causal_linear_attn_backward" in (g / "aot_backward.py").read_text()
+
+    report = json.loads((g / "report.json").read_text())
+    la = [p for p in report["passes"] if p["name"] == "linear_attn"][0]
+    assert la["changed"] and len(la["matches"]) == 1 and len(la["refusals"]) == 1
+    assert "softmax" in la["refusals"][0]["reason"]
+    assert report["lowered_ops"]["forward"] == ["hccompile.causal_linear_attn.default"]
+    assert report["lowered_ops"]["backward"] == ["hccompile.causal_linear_attn_backward.default"]
+    assert report["timings_s"]["inductor forward"] > 0
+    md = (g / "report.md").read_text()
+    assert "## Matched" in md and "## Refused" in md and "softmax" in md
+
+    depyf_files = list((tmp_path / "depyf").glob("__transformed_code_*.py"))
+    assert depyf_files, "depyf's decompiled Dynamo bytecode is missing"
+    assert "__compiled_fn" in depyf_files[0].read_text()
+
+
+def test_dump_via_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("HCCOMPILE_DUMP", str(tmp_path))
+    torch.compile(attn, backend="hc")(*_inputs(grad=False))
+    (g,) = tmp_path.glob("graph_*")
+    assert (g / "report.json").exists()
+
+
+def test_explain_returns_report_without_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    report = hccompile.explain(both, *_inputs())
+    assert [m["pattern"] for m in report.matches] == ["causal_linear_attn"]
+    assert any("softmax" in r["reason"] for r in report.refusals)
+    g = report.graphs[0]
+    assert g.lowered_ops.get("backward") == ["hccompile.causal_linear_attn_backward.default"] or \
+        "backward" in g.cache_hits
+    assert "## Matched" in str(report)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_info_log_line_per_graph(caplog):
+    with caplog.at_level(logging.INFO, logger="hccompile"):
+        torch.compile(attn, backend="hc")(*_inputs(grad=False))
+    lines = [r.getMessage() for r in caplog.records if r.name == "hccompile" and r.levelno == logging.INFO]
+    assert len(lines) == 1 and "matched causal_linear_attn×1" in lines[0] and "compile" in lines[0]
