@@ -1,0 +1,27 @@
+"""The examples in README.md, docs/options.md and examples/ run as written."""
+import pathlib
+import re
+import runpy
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _blocks(path):
+    return re.findall(r"```python\n(.*?)```", (ROOT / path).read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/options.md"])
+def test_markdown_python_blocks_run(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks(path)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, f"{path}:block", "exec"), {"__name__": "__doc_example__"})
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_example_scripts_run(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
