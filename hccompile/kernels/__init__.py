@@ -1,0 +1,1 @@
+"""Hand-written kernels used by the hccompile backend."""
