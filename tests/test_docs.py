@@ -17,8 +17,11 @@ def test_markdown_python_blocks_run(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blocks = _blocks(path)
     assert blocks
-    for code in blocks:
-        exec(compile(code, f"{path}:block", "exec"), {"__name__": "__doc_example__"})
+    for i, code in enumerate(blocks):
+        # run as a script (not exec in a dict): Dynamo imports the defining module of functions
+        script = tmp_path / f"block_{i}.py"
+        script.write_text(code)
+        runpy.run_path(str(script), run_name="__main__")
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))

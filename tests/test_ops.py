@@ -84,7 +84,8 @@ def test_direct_op_under_fullgraph_dynamic_compile():
     (lambda q, k, v: (q, k, v[:, :5]), "v: leading dims"),
     (lambda q, k, v: (q, k.half(), v), "k: dtype torch.float16 differs"),
     (lambda q, k, v: (q.int(), k.int(), v.int()), "q: dtype torch.int32 is not supported"),
-    (lambda q, k, v: (torch.randn(1, 3, 1, 300), torch.randn(1, 3, 1, 300), v[:, :3, :1]),
+    (lambda q, k, v: (torch.randn(1, 3, 1, 300, device=DEVICE), torch.randn(1, 3, 1, 300, device=DEVICE),
+                      v[:, :3, :1]),
      "head dim 300 exceeds the supported maximum 256"),
 ])
 def test_bad_input_names_argument(bad, match):

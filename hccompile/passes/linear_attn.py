@@ -299,10 +299,12 @@ def build(cand: Candidate, emit, q: Any, k: Any, v: Any) -> Any:
 
 def _eager_emit(what: str, x: Any, *args: Any) -> Any:
     if what == "op":
-        from ..kernels.lightning import causal_linear_attn_ref
+        # the op itself, in fp32: O(T) memory, unlike a quadratic reference at long T
+        from ..lowering.linear_attn import causal_linear_attn_op
 
         k, v, scale = args
-        return causal_linear_attn_ref(x.double(), k.double(), v.double(), scale)
+        return causal_linear_attn_op(x.float().contiguous(), k.float().contiguous(),
+                                     v.float().contiguous(), scale)
     if what == "permute":
         return x.permute(*args[0])
     return getattr(x, what)(*args)
