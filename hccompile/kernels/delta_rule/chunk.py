@@ -1,0 +1,1355 @@
+"""Chunked Triton kernels for the (gated) delta rule, forward and backward.
+
+The forward pass is five small kernels, each one idea (see reference.chunk_delta_rule_ref
+for the math they implement):
+
+  1. gate_cumsum     chunk-local cumulative log-gate G (and KDA's gate activation)
+  2. decayed_scores  Kdot[t,s] = sum_c k_t k_s e^(G_t-G_s) and P[t,s] = sum_c q_t k_s e^(G_t-G_s)
+  3. wy_solve        A = (I + diag(beta) Kdot)^-1, W = A diag(beta)(K*e^G), U~ = A diag(beta) V
+  4. state_forward   sequential over chunks: chunk-start states h, corrected values U = U~ - W h
+  5. output          O = scale ((Q*e^G) h + P U)
+
+The backward pass recomputes them, then runs state_backward (sequential, reverse),
+wy_backward, decayed_scores_backward and gate_cumsum in reverse; a small kernel does the
+optional l2norm of q and k both ways. Every intermediate is fp32, including the per-chunk
+states h [chunks, HV, K, V].
+
+Gates are natural-log decays, assumed <= 0 as FLA does. Every decay factor in the kernels
+is e^x with x <= 0: pairwise decays come from differences G_t - G_s (s <= t), never from
+e^G_t / e^G_s, so a strongly decaying chunk underflows to 0 instead of overflowing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .reference import DeltaRuleProblem, check_delta_rule_inputs, kda_gate
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # the PyTorch references still work without Triton
+    triton = None
+    tl = None
+    _TRITON_IMPORT_ERROR: ImportError | None = error
+else:
+    _TRITON_IMPORT_ERROR = None
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "chunk_delta_rule_bwd",
+    "chunk_delta_rule_fwd",
+    "triton_available",
+]
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CHUNK_SIZES = (16, 32, 64)
+DEFAULT_CHUNK_SIZE = 64
+# Per-channel decays cannot be factored over a whole chunk without overflow, so the
+# chunk is cut into sub-chunks of this size; blocks off the diagonal are factored
+# through the first row of their row sub-chunk, diagonal blocks are summed exactly.
+# The triangular solve inverts blocks of the same size first.
+SUB_CHUNK = 16
+MIN_DOT_DIM = 16
+# Key/value tiles of the chunk-parallel kernels; the sequential state kernels hold
+# the whole key dim and at most STATE_TILE_ELEMENTS of the state per program.
+MAX_TILE = 64
+STATE_TILE_ELEMENTS = 64 * 64
+GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
+# Gate activations of gate_cumsum: none, KDA's softplus form, KDA's lower-bound form.
+ACTIVATION_NONE, ACTIVATION_SOFTPLUS, ACTIVATION_SIGMOID = 0, 1, 2
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """Whether the kernels here can run on `device`.
+
+    CPU tensors need Triton's interpreter; TRITON_INTERPRET=1 must be set before
+    Python starts, because Triton decides at kernel definition time.
+    """
+    if _TRITON_IMPORT_ERROR is not None:
+        return False
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return True
+    if device_type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return False
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN: tl.constexpr):
+        """(batch, bos, eos) of sequence `seq`: a row of the batch, or a cu_seqlens span of batch 0."""
+        if IS_VARLEN:
+            batch = seq * 0
+            bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+            eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+        else:
+            batch = seq
+            bos = (seq * 0).to(tl.int64)
+            eos = bos + T
+        return batch.to(tl.int64), bos, eos
+
+    @triton.jit
+    def _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+        """(batch, first token, valid rows) of global chunk `pid_chunk`."""
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+        else:
+            seq = pid_chunk // NT
+            chunk = pid_chunk % NT
+        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+        start = bos + chunk.to(tl.int64) * BT
+        length = tl.minimum(eos - start, BT)
+        return batch, start, length
+
+    @triton.jit
+    def _load_rows(ptr, rows, cols, stride_row, stride_col, row_mask, n_cols):
+        """ptr[rows, cols] as fp32, zero outside row_mask and [0, n_cols)."""
+        ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :] * stride_col
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_rows(ptr, value, rows, cols, stride_row, stride_col, row_mask, n_cols):
+        ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :] * stride_col
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _load_vector(ptr, row, cols, stride_row, stride_col, valid, n_cols):
+        """ptr[row, cols] as an fp32 vector, zero unless `valid`."""
+        ptrs = ptr + row.to(tl.int64) * stride_row + cols * stride_col
+        return tl.load(ptrs, mask=valid & (cols < n_cols), other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _gate_offset(batch, head, T, HV, K, GATE: tl.constexpr):
+        """Offset of (batch, token 0, head) in the fp32 gate buffers [B, T, HV, K] or [B, T, HV, 1]."""
+        width = 1
+        if GATE == 2:
+            width = K
+        return (batch * T * HV + head) * width
+
+    @triton.jit
+    def _column(matrix, index, axis_ids):
+        """matrix[:, index] as a vector (Triton tiles cannot be indexed by a runtime value)."""
+        return tl.sum(tl.where(axis_ids[None, :] == index, matrix, 0.0), axis=1)
+
+    @triton.jit
+    def _row(matrix, index, axis_ids):
+        return tl.sum(tl.where(axis_ids[:, None] == index, matrix, 0.0), axis=0)
+
+    # ------------------------------------------------------------------------------------
+    # 1. gate_cumsum
+
+    @triton.jit
+    def _gate_cumsum_kernel(
+        g_ptr, out_ptr, A_log_ptr, dt_bias_ptr,
+        stride_gb, stride_gt, stride_gh, stride_gk,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GK, lower_bound,
+        ACTIVATION: tl.constexpr,
+        REVERSE: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+    ):
+        """out = chunk-local (reverse) cumulative sum over time of act(g); out is fp32 [B, T, HV, GK].
+
+        GK is K for per-channel gates and 1 for scalar ones. The reverse sum is the
+        backward of the forward one: dg_t = sum over t' >= t in the chunk of dG_t'.
+        """
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        pid_k = tl.program_id(2)
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        local = tl.arange(0, BT)
+        cols = pid_k * BK + tl.arange(0, BK)
+        valid = local < length
+        g = _load_rows(g_ptr + batch * stride_gb + head * stride_gh, start + local, cols,
+                       stride_gt, stride_gk, valid, GK)
+        if ACTIVATION != 0:
+            rate = tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
+            bias = tl.load(dt_bias_ptr + head * GK + cols, mask=cols < GK, other=0.0).to(tl.float32)
+            x = g + bias[None, :]
+            if ACTIVATION == 1:
+                # Linear above 20, as torch's softplus; the clamp keeps exp finite there.
+                softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+                g = -rate * softplus
+            else:
+                g = lower_bound * tl.sigmoid(rate * x)
+            g = tl.where(valid[:, None], g, 0.0)
+        total = tl.cumsum(g, axis=0)
+        if REVERSE:
+            total = tl.sum(g, axis=0)[None, :] - total + g
+        out_row = HV * GK
+        _store_rows(out_ptr + (batch * T) * out_row + head * GK, total, start + local, cols,
+                    out_row, 1, valid, GK)
+
+    # ------------------------------------------------------------------------------------
+    # 2. decayed_scores
+
+    @triton.jit
+    def _decayed_scores_kernel(
+        q_ptr, k_ptr, cum_ptr, kdot_ptr, scores_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+        BK: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One [BC, BC] block (row sub-chunk i, column sub-chunk j) of Kdot (s < t) and P (s <= t).
+
+        Outputs are fp32 [B, T, HV, BT]: row t of a chunk holds its scores against the chunk's columns.
+        """
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        pid_block = tl.program_id(2)
+        NS: tl.constexpr = BT // BC
+        block_i = pid_block // NS
+        block_j = pid_block % NS
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+
+        sub = tl.arange(0, BC)
+        rows = block_i * BC + sub
+        cols = block_j * BC + sub
+        row_valid = rows < length
+        col_valid = cols < length
+        kdot = tl.zeros([BC, BC], dtype=tl.float32)
+        scores = tl.zeros([BC, BC], dtype=tl.float32)
+        if (block_j <= block_i) & (block_i * BC < length):
+            for k0 in range(0, K, BK):
+                kc = k0 + tl.arange(0, BK)
+                q_i = _load_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
+                k_i = _load_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
+                if GATE == 2:
+                    g_i = _load_rows(cum_ptr, start + rows, kc, HV * K, 1, row_valid, K)
+                    if block_i > block_j:
+                        # Factored through the first row r of sub-chunk i: both factors <= 1.
+                        k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
+                        g_j = _load_rows(cum_ptr, start + cols, kc, HV * K, 1, col_valid, K)
+                        g_r = _load_vector(cum_ptr, start + block_i * BC, kc, HV * K, 1, block_i * BC < length, K)
+                        row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_r[None, :], 0.0))
+                        col_decay = tl.exp(tl.where(col_valid[:, None], g_r[None, :] - g_j, 0.0))
+                        k_j_decayed = tl.trans(k_j * col_decay)
+                        kdot += tl.dot(k_i * row_decay, k_j_decayed, input_precision=DOT_PRECISION)
+                        scores += tl.dot(q_i * row_decay, k_j_decayed, input_precision=DOT_PRECISION)
+                    else:
+                        for c in range(BC):
+                            s = block_j * BC + c
+                            s_valid = s < length
+                            k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
+                            g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
+                            visible = (rows >= s) & row_valid
+                            decay = tl.exp(tl.where(visible[:, None], g_i - g_s[None, :], float("-inf")))
+                            weighted = k_s[None, :] * decay
+                            kdot += tl.where(sub[None, :] == c, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
+                            scores += tl.where(sub[None, :] == c, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
+                else:
+                    k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
+                    kdot += tl.dot(k_i, tl.trans(k_j), input_precision=DOT_PRECISION)
+                    scores += tl.dot(q_i, tl.trans(k_j), input_precision=DOT_PRECISION)
+            if GATE == 1:
+                g_i = tl.load(cum_ptr + (start + rows) * HV, mask=row_valid, other=0.0)
+                g_j = tl.load(cum_ptr + (start + cols) * HV, mask=col_valid, other=0.0)
+                visible = (rows[:, None] >= cols[None, :]) & row_valid[:, None] & col_valid[None, :]
+                decay = tl.exp(tl.where(visible, g_i[:, None] - g_j[None, :], float("-inf")))
+                kdot *= decay
+                scores *= decay
+        kdot = tl.where(rows[:, None] > cols[None, :], kdot, 0.0)
+        scores = tl.where(rows[:, None] >= cols[None, :], scores, 0.0)
+        out_offset = (batch * T) * HV * BT + head * BT
+        _store_rows(kdot_ptr + out_offset, kdot, start + rows, cols, HV * BT, 1, row_valid, BT)
+        _store_rows(scores_ptr + out_offset, scores, start + rows, cols, HV * BT, 1, row_valid, BT)
+
+    # ------------------------------------------------------------------------------------
+    # 3. wy_solve
+
+    @triton.jit
+    def _unit_lower_inverse(lower, local, BT: tl.constexpr, BC: tl.constexpr):
+        """(I + lower)^-1 for a strictly lower-triangular [BT, BT] tile.
+
+        The BC x BC diagonal blocks are inverted together by forward substitution (row i
+        of every block per step: row i of (I + L)^-1 is e_i - sum_{j<i} L_ij row_j, and the
+        rows j < i are final by then). With D^-1 that block-diagonal inverse and N = D^-1 L_off
+        (L_off: the blocks below the diagonal, so N^(BT/BC) = 0), the inverse is the finite
+        series sum_m (-N)^m D^-1, summed Horner-style with BT/BC - 1 matrix products.
+        Exact fp32 products even for half inputs: every later product goes through this inverse.
+        """
+        same_block = (local[:, None] // BC) == (local[None, :] // BC)
+        diagonal_part = tl.where(same_block, lower, 0.0)
+        inverse = tl.where(local[:, None] == local[None, :], 1.0, 0.0)
+        position = local % BC
+        for i in range(1, BC):
+            rows_now = position == i
+            l_rows = tl.where(rows_now[:, None], diagonal_part, 0.0)
+            new_rows = -tl.dot(l_rows, inverse, input_precision="ieee")
+            inverse = tl.where(rows_now[:, None], new_rows + tl.where(local[:, None] == local[None, :], 1.0, 0.0),
+                               inverse)
+        if BT > BC:
+            block_inverse = inverse
+            coupling = tl.dot(block_inverse, tl.where(same_block, 0.0, lower), input_precision="ieee")
+            for _ in range(1, BT // BC):
+                inverse = block_inverse - tl.dot(coupling, inverse, input_precision="ieee")
+        return inverse
+
+    @triton.jit
+    def _wy_solve_kernel(
+        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_vb, stride_vt, stride_vh, stride_vv,
+        stride_bb, stride_bt, stride_bh,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """A = (I + diag(beta) Kdot)^-1 by forward substitution; W = A diag(beta)(K e^G); U~ = A diag(beta) V."""
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        v_ptr += batch * stride_vb + head * stride_vh
+        beta_ptr += batch * stride_bb + head * stride_bh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        beta = tl.load(beta_ptr + tokens * stride_bt, mask=valid, other=0.0).to(tl.float32)
+        square_offset = (batch * T) * HV * BT + head * BT
+        kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        lower = tl.where(local[:, None] > local[None, :], beta[:, None] * kdot, 0.0)
+        inverse = _unit_lower_inverse(lower, local, BT, BC)
+        _store_rows(a_ptr + square_offset, inverse, tokens, local, HV * BT, 1, valid, BT)
+
+        if GATE == 1:
+            gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K) * beta[:, None]
+            if GATE == 2:
+                k_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+            elif GATE == 1:
+                k_tile *= gamma[:, None]
+            w = tl.dot(inverse, k_tile, input_precision=DOT_PRECISION)
+            _store_rows(w_ptr + (batch * T) * HV * K + head * K, w, tokens, kc, HV * K, 1, valid, K)
+        for v0 in range(0, V, BV):
+            vc = v0 + tl.arange(0, BV)
+            v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V) * beta[:, None]
+            u = tl.dot(inverse, v_tile, input_precision=DOT_PRECISION)
+            _store_rows(u_ptr + (batch * T) * HV * V + head * V, u, tokens, vc, HV * V, 1, valid, V)
+
+    # ------------------------------------------------------------------------------------
+    # 4. state_forward
+
+    @triton.jit
+    def _chunk_end_decays(cum_ptr, tokens, valid, last_token, kc, HV, K, GATE: tl.constexpr):
+        """(e^(G_last - G_t) per row [BT, BK] or [BT, 1], e^G_last [BK] or [1]) of one chunk."""
+        if GATE == 2:
+            g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+            g_last = _load_vector(cum_ptr, last_token, kc, HV * K, 1, last_token >= 0, K)
+            to_end = tl.exp(tl.where(valid[:, None], g_last[None, :] - g, 0.0))
+            whole = tl.exp(g_last)
+        else:
+            g = tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0)
+            g_last = tl.load(cum_ptr + last_token * HV)
+            to_end = tl.exp(tl.where(valid, g_last - g, 0.0))[:, None]
+            whole = tl.exp(g_last + tl.zeros([1], dtype=tl.float32))
+        return to_end, whole
+
+    @triton.jit
+    def _state_forward_kernel(
+        k_ptr, cum_ptr, w_ptr, u_tilde_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_h0n, stride_h0h, stride_h0k, stride_h0v,
+        stride_htn, stride_hth, stride_htk, stride_htv,
+        chunk_offsets_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BKF: tl.constexpr,
+        BV: tl.constexpr,
+        HAS_INITIAL_STATE: tl.constexpr,
+        STORE_FINAL_STATE: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Walks one sequence's chunks for one value head and value tile.
+
+        Stores every chunk's starting state h (fp32 [chunks, HV, K, V]) and its corrected
+        values U = U~ - W h; S_end = e^G_last S + (K e^(G_last - G))^T U.
+        """
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+        if IS_VARLEN:
+            first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+        else:
+            first_chunk = seq.to(tl.int64) * NT
+        key_head = head // GROUP
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        w_ptr += (batch * T) * HV * K + head * K
+        u_tilde_ptr += (batch * T) * HV * V + head * V
+        u_ptr += (batch * T) * HV * V + head * V
+
+        kc = tl.arange(0, BKF)
+        vc = pid_v * BV + tl.arange(0, BV)
+        local = tl.arange(0, BT)
+        if HAS_INITIAL_STATE:
+            state = _load_rows(h0_ptr + seq * stride_h0n + head * stride_h0h, kc, vc, stride_h0k, stride_h0v,
+                               kc < K, V)
+        else:
+            state = tl.zeros([BKF, BV], dtype=tl.float32)
+        for chunk in range(0, tl.cdiv(eos - bos, BT)):
+            start = bos + chunk * BT
+            length = tl.minimum(eos - start, BT)
+            tokens = start + local
+            valid = local < length
+            h_chunk_ptr = h_ptr + ((first_chunk + chunk) * HV + head) * K * V
+            _store_rows(h_chunk_ptr, state, kc, vc, V, 1, kc < K, V)
+            w = _load_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            u = _load_rows(u_tilde_ptr, tokens, vc, HV * V, 1, valid, V)
+            u -= tl.dot(w, state, input_precision=DOT_PRECISION)
+            _store_rows(u_ptr, u, tokens, vc, HV * V, 1, valid, V)
+            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            if GATE != 0:
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
+                k_tile *= to_end
+                state *= whole[:, None]
+            state += tl.dot(tl.trans(k_tile), u, input_precision=DOT_PRECISION)
+        if STORE_FINAL_STATE:
+            _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv,
+                        kc < K, V)
+
+    # ------------------------------------------------------------------------------------
+    # 5. output
+
+    @triton.jit
+    def _output_kernel(
+        q_ptr, cum_ptr, h_ptr, scores_ptr, u_ptr, o_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_ob, stride_ot, stride_oh, stride_ov,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V, scale,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile."""
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        h_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        vc = pid_v * BV + tl.arange(0, BV)
+        acc = tl.zeros([BT, BV], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            if GATE == 2:
+                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+            state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+            acc += tl.dot(q_tile, state, input_precision=DOT_PRECISION)
+        if GATE == 1:
+            acc *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+        scores = _load_rows(scores_ptr + (batch * T) * HV * BT + head * BT, tokens, local, HV * BT, 1, valid, BT)
+        scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+        u = _load_rows(u_ptr + (batch * T) * HV * V + head * V, tokens, vc, HV * V, 1, valid, V)
+        acc += tl.dot(scores, u, input_precision=DOT_PRECISION)
+        _store_rows(o_ptr + batch * stride_ob + head * stride_oh, acc * scale, tokens, vc, stride_ot, stride_ov,
+                    valid, V)
+
+    # ------------------------------------------------------------------------------------
+    # Backward 1. state_backward
+
+    @triton.jit
+    def _state_backward_kernel(
+        q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_dob, stride_dot, stride_doh, stride_dov,
+        stride_dhtn, stride_dhth, stride_dhtk, stride_dhtv,
+        stride_dh0n, stride_dh0h, stride_dh0k, stride_dh0v,
+        chunk_offsets_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V, scale,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BKF: tl.constexpr,
+        BV: tl.constexpr,
+        HAS_FINAL_STATE_GRAD: tl.constexpr,
+        STORE_INITIAL_STATE_GRAD: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Walks one sequence's chunks backwards for one value head and value tile.
+
+        With dS the gradient of a chunk's end state: stores dS per chunk (dh), the full
+        gradient of the corrected values dU = scale P^T dO + (K e^(G_last - G)) dS, and
+        passes dS_start = scale (Q e^G)^T dO + e^G_last dS - W^T dU to the chunk before.
+        """
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+        if IS_VARLEN:
+            first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+        else:
+            first_chunk = seq.to(tl.int64) * NT
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        do_ptr += batch * stride_dob + head * stride_doh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        w_ptr += (batch * T) * HV * K + head * K
+        scores_ptr += (batch * T) * HV * BT + head * BT
+        du_ptr += (batch * T) * HV * V + head * V
+
+        kc = tl.arange(0, BKF)
+        vc = pid_v * BV + tl.arange(0, BV)
+        local = tl.arange(0, BT)
+        if HAS_FINAL_STATE_GRAD:
+            dstate = _load_rows(dht_ptr + seq * stride_dhtn + head * stride_dhth, kc, vc, stride_dhtk, stride_dhtv,
+                                kc < K, V)
+        else:
+            dstate = tl.zeros([BKF, BV], dtype=tl.float32)
+        num_chunks = tl.cdiv(eos - bos, BT)
+        for step in range(0, num_chunks):
+            chunk = num_chunks - 1 - step
+            start = bos + chunk * BT
+            length = tl.minimum(eos - start, BT)
+            tokens = start + local
+            valid = local < length
+            _store_rows(dh_ptr + ((first_chunk + chunk) * HV + head) * K * V, dstate, kc, vc, V, 1, kc < K, V)
+            do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
+            scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+            du = scale * tl.dot(tl.trans(scores), do_tile, input_precision=DOT_PRECISION)
+            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            if GATE != 0:
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
+                k_tile *= to_end
+                if GATE == 2:
+                    q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+                else:
+                    q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+            du += tl.dot(k_tile, dstate, input_precision=DOT_PRECISION)
+            _store_rows(du_ptr, du, tokens, vc, HV * V, 1, valid, V)
+            w = _load_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            if GATE != 0:
+                dstate *= whole[:, None]
+            dstate += scale * tl.dot(tl.trans(q_tile), do_tile, input_precision=DOT_PRECISION)
+            dstate -= tl.dot(tl.trans(w), du, input_precision=DOT_PRECISION)
+        if STORE_INITIAL_STATE_GRAD:
+            _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
+                        kc < K, V)
+
+    # ------------------------------------------------------------------------------------
+    # Backward 2. wy_backward
+
+    @triton.jit
+    def _wy_backward_kernel(
+        q_ptr, k_ptr, v_ptr, beta_ptr, do_ptr, cum_ptr, inverse_ptr, kdot_ptr, u_ptr, du_ptr, h_ptr, dh_ptr,
+        dv_ptr, dbeta_ptr, dq_ptr, dk_ptr, dg_ptr, dkdot_ptr, dscores_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_vb, stride_vt, stride_vh, stride_vv,
+        stride_bb, stride_bt, stride_bh,
+        stride_dob, stride_dot, stride_doh, stride_dov,
+        stride_dvb, stride_dvt, stride_dvh, stride_dvv,
+        stride_dbb, stride_dbt, stride_dbh,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V, scale,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Per chunk and value head, everything but the pairwise-decay terms.
+
+        Through U = A diag(beta) V - W h and W = A diag(beta)(K e^G): dv, dbeta (complete);
+        through O's (Q e^G) h and S_end's terms: partial dq, dk and dG (the gradient of the
+        cumulative gate). Stores dKdot = beta * dL with dL = -A^T dA A^T (strictly lower) and
+        dP = scale dO U^T (lower) for decayed_scores_backward.
+        """
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        v_ptr += batch * stride_vb + head * stride_vh
+        do_ptr += batch * stride_dob + head * stride_doh
+        dv_ptr += batch * stride_dvb + head * stride_dvh
+        gate_offset = _gate_offset(batch, head, T, HV, K, GATE)
+        cum_ptr += gate_offset
+        dg_ptr += gate_offset
+        square_offset = (batch * T) * HV * BT + head * BT
+        value_offset = (batch * T) * HV * V + head * V
+        key_offset = (batch * T) * HV * K + head * K
+        h_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+        dh_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        last = start + length - 1
+        beta = tl.load(beta_ptr + batch * stride_bb + head * stride_bh + tokens * stride_bt, mask=valid,
+                       other=0.0).to(tl.float32)
+        inverse = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        inverse = tl.where(local[:, None] >= local[None, :], inverse, 0.0)
+        d_inverse = tl.zeros([BT, BT], dtype=tl.float32)
+        d_scores = tl.zeros([BT, BT], dtype=tl.float32)
+        dbeta = tl.zeros([BT], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vc = v0 + tl.arange(0, BV)
+            u = _load_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+            du = _load_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+            do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V)
+            d_scores += tl.dot(do_tile, tl.trans(u), input_precision=DOT_PRECISION)
+            d_inverse += tl.dot(du, tl.trans(v_tile * beta[:, None]), input_precision=DOT_PRECISION)
+            inverse_t_du = tl.dot(tl.trans(inverse), du, input_precision=DOT_PRECISION)
+            _store_rows(dv_ptr, inverse_t_du * beta[:, None], tokens, vc, stride_dvt, stride_dvv, valid, V)
+            dbeta += tl.sum(v_tile * inverse_t_du, axis=1)
+
+        dg_scalar = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            dw = tl.zeros([BT, BK], dtype=tl.float32)
+            dq_state = tl.zeros([BT, BK], dtype=tl.float32)
+            dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
+            dg_whole = tl.zeros([BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                dstate = _load_rows(dh_ptr, kc, vc, V, 1, kc < K, V)
+                u = _load_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                du = _load_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+                dw -= tl.dot(du, tl.trans(state), input_precision=DOT_PRECISION)
+                dq_state += tl.dot(do_tile, tl.trans(state), input_precision=DOT_PRECISION)
+                dk_to_end += tl.dot(u, tl.trans(dstate), input_precision=DOT_PRECISION)
+                dg_whole += tl.sum(state * dstate, axis=1)
+            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            if GATE == 2:
+                g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+                gamma = tl.exp(g)
+            elif GATE == 1:
+                gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+            else:
+                gamma = tl.full([BT, 1], 1.0, dtype=tl.float32)
+            d_inverse += tl.dot(dw, tl.trans(k_tile * gamma * beta[:, None]), input_precision=DOT_PRECISION)
+            inverse_t_dw = tl.dot(tl.trans(inverse), dw, input_precision=DOT_PRECISION)
+            dk = inverse_t_dw * gamma * beta[:, None]
+            dbeta += tl.sum(inverse_t_dw * gamma * k_tile, axis=1)
+            dq = scale * gamma * dq_state
+            if GATE != 0:
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
+                k_to_end_grad = k_tile * to_end * dk_to_end
+                dg = k_tile * dk + q_tile * dq - k_to_end_grad
+                dg_last = tl.sum(k_to_end_grad, axis=0) + whole * dg_whole
+                dg += tl.where(local[:, None] == length - 1, dg_last[None, :], 0.0)
+                if GATE == 2:
+                    _store_rows(dg_ptr, dg, tokens, kc, HV * K, 1, valid, K)
+                else:
+                    dg_scalar += tl.sum(dg, axis=1)
+            else:
+                to_end = tl.full([BT, 1], 1.0, dtype=tl.float32)
+            dk += to_end * dk_to_end
+            _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
+            _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
+        if GATE == 1:
+            tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
+
+        # A = (I + L)^-1  =>  dL = -A^T dA A^T, kept strictly lower.
+        d_lower = -tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=DOT_PRECISION), tl.trans(inverse),
+                          input_precision=DOT_PRECISION)
+        d_lower = tl.where((local[:, None] > local[None, :]) & valid[:, None], d_lower, 0.0)
+        kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        kdot = tl.where(local[:, None] > local[None, :], kdot, 0.0)
+        dbeta += tl.sum(d_lower * kdot, axis=1)
+        tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
+                 dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+        _store_rows(dkdot_ptr + square_offset, d_lower * beta[:, None], tokens, local, HV * BT, 1, valid, BT)
+        d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
+        _store_rows(dscores_ptr + square_offset, d_scores, tokens, local, HV * BT, 1, valid, BT)
+
+    # ------------------------------------------------------------------------------------
+    # Backward 3. decayed_scores_backward
+
+    @triton.jit
+    def _decayed_scores_backward_kernel(
+        q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+        BK: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Adds the gradients through Kdot and P to dq, dk, dG for the rows of sub-chunk b.
+
+        Kdot[t,s] and P[t,s] pair row t with column s through e^(G_t - G_s), so sub-chunk b
+        collects its row role (blocks (b, j <= b)) and its column role (blocks (i >= b, b)),
+        and dG_t = q_t dq_t + k_t dk_t(rows) - k_t dk_t(columns) per channel.
+        """
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        block_b = tl.program_id(2)
+        NS: tl.constexpr = BT // BC
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        gate_offset = _gate_offset(batch, head, T, HV, K, GATE)
+        cum_ptr += gate_offset
+        dg_ptr += gate_offset
+        square_ptr_offset = (batch * T) * HV * BT + head * BT
+        dkdot_ptr += square_ptr_offset
+        dscores_ptr += square_ptr_offset
+        key_offset = (batch * T) * HV * K + head * K
+
+        sub = tl.arange(0, BC)
+        rows_b = block_b * BC + sub
+        valid_b = rows_b < length
+        if block_b * BC < length:
+            if GATE == 1:
+                g_b_scalar = tl.load(cum_ptr + (start + rows_b) * HV, mask=valid_b, other=0.0)
+            dg_scalar = tl.zeros([BC], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                kc = k0 + tl.arange(0, BK)
+                q_b = _load_rows(q_ptr, start + rows_b, kc, stride_qt, stride_qk, valid_b, K)
+                k_b = _load_rows(k_ptr, start + rows_b, kc, stride_kt, stride_kk, valid_b, K)
+                if GATE == 2:
+                    g_b = _load_rows(cum_ptr, start + rows_b, kc, HV * K, 1, valid_b, K)
+                dq_pair = tl.zeros([BC, BK], dtype=tl.float32)
+                dk_rows = tl.zeros([BC, BK], dtype=tl.float32)
+                dk_cols = tl.zeros([BC, BK], dtype=tl.float32)
+                # Row role: blocks (b, j) with j <= b.
+                for block_j in range(0, block_b + 1):
+                    cols = block_j * BC + sub
+                    col_valid = cols < length
+                    k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
+                    dkdot = _load_rows(dkdot_ptr, start + rows_b, cols, HV * BT, 1, valid_b, BT)
+                    dscores = _load_rows(dscores_ptr, start + rows_b, cols, HV * BT, 1, valid_b, BT)
+                    if GATE == 2:
+                        if block_j < block_b:
+                            g_j = _load_rows(cum_ptr, start + cols, kc, HV * K, 1, col_valid, K)
+                            g_r = _load_vector(cum_ptr, start + block_b * BC, kc, HV * K, 1, block_b * BC < length, K)
+                            row_decay = tl.exp(tl.where(valid_b[:, None], g_b - g_r[None, :], 0.0))
+                            k_j_decayed = k_j * tl.exp(tl.where(col_valid[:, None], g_r[None, :] - g_j, 0.0))
+                            dq_pair += row_decay * tl.dot(dscores, k_j_decayed, input_precision=DOT_PRECISION)
+                            dk_rows += row_decay * tl.dot(dkdot, k_j_decayed, input_precision=DOT_PRECISION)
+                        else:
+                            for c in range(BC):
+                                s = block_j * BC + c
+                                s_valid = s < length
+                                k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
+                                g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
+                                visible = (rows_b >= s) & valid_b
+                                decay = tl.exp(tl.where(visible[:, None], g_b - g_s[None, :], float("-inf")))
+                                weighted = k_s[None, :] * decay
+                                dq_pair += _column(dscores, c, sub)[:, None] * weighted
+                                dk_rows += _column(dkdot, c, sub)[:, None] * weighted
+                    else:
+                        if GATE == 1:
+                            g_j = tl.load(cum_ptr + (start + cols) * HV, mask=col_valid, other=0.0)
+                            visible = (rows_b[:, None] >= cols[None, :]) & valid_b[:, None] & col_valid[None, :]
+                            decay = tl.exp(tl.where(visible, g_b_scalar[:, None] - g_j[None, :], float("-inf")))
+                            dscores *= decay
+                            dkdot *= decay
+                        dq_pair += tl.dot(dscores, k_j, input_precision=DOT_PRECISION)
+                        dk_rows += tl.dot(dkdot, k_j, input_precision=DOT_PRECISION)
+                # Column role: blocks (i, b) with i >= b.
+                for block_i in range(block_b, NS):
+                    rows_i = block_i * BC + sub
+                    valid_i = rows_i < length
+                    if block_i * BC < length:
+                        q_i = _load_rows(q_ptr, start + rows_i, kc, stride_qt, stride_qk, valid_i, K)
+                        k_i = _load_rows(k_ptr, start + rows_i, kc, stride_kt, stride_kk, valid_i, K)
+                        dkdot = _load_rows(dkdot_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
+                        dscores = _load_rows(dscores_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
+                        if GATE == 2:
+                            if block_i > block_b:
+                                g_i = _load_rows(cum_ptr, start + rows_i, kc, HV * K, 1, valid_i, K)
+                                g_r = _load_vector(cum_ptr, start + block_i * BC, kc, HV * K, 1,
+                                                   block_i * BC < length, K)
+                                row_decay = tl.exp(tl.where(valid_i[:, None], g_i - g_r[None, :], 0.0))
+                                col_decay = tl.exp(tl.where(valid_b[:, None], g_r[None, :] - g_b, 0.0))
+                                pulled = tl.dot(tl.trans(dkdot), k_i * row_decay, input_precision=DOT_PRECISION)
+                                pulled += tl.dot(tl.trans(dscores), q_i * row_decay, input_precision=DOT_PRECISION)
+                                dk_cols += col_decay * pulled
+                            else:
+                                for r in range(BC):
+                                    t = block_b * BC + r
+                                    t_valid = t < length
+                                    k_t = _load_vector(k_ptr, start + t, kc, stride_kt, stride_kk, t_valid, K)
+                                    q_t = _load_vector(q_ptr, start + t, kc, stride_qt, stride_qk, t_valid, K)
+                                    g_t = _load_vector(cum_ptr, start + t, kc, HV * K, 1, t_valid, K)
+                                    visible = (rows_b <= t) & t_valid
+                                    decay = tl.exp(tl.where(visible[:, None], g_t[None, :] - g_b, float("-inf")))
+                                    pulled = _row(dkdot, r, sub)[:, None] * k_t[None, :]
+                                    pulled += _row(dscores, r, sub)[:, None] * q_t[None, :]
+                                    dk_cols += pulled * decay
+                        else:
+                            if GATE == 1:
+                                g_i = tl.load(cum_ptr + (start + rows_i) * HV, mask=valid_i, other=0.0)
+                                visible = (rows_i[:, None] >= rows_b[None, :]) & valid_i[:, None] & valid_b[None, :]
+                                decay = tl.exp(tl.where(visible, g_i[:, None] - g_b_scalar[None, :], float("-inf")))
+                                dscores *= decay
+                                dkdot *= decay
+                            dk_cols += tl.dot(tl.trans(dkdot), k_i, input_precision=DOT_PRECISION)
+                            dk_cols += tl.dot(tl.trans(dscores), q_i, input_precision=DOT_PRECISION)
+                dq = _load_rows(dq_ptr + key_offset, start + rows_b, kc, HV * K, 1, valid_b, K) + dq_pair
+                dk = _load_rows(dk_ptr + key_offset, start + rows_b, kc, HV * K, 1, valid_b, K) + dk_rows + dk_cols
+                _store_rows(dq_ptr + key_offset, dq, start + rows_b, kc, HV * K, 1, valid_b, K)
+                _store_rows(dk_ptr + key_offset, dk, start + rows_b, kc, HV * K, 1, valid_b, K)
+                if GATE != 0:
+                    dg_pair = q_b * dq_pair + k_b * (dk_rows - dk_cols)
+                    if GATE == 2:
+                        dg = _load_rows(dg_ptr, start + rows_b, kc, HV * K, 1, valid_b, K) + dg_pair
+                        _store_rows(dg_ptr, dg, start + rows_b, kc, HV * K, 1, valid_b, K)
+                    else:
+                        dg_scalar += tl.sum(dg_pair, axis=1)
+            if GATE == 1:
+                dg_ptrs = dg_ptr + (start + rows_b) * HV
+                tl.store(dg_ptrs, tl.load(dg_ptrs, mask=valid_b, other=0.0) + dg_scalar, mask=valid_b)
+
+    # ------------------------------------------------------------------------------------
+    # In-kernel l2norm of q and k
+
+    @triton.jit
+    def _l2norm_kernel(
+        x_ptr, y_ptr, dy_ptr, dx_ptr,
+        stride_xb, stride_xt, stride_xh, stride_xk,
+        stride_db, stride_dt, stride_dh, stride_dk,
+        T, H, K, n_rows,
+        BACKWARD: tl.constexpr,
+        BR: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        """Forward: y = x / sqrt(sum x^2 + 1e-6), fp32 contiguous [B, T, H, K].
+
+        Backward: dx = (dy - y (y . dy)) / sqrt(sum x^2 + 1e-6), in dx's dtype and layout
+        (dy is fp32 contiguous, dx strided like x).
+        """
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        valid = rows < n_rows
+        batch = (rows // (T * H)).to(tl.int64)
+        token = ((rows // H) % T).to(tl.int64)
+        head = (rows % H).to(tl.int64)
+        cols = tl.arange(0, BK)
+        mask = valid[:, None] & (cols[None, :] < K)
+        x_offsets = (batch * stride_xb + token * stride_xt + head * stride_xh)[:, None] + cols[None, :] * stride_xk
+        x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+        y = x * rstd[:, None]
+        flat = rows[:, None].to(tl.int64) * K + cols[None, :]
+        if BACKWARD:
+            dy = tl.load(dy_ptr + flat, mask=mask, other=0.0)
+            dx = (dy - y * tl.sum(y * dy, axis=1)[:, None]) * rstd[:, None]
+            d_offsets = (batch * stride_db + token * stride_dt + head * stride_dh)[:, None] + cols[None, :] * stride_dk
+            tl.store(dx_ptr + d_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(y_ptr + flat, y, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+
+
+def _kernels_interpreted() -> bool:
+    # Triton picks the interpreter when a kernel is defined, not when it is launched.
+    return not isinstance(_output_kernel, triton.runtime.JITFunction)
+
+
+def _require_triton(device: torch.device) -> None:
+    if triton_available(device):
+        if device.type == "cpu" and not _kernels_interpreted():
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after hccompile.kernels.delta_rule.chunk was imported; "
+                "set it before Python starts to run the kernels on CPU tensors"
+            )
+        return
+    if _TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"Triton could not be imported: {_TRITON_IMPORT_ERROR}")
+    raise RuntimeError(
+        f"Triton kernels cannot run on device {device}: CPU tensors need TRITON_INTERPRET=1 "
+        "set before Python starts; use chunk_delta_rule_ref as the fallback"
+    )
+
+
+def _check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:
+    """Checks beyond shapes: dtypes, devices, head-dim limits and the chunk size."""
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+    for name, dim in (("q", problem.key_dim), ("v", problem.value_dim)):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
+    device = named["q"].device
+    for name, tensor in named.items():
+        if tensor is None:
+            continue
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name}: dtype {tensor.dtype} is not supported; expected one of float16, bfloat16, float32"
+            )
+        if name in ("k", "v") and tensor.dtype != named["q"].dtype:
+            raise TypeError(f"{name}: dtype {tensor.dtype} differs from q's dtype {named['q'].dtype}")
+        if tensor.device != device:
+            raise ValueError(f"{name}: device {tensor.device} differs from q's device {device}")
+
+
+def _check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{name}: shape {tuple(out.shape)} differs from the expected {shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: dtype {out.dtype} differs from the expected {dtype}")
+    if out.device != device:
+        raise ValueError(f"{name}: device {out.device} differs from the expected {device}")
+
+
+def _block(dim: int, limit: int = MAX_TILE) -> int:
+    return min(max(MIN_DOT_DIM, triton.next_power_of_2(dim)), limit)
+
+
+def _state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int]:
+    """num_warps and num_stages of the sequential state kernels; `dtype` is the one of the k they read.
+
+    They hold [chunk, K] tiles of the whole key dim: more warps mean fewer spills. Each
+    software-pipelining stage keeps another copy of those tiles in shared memory; compiled
+    for sm_90 (Triton 3.8), two stages at K = 128 took 148-173 KiB for half inputs and up to
+    217 KiB for fp32, three stages over 227 KiB (an H100's limit), so deeper ones are avoided.
+    """
+    num_warps = 4 if block_k_full <= 64 else 8
+    two_stages = block_k_full <= 64 or (block_k_full == 128 and dtype != torch.float32)
+    return {"num_warps": num_warps, "num_stages": 2 if two_stages else 1}
+
+
+# Same reason: three stages of the wy_backward tiles took up to 208 KiB at sm_90.
+WY_BACKWARD_STAGES = 2
+
+
+@dataclass
+class _Plan:
+    """Launch geometry shared by the forward and backward launchers."""
+
+    problem: DeltaRuleProblem
+    chunk_size: int
+    num_chunks: int  # over all sequences
+    chunks_per_row: int  # NT, for fixed-length batches
+    chunk_table: torch.Tensor | None  # [num_chunks, 2] (sequence, chunk) for varlen
+    chunk_offsets: torch.Tensor | None  # [N] first global chunk of each sequence, for varlen
+    cu_seqlens: torch.Tensor | None
+    gate_code: int
+    dot_precision: str
+    dummy: torch.Tensor  # stands in for absent optional tensors
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def chunk_args(self):
+        table = self.chunk_table if self.chunk_table is not None else self.dummy
+        seqlens = self.cu_seqlens if self.cu_seqlens is not None else self.dummy
+        return table, seqlens
+
+
+def _make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.Tensor) -> _Plan:
+    device = q.device
+    lengths = [eos - bos for _, bos, eos in problem.sequences]
+    counts = [triton.cdiv(length, chunk_size) for length in lengths]
+    chunk_table = chunk_offsets = None
+    if cu_seqlens is not None:
+        pairs = [(seq, chunk) for seq, count in enumerate(counts) for chunk in range(count)]
+        chunk_table = torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=device)
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        chunk_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    plan = _Plan(
+        problem=problem,
+        chunk_size=chunk_size,
+        num_chunks=sum(counts),
+        chunks_per_row=triton.cdiv(problem.time, chunk_size),
+        chunk_table=chunk_table,
+        chunk_offsets=chunk_offsets,
+        cu_seqlens=cu_seqlens,
+        gate_code=GATE_CODES[problem.gate],
+        # The default for fp32 is tf32 on GPUs, which would cost about three digits.
+        dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
+        dummy=torch.zeros(2, dtype=torch.float32, device=device),
+    )
+    return plan
+
+
+@dataclass
+class _Forward:
+    """fp32 intermediates of the forward pass, all contiguous."""
+
+    q: torch.Tensor  # q or its l2norm
+    k: torch.Tensor
+    cum: torch.Tensor | None  # [B, T, HV, K or 1] chunk-local cumulative log-gate
+    kdot: torch.Tensor  # [B, T, HV, BT]
+    scores: torch.Tensor  # [B, T, HV, BT]
+    inverse: torch.Tensor  # [B, T, HV, BT]
+    w: torch.Tensor  # [B, T, HV, K]
+    u: torch.Tensor  # [B, T, HV, V] corrected values
+    h: torch.Tensor  # [chunks, HV, K, V] chunk-start states
+
+
+def _l2norm_forward(x: torch.Tensor) -> torch.Tensor:
+    batch, time, heads, dim = x.shape
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n_rows = batch * time * heads
+    if n_rows:
+        block_rows = 16
+        _l2norm_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, y, y, y, *x.stride(), *x.stride(), time, heads, dim, n_rows,
+            BACKWARD=False, BR=block_rows, BK=_block(dim, MAX_HEAD_DIM),
+        )
+    return y
+
+
+def _l2norm_backward(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+    batch, time, heads, dim = x.shape
+    n_rows = batch * time * heads
+    if n_rows:
+        block_rows = 16
+        _l2norm_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, x, dy, dx, *x.stride(), *dx.stride(), time, heads, dim, n_rows,
+            BACKWARD=True, BR=block_rows, BK=_block(dim, MAX_HEAD_DIM),
+        )
+
+
+def _gate_cumsum(plan: _Plan, g: torch.Tensor, activation: int, A_log, dt_bias, lower_bound, reverse: bool):
+    problem = plan.problem
+    width = problem.key_dim if problem.gate == "channel" else 1
+    out = torch.empty(problem.batch, problem.time, problem.value_heads, width, dtype=torch.float32,
+                      device=g.device)
+    strides = g.stride() if g.dim() == 4 else (*g.stride(), 0)
+    block_k = _block(width)
+    table, seqlens = plan.chunk_args()
+    dummy = plan.dummy
+    _gate_cumsum_kernel[(plan.num_chunks, problem.value_heads, triton.cdiv(width, block_k))](
+        g, out, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+        *strides, table, seqlens,
+        problem.time, plan.chunks_per_row, problem.value_heads, width,
+        float(lower_bound) if lower_bound is not None else 0.0,
+        ACTIVATION=activation, REVERSE=reverse, BT=plan.chunk_size, BK=block_k, IS_VARLEN=plan.varlen,
+    )
+    return out
+
+
+def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
+             A_log, dt_bias, lower_bound) -> _Forward:
+    """Runs the five forward kernels; writes o and final_state (when not None)."""
+    problem = plan.problem
+    batch, time, value_heads = problem.batch, problem.time, problem.value_heads
+    key_dim, value_dim = problem.key_dim, problem.value_dim
+    chunk = plan.chunk_size
+    device = q.device
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm_forward(q), _l2norm_forward(k)
+    table, seqlens = plan.chunk_args()
+    common = dict(IS_VARLEN=plan.varlen)
+
+    def buffer(*shape):
+        return torch.empty(*shape, dtype=torch.float32, device=device)
+
+    cum = None
+    if problem.gate != "none" and plan.num_chunks:
+        if problem.gate_in_kernel:
+            activation = ACTIVATION_SOFTPLUS if lower_bound is None else ACTIVATION_SIGMOID
+        else:
+            activation = ACTIVATION_NONE
+        cum = _gate_cumsum(plan, g, activation, A_log, dt_bias, lower_bound, reverse=False)
+    cum_arg = cum if cum is not None else plan.dummy
+
+    kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
+    w = buffer(batch, time, value_heads, key_dim)
+    u_tilde = buffer(batch, time, value_heads, value_dim)
+    u = buffer(batch, time, value_heads, value_dim)
+    h = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim)
+    block_k = _block(key_dim)
+    block_v = _block(value_dim)
+    group = problem.group_size
+    nt = plan.chunks_per_row
+    if plan.num_chunks:
+        sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
+        blocks = (chunk // sub_chunk) ** 2
+        _decayed_scores_kernel[(plan.num_chunks, value_heads, blocks)](
+            q, k, cum_arg, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
+            time, nt, value_heads, group, key_dim,
+            GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=plan.dot_precision, **common,
+        )
+        _wy_solve_kernel[(plan.num_chunks, value_heads)](
+            k, v, beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *v.stride(), *beta.stride(),
+            table, seqlens, time, nt, value_heads, group, key_dim, value_dim,
+            GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
+            DOT_PRECISION=plan.dot_precision, **common,
+        )
+    block_k_full = _block(key_dim, MAX_HEAD_DIM)
+    block_v_state = min(block_v, max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
+    h0 = initial_state if initial_state is not None else plan.dummy
+    h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
+    ht = final_state if final_state is not None else plan.dummy
+    ht_strides = final_state.stride() if final_state is not None else (0, 0, 0, 0)
+    if problem.num_sequences and (final_state is not None or plan.num_chunks):
+        _state_forward_kernel[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
+            k, cum_arg, w, u_tilde, h0, h, u, ht, *k.stride(), *h0_strides, *ht_strides,
+            plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
+            time, nt, value_heads, group, key_dim, value_dim,
+            GATE=plan.gate_code, BT=chunk, BKF=block_k_full, BV=block_v_state,
+            HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
+            DOT_PRECISION=plan.dot_precision, **_state_launch_options(block_k_full, k.dtype), **common,
+        )
+    if o is not None and plan.num_chunks:
+        _output_kernel[(plan.num_chunks, value_heads, triton.cdiv(value_dim, block_v))](
+            q, cum_arg, h, scores, u, o, *q.stride(), *o.stride(), table, seqlens,
+            time, nt, value_heads, group, key_dim, value_dim, float(scale),
+            GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,
+        )
+    return _Forward(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u=u, h=h)
+
+
+def _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, chunk_size,
+              **extra):
+    problem = check_delta_rule_inputs(
+        q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, **extra
+    )
+    _check_kernel_inputs(problem, chunk_size, q=q, k=k, v=v, beta=beta, g=g, initial_state=initial_state,
+                         A_log=A_log, dt_bias=dt_bias, **extra)
+    return problem
+
+
+def chunk_delta_rule_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gate: str | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    out: torch.Tensor | None = None,
+    final_state_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked delta rule forward; arguments as naive_recurrent_delta_rule, plus chunk_size (16, 32, 64).
+
+    Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None), written
+    into `out` / `final_state_out` when given (final_state_out implies output_final_state).
+    """
+    problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
+                        chunk_size)
+    o_shape = (problem.batch, problem.time, problem.value_heads, problem.value_dim)
+    if out is None:
+        out = torch.empty(o_shape, dtype=v.dtype, device=v.device)
+    else:
+        _check_out("out", out, o_shape, v.dtype, v.device)
+    state_shape = (problem.num_sequences, problem.value_heads, problem.key_dim, problem.value_dim)
+    if final_state_out is not None:
+        _check_out("final_state_out", final_state_out, state_shape, torch.float32, v.device)
+    elif output_final_state:
+        final_state_out = torch.empty(state_shape, dtype=torch.float32, device=v.device)
+    _require_triton(q.device)
+    scale = problem.key_dim**-0.5 if scale is None else scale
+    plan = _make_plan(problem, chunk_size, cu_seqlens, q)
+    _forward(plan, q, k, v, beta, g, scale, initial_state, final_state_out, out, use_qk_l2norm_in_kernel,
+             A_log, dt_bias, lower_bound)
+    return out, final_state_out
+
+
+GRADIENT_NAMES = ("q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias")
+
+
+def _gate_activation_backward(g_raw, dg, A_log, dt_bias, lower_bound):
+    """(dg_raw, dA_log, ddt_bias) through kda_gate by autograd: it is elementwise and cheap."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (g_raw, A_log, dt_bias)]
+        gate = kda_gate(*leaves, lower_bound=lower_bound)
+        return torch.autograd.grad(gate, leaves, dg)
+
+
+def chunk_delta_rule_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gate: str | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    out: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """Gradients of chunk_delta_rule_fwd given do = dL/do and dht = dL/d(final state) (optional).
+
+    Takes the forward's inputs (it recomputes the forward intermediates) and returns a dict
+    keyed by input name: "q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias";
+    a gradient is None where its input was None. Each has its input's dtype and shape ("g"
+    is the gradient of the raw g_raw when A_log/dt_bias are given). Gradients are written
+    into the tensors of `out` (same keys, any subset) when given.
+    """
+    problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
+                        chunk_size, do=do, dht=dht)
+    inputs = dict(zip(GRADIENT_NAMES, (q, k, v, beta, g, initial_state, A_log, dt_bias)))
+    out = dict(out or {})
+    for name, given in out.items():
+        if name not in GRADIENT_NAMES:
+            raise ValueError(f"out: unknown gradient {name!r}; expected keys among {GRADIENT_NAMES}")
+        if inputs[name] is None:
+            raise ValueError(f"out[{name!r}]: given, but input {name} is None")
+        like = inputs[name]
+        _check_out(f"out[{name!r}]", given, tuple(like.shape), like.dtype, like.device)
+    _require_triton(q.device)
+    scale = problem.key_dim**-0.5 if scale is None else scale
+    plan = _make_plan(problem, chunk_size, cu_seqlens, q)
+    fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, None, None, use_qk_l2norm_in_kernel,
+                   A_log, dt_bias, lower_bound)
+
+    batch, time, value_heads = problem.batch, problem.time, problem.value_heads
+    key_dim, value_dim, chunk = problem.key_dim, problem.value_dim, plan.chunk_size
+    device = q.device
+
+    def buffer(*shape):
+        return torch.empty(*shape, dtype=torch.float32, device=device)
+
+    def result(name):
+        return out[name] if name in out else torch.empty_like(inputs[name], memory_format=torch.contiguous_format)
+
+    dv, dbeta = result("v"), result("beta")
+    dh0 = result("initial_state") if initial_state is not None else None
+    dq_heads, dk_heads = buffer(batch, time, value_heads, key_dim), buffer(batch, time, value_heads, key_dim)
+    gate_width = key_dim if problem.gate == "channel" else 1
+    dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
+    dh = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim)
+    du = buffer(batch, time, value_heads, value_dim)
+    dkdot, dscores = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk)
+    cum_arg = fwd.cum if fwd.cum is not None else plan.dummy
+    table, seqlens = plan.chunk_args()
+    group, nt = problem.group_size, plan.chunks_per_row
+    block_k, block_v = _block(key_dim), _block(value_dim)
+    block_k_full = _block(key_dim, MAX_HEAD_DIM)
+    block_v_state = min(block_v, max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
+    common = dict(GATE=plan.gate_code, BT=chunk, IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision)
+    no_strides = (0, 0, 0, 0)
+
+    if problem.num_sequences and (plan.num_chunks or dh0 is not None):
+        _state_backward_kernel[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
+            fwd.q, fwd.k, cum_arg, fwd.w, fwd.scores, do, dht if dht is not None else plan.dummy, dh, du,
+            dh0 if dh0 is not None else plan.dummy,
+            *fwd.q.stride(), *fwd.k.stride(), *do.stride(),
+            *(dht.stride() if dht is not None else no_strides), *(dh0.stride() if dh0 is not None else no_strides),
+            plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
+            time, nt, value_heads, group, key_dim, value_dim, float(scale),
+            BKF=block_k_full, BV=block_v_state,
+            HAS_FINAL_STATE_GRAD=dht is not None, STORE_INITIAL_STATE_GRAD=dh0 is not None,
+            **_state_launch_options(block_k_full, fwd.k.dtype), **common,
+        )
+    if plan.num_chunks:
+        _wy_backward_kernel[(plan.num_chunks, value_heads)](
+            fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot, fwd.u, du, fwd.h, dh,
+            dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,
+            *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
+            *dbeta.stride(), table, seqlens,
+            time, nt, value_heads, group, key_dim, value_dim, float(scale),
+            BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES, **common,
+        )
+        sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
+        _decayed_scores_backward_kernel[(plan.num_chunks, value_heads, chunk // sub_chunk)](
+            fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
+            *fwd.q.stride(), *fwd.k.stride(), table, seqlens,
+            time, nt, value_heads, group, key_dim,
+            BC=sub_chunk, BK=block_k, **common,
+        )
+    else:
+        dq_heads.zero_()
+        dk_heads.zero_()
+        if problem.gate != "none":
+            dcum.zero_()
+
+    # Value heads sharing a key head add their key gradients.
+    dq_sum = dq_heads.view(batch, time, problem.key_heads, group, key_dim).sum(3)
+    dk_sum = dk_heads.view(batch, time, problem.key_heads, group, key_dim).sum(3)
+    grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRADIENT_NAMES)
+    for name, x, dx_sum in (("q", q, dq_sum), ("k", k, dk_sum)):
+        dx = result(name)
+        if use_qk_l2norm_in_kernel:
+            _l2norm_backward(x, dx_sum, dx)
+        else:
+            dx.copy_(dx_sum)
+        grads[name] = dx
+    grads["v"], grads["beta"], grads["initial_state"] = dv, dbeta, dh0
+
+    if problem.gate != "none":
+        # d(loss)/dg_t is the sum of d(loss)/dG over the rest of t's chunk.
+        dg = _gate_cumsum(plan, dcum, ACTIVATION_NONE, None, None, None, reverse=True) if plan.num_chunks \
+            else torch.zeros(batch, time, value_heads, gate_width, dtype=torch.float32, device=device)
+        dg = dg.view(g.shape) if problem.gate == "channel" else dg.view(batch, time, value_heads)
+        if problem.gate_in_kernel:
+            dg, dA_log, ddt_bias = _gate_activation_backward(g, dg, A_log, dt_bias, lower_bound)
+            for name, grad in (("A_log", dA_log), ("dt_bias", ddt_bias)):
+                grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
+        grads["g"] = result("g").copy_(dg)
+    return grads

@@ -1,0 +1,377 @@
+"""Plain PyTorch references for the (gated) delta rule: token by token, and chunked (WY form).
+
+Per value head, with state S in R^{K x V}, decay D_t and l2-normalised (optional) q_t, k_t:
+
+    S'_{t-1} = D_t S_{t-1}                       D_t = 1, exp(g_t) or diag(exp(g_t))
+    S_t      = S'_{t-1} + beta_t k_t (v_t - S'_{t-1}^T k_t)^T
+    o_t      = scale * S_t^T q_t
+
+The decay comes before the delta correction, as in FLA's chunk kernels. Layout is FLA's:
+q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (value head h uses key head
+h // (HV / H)); beta [B, T, HV]; g [B, T, HV] ("scalar") or [B, T, HV, K] ("channel");
+states [N, HV, K, V]; variable-length batches are B = 1 plus cu_seqlens [N + 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "GATE_KINDS",
+    "DeltaRuleProblem",
+    "check_delta_rule_inputs",
+    "chunk_delta_rule_ref",
+    "kda_gate",
+    "l2norm",
+    "naive_recurrent_delta_rule",
+]
+
+GATE_KINDS = ("none", "scalar", "channel")
+L2NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DeltaRuleProblem:
+    """Sizes and options of one call, as validated by check_delta_rule_inputs."""
+
+    batch: int
+    time: int
+    key_heads: int  # H
+    value_heads: int  # HV
+    key_dim: int
+    value_dim: int
+    gate: str
+    gate_in_kernel: bool
+    varlen: bool
+    # (batch index, first token, end token) of every sequence, in state order.
+    sequences: tuple[tuple[int, int, int], ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def group_size(self) -> int:
+        return self.value_heads // self.key_heads
+
+
+def _require_tensor(name: str, tensor, dim: int | None = None, layout: str = "") -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if dim is not None and tensor.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor {layout}, got shape {tuple(tensor.shape)}")
+
+
+def _require_float(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {tensor.dtype}")
+
+
+def _sequences_from_cu_seqlens(cu_seqlens, batch: int, time: int) -> tuple[tuple[int, int, int], ...]:
+    _require_tensor("cu_seqlens", cu_seqlens, 1, "[N + 1]")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: requires B == 1, got B={batch}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: needs at least 2 entries (one sequence), got {cu_seqlens.numel()}")
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens: must start at 0, got {bounds[0]}")
+    if bounds[-1] != time:
+        raise ValueError(f"cu_seqlens: must end at T={time}, got {bounds[-1]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens: must be non-decreasing, got {bounds}")
+    return tuple((0, bos, eos) for bos, eos in zip(bounds, bounds[1:]))
+
+
+def check_delta_rule_inputs(
+    q,
+    k,
+    v,
+    beta,
+    g=None,
+    gate: str | None = None,
+    initial_state=None,
+    cu_seqlens=None,
+    A_log=None,
+    dt_bias=None,
+    lower_bound: float | None = None,
+    **extra,
+) -> DeltaRuleProblem:
+    """Shape checks shared by the references and the Triton launchers; raises ValueError/TypeError.
+
+    `gate` None infers the kind from g (absent: "none", 3-D: "scalar", 4-D: "channel").
+    `extra` holds tensors shaped like the output, e.g. do=..., or (names starting with "dh")
+    like the states, e.g. dht=....
+    """
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(name, tensor, 4, "[batch, time, heads, head_dim]")
+        _require_float(name, tensor)
+    _require_tensor("beta", beta, 3, "[batch, time, value_heads]")
+    _require_float("beta", beta)
+    batch, time, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k: shape {tuple(k.shape)} differs from q's shape {tuple(q.shape)}")
+    if tuple(v.shape[:2]) != (batch, time):
+        raise ValueError(f"v: batch, time {tuple(v.shape[:2])} differ from q's {(batch, time)}")
+    if key_heads < 1 or value_heads % key_heads != 0 or value_heads < 1:
+        raise ValueError(f"v: heads HV={value_heads} must be a multiple of q's H={key_heads}")
+    if key_dim < 1:
+        raise ValueError(f"q: head dim must be at least 1, got {key_dim}")
+    if value_dim < 1:
+        raise ValueError(f"v: head dim must be at least 1, got {value_dim}")
+    if tuple(beta.shape) != (batch, time, value_heads):
+        raise ValueError(f"beta: shape {tuple(beta.shape)} differs from the expected {(batch, time, value_heads)}")
+
+    if gate is None:
+        gate = "none" if g is None else ("scalar" if getattr(g, "dim", lambda: 0)() == 3 else "channel")
+    if gate not in GATE_KINDS:
+        raise ValueError(f"gate: expected one of {GATE_KINDS}, got {gate!r}")
+    if gate == "none":
+        if g is not None:
+            raise ValueError('g: must be None for gate="none"')
+    else:
+        expected = (batch, time, value_heads) if gate == "scalar" else (batch, time, value_heads, key_dim)
+        if g is None:
+            raise ValueError(f'g: required for gate="{gate}", shape {expected}')
+        _require_tensor("g", g)
+        _require_float("g", g)
+        if tuple(g.shape) != expected:
+            raise ValueError(f'g: shape {tuple(g.shape)} differs from the expected {expected} for gate="{gate}"')
+
+    gate_in_kernel = A_log is not None or dt_bias is not None
+    if gate_in_kernel:
+        if gate != "channel":
+            raise ValueError(f'A_log: the in-kernel gate needs gate="channel", got gate="{gate}"')
+        if A_log is None or dt_bias is None:
+            raise ValueError("A_log: the in-kernel gate needs both A_log and dt_bias")
+        _require_tensor("A_log", A_log, 1, "[HV]")
+        _require_tensor("dt_bias", dt_bias, 1, "[HV * K]")
+        _require_float("A_log", A_log)
+        _require_float("dt_bias", dt_bias)
+        if A_log.shape[0] != value_heads:
+            raise ValueError(f"A_log: shape {tuple(A_log.shape)} differs from the expected ({value_heads},)")
+        if dt_bias.shape[0] != value_heads * key_dim:
+            raise ValueError(
+                f"dt_bias: shape {tuple(dt_bias.shape)} differs from the expected ({value_heads * key_dim},)"
+            )
+    elif lower_bound is not None:
+        raise ValueError("lower_bound: only used by the in-kernel gate (pass A_log and dt_bias)")
+    if lower_bound is not None and not float(lower_bound) < 0:
+        raise ValueError(f"lower_bound: must be negative (a log-decay), got {lower_bound}")
+
+    if cu_seqlens is None:
+        sequences = tuple((b, 0, time) for b in range(batch))
+    else:
+        sequences = _sequences_from_cu_seqlens(cu_seqlens, batch, time)
+    state_shape = (len(sequences), value_heads, key_dim, value_dim)
+    if initial_state is not None:
+        _require_tensor("initial_state", initial_state, 4, "[N, HV, K, V]")
+        _require_float("initial_state", initial_state)
+        if tuple(initial_state.shape) != state_shape:
+            raise ValueError(
+                f"initial_state: shape {tuple(initial_state.shape)} differs from the expected {state_shape}"
+            )
+    for name, tensor in extra.items():
+        if tensor is None:
+            continue
+        _require_tensor(name, tensor)
+        _require_float(name, tensor)
+        expected = state_shape if name.startswith("dh") else (batch, time, value_heads, value_dim)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the expected {expected}")
+    return DeltaRuleProblem(
+        batch=batch,
+        time=time,
+        key_heads=key_heads,
+        value_heads=value_heads,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        gate=gate,
+        gate_in_kernel=gate_in_kernel,
+        varlen=cu_seqlens is not None,
+        sequences=sequences,
+    )
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim (FLA's in-kernel l2norm, not F.normalize)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def kda_gate(
+    g_raw: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """KDA's log-gate from raw activations g_raw [..., HV, K]; A_log [HV], dt_bias [HV * K].
+
+    g = -exp(A_log) * softplus(g_raw + dt_bias), or with lower_bound b < 0:
+    g = b * sigmoid(exp(A_log) * (g_raw + dt_bias)), which keeps every g in (b, 0).
+    Computed in float32 (float64 for float64 inputs).
+    """
+    value_heads, key_dim = g_raw.shape[-2], g_raw.shape[-1]
+    dtype = torch.float64 if torch.float64 in (g_raw.dtype, A_log.dtype, dt_bias.dtype) else torch.float32
+    x = g_raw.to(dtype) + dt_bias.to(dtype).view(value_heads, key_dim)
+    rate = A_log.to(dtype).exp().view(value_heads, 1)
+    if lower_bound is None:
+        return -rate * F.softplus(x)
+    return lower_bound * torch.sigmoid(rate * x)
+
+
+def _accumulation_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    # float64 stays float64 so that the references can be compared with each other exactly.
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _prepare(q, k, v, beta, g, gate, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
+             lower_bound):
+    problem = check_delta_rule_inputs(
+        q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound
+    )
+    acc = _accumulation_dtype(q, k, v)
+    q, k = q.to(acc), k.to(acc)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    # Value head h reads key head h // group_size.
+    q = q.repeat_interleave(problem.group_size, dim=2)
+    k = k.repeat_interleave(problem.group_size, dim=2)
+    if problem.gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    if problem.gate == "scalar":
+        g = g.to(acc)[..., None].expand(*g.shape, problem.key_dim)
+    elif problem.gate == "channel":
+        g = g.to(acc)
+    scale = problem.key_dim**-0.5 if scale is None else scale
+    return problem, q, k, v.to(acc), beta.to(acc), g, scale, acc
+
+
+def _initial_state(problem, initial_state, index, acc, device):
+    if initial_state is None:
+        return torch.zeros(problem.value_heads, problem.key_dim, problem.value_dim, dtype=acc, device=device)
+    return initial_state[index].to(acc)
+
+
+def naive_recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gate: str | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token recurrence; returns (o in v's dtype, final state [N, HV, K, V] or None).
+
+    Computes in float32, or float64 when q, k or v is float64; differentiable by autograd.
+    With A_log and dt_bias, g holds raw activations and the log-gate is kda_gate(g, ...).
+    """
+    problem, q, k, v_acc, beta, g, scale, acc = _prepare(
+        q, k, v, beta, g, gate, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
+        lower_bound,
+    )
+    outputs, states = [], []
+    for index, (b, bos, eos) in enumerate(problem.sequences):
+        state = _initial_state(problem, initial_state, index, acc, q.device)
+        steps = []
+        for t in range(bos, eos):
+            if g is not None:
+                state = g[b, t].exp()[..., None] * state
+            delta = v_acc[b, t] - torch.einsum("hkv,hk->hv", state, k[b, t])
+            state = state + k[b, t][..., None] * (beta[b, t][:, None] * delta)[:, None, :]
+            steps.append(scale * torch.einsum("hkv,hk->hv", state, q[b, t]))
+        outputs.append(torch.stack(steps) if steps else v_acc.new_zeros(0, problem.value_heads, problem.value_dim))
+        states.append(state)
+    return _stack_outputs(problem, outputs, v), (torch.stack(states) if output_final_state else None)
+
+
+def _stack_outputs(problem: DeltaRuleProblem, outputs: list[torch.Tensor], v: torch.Tensor) -> torch.Tensor:
+    """Per-sequence [L, HV, V] outputs back to [B, T, HV, V] in v's dtype."""
+    o = torch.cat(outputs)[None] if problem.varlen else torch.stack(outputs)
+    return o.reshape(problem.batch, problem.time, problem.value_heads, problem.value_dim).to(v.dtype)
+
+
+def chunk_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gate: str | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked (WY/UT-transform) form of naive_recurrent_delta_rule; same arguments and results.
+
+    Within a chunk starting from state S0, with G the chunk-local cumulative log-gate and
+    Gamma = exp(G) (per key channel):
+      Kdot[t,s] = sum_c k[t,c] k[s,c] exp(G[t,c] - G[s,c])   (s < t)
+      P[t,s]    = sum_c q[t,c] k[s,c] exp(G[t,c] - G[s,c])   (s <= t)
+      A = (I + diag(beta) Kdot)^-1,  W = A diag(beta) (K * Gamma),  U~ = A diag(beta) V
+      U = U~ - W S0          (the corrected values beta_t (v_t - S'_{t-1}^T k_t))
+      O = scale ((Q * Gamma) S0 + P U)
+      S_end = diag(Gamma_last) S0 + (K * exp(G_last - G))^T U
+    Pairwise decays are formed from differences G[t] - G[s] <= 0, so nothing overflows.
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
+    problem, q, k, v_acc, beta, g, scale, acc = _prepare(
+        q, k, v, beta, g, gate, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, A_log, dt_bias,
+        lower_bound,
+    )
+    outputs, states = [], []
+    for index, (b, bos, eos) in enumerate(problem.sequences):
+        state = _initial_state(problem, initial_state, index, acc, q.device)
+        pieces = []
+        for start in range(bos, eos, chunk_size):
+            stop = min(start + chunk_size, eos)
+            # [HV, C, D] per chunk.
+            q_c, k_c, v_c = (x[b, start:stop].transpose(0, 1) for x in (q, k, v_acc))
+            beta_c = beta[b, start:stop].transpose(0, 1)[..., None]
+            length = stop - start
+            if g is None:
+                cum = torch.zeros(problem.value_heads, length, problem.key_dim, dtype=acc, device=q.device)
+            else:
+                cum = g[b, start:stop].transpose(0, 1).cumsum(dim=1)
+            rows = torch.arange(length, device=q.device)
+            strict = (rows[:, None] > rows[None, :])[None, :, :, None]
+            inclusive = (rows[:, None] >= rows[None, :])[None, :, :, None]
+            diff = cum[:, :, None, :] - cum[:, None, :, :]
+            strict_decay = diff.masked_fill(~strict, float("-inf")).exp()
+            inclusive_decay = diff.masked_fill(~inclusive, float("-inf")).exp()
+            kdot = torch.einsum("htc,hsc,htsc->hts", k_c, k_c, strict_decay)
+            scores = torch.einsum("htc,hsc,htsc->hts", q_c, k_c, inclusive_decay)
+            eye = torch.eye(length, dtype=acc, device=q.device)
+            solve = torch.linalg.solve_triangular(eye + beta_c * kdot, eye.expand_as(kdot), upper=False,
+                                                  unitriangular=True)
+            gamma = cum.exp()
+            w = solve @ (beta_c * k_c * gamma)
+            u = solve @ (beta_c * v_c) - w @ state
+            pieces.append((scale * ((q_c * gamma) @ state + scores @ u)).transpose(0, 1))
+            last = cum[:, -1:, :]
+            state = last.transpose(1, 2).exp() * state + (k_c * (last - cum).exp()).transpose(1, 2) @ u
+        outputs.append(torch.cat(pieces) if pieces else v_acc.new_zeros(0, problem.value_heads, problem.value_dim))
+        states.append(state)
+    return _stack_outputs(problem, outputs, v), (torch.stack(states) if output_final_state else None)

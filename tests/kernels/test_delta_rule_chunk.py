@@ -1,0 +1,281 @@
+"""Tests for the chunked delta-rule Triton kernels against the float64 recurrence."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hccompile.kernels.delta_rule import (
+    MAX_HEAD_DIM,
+    chunk_delta_rule_bwd,
+    chunk_delta_rule_fwd,
+    naive_recurrent_delta_rule,
+    triton_available,
+)
+
+from test_delta_rule import build_case
+
+TRITON_CAN_RUN = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+requires_triton = pytest.mark.skipif(
+    not TRITON_CAN_RUN, reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Relative RMS error limits for (o and final state, dq/dk/dv/dh0, dg/dbeta), FLA's for half
+# precision. Triton's interpreter casts float32 to bfloat16 by truncation instead of
+# round-to-nearest, which about triples the bfloat16 rounding error there.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5, 1e-5),
+    torch.float16: (5e-3, 8e-3, 2e-2),
+    torch.bfloat16: (5e-3, 8e-3, 2e-2) if DEVICE == "cuda" else (1e-2, 1e-2, 2e-2),
+}
+# The gate parameters are sums over all tokens of the gate gradient; with a saturated
+# sigmoid those sums cancel, leaving fewer correct digits (1.5e-5 measured in fp32).
+GATE_PARAMETER_TOLERANCE = 1e-4
+
+
+def relative_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite values: unwritten (NaN poison) or overflowed elements"
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def kernel_inputs(inputs, dtype):
+    """The float64 case cast for the kernels: q, k, v, beta, g in `dtype`; states and gate parameters fp32."""
+    cast = {}
+    for name, tensor in inputs.items():
+        if tensor is None:
+            cast[name] = None
+        elif name in ("initial_state", "A_log", "dt_bias"):
+            cast[name] = tensor.float().to(DEVICE)
+        else:
+            cast[name] = tensor.to(device=DEVICE, dtype=dtype)
+    return cast
+
+
+def float64_reference(inputs, kwargs, do=None, dht=None):
+    """(o, final state) of the recurrence in float64 on the kernels' (rounded) inputs, and
+    with do/dht given, the gradients of every input tensor by autograd."""
+    leaves = {n: (t.detach().cpu().double().requires_grad_() if t is not None else None) for n, t in inputs.items()}
+    o, state = naive_recurrent_delta_rule(**leaves, **kwargs)
+    if do is None:
+        return o.detach(), state.detach(), None
+    wrt = [n for n, t in leaves.items() if t is not None]
+    outputs, grads_out = [o], [do.cpu().double()]
+    if dht is not None:
+        outputs.append(state)
+        grads_out.append(dht.cpu().double())
+    grads = torch.autograd.grad(outputs, [leaves[n] for n in wrt], grads_out)
+    return o.detach(), state.detach(), dict(zip(wrt, grads))
+
+
+def random_output_gradients(inputs, dtype, seed=1):
+    """do [B, T, HV, V] in `dtype` and dht [N, HV, K, V] in fp32."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, time, value_heads, value_dim = inputs["v"].shape
+    num_states = inputs["initial_state"].shape[0] if inputs.get("initial_state") is not None else batch
+    do = torch.randn(batch, time, value_heads, value_dim, generator=generator).to(device=DEVICE, dtype=dtype)
+    dht = torch.randn(num_states, value_heads, inputs["q"].shape[3], value_dim, generator=generator)
+    return do, dht.to(DEVICE)
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def check_forward_and_backward(inputs, kwargs, dtype, chunk):
+    """Runs both launchers into NaN-poisoned outputs and compares everything with float64 autograd."""
+    do, dht = random_output_gradients(inputs, dtype)
+    o_ref, state_ref, grads_ref = float64_reference(inputs, kwargs, do, dht)
+    o_tol, grad_tol, gate_grad_tol = TOLERANCES[dtype]
+
+    # NaN-filled outputs catch any element the kernels fail to write.
+    out = torch.full(o_ref.shape, float("nan"), dtype=dtype, device=DEVICE)
+    state_out = torch.full(state_ref.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    o, state = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, out=out, final_state_out=state_out)
+    assert o is out and state is state_out
+    assert relative_rms_error(o, o_ref) < o_tol, "o"
+    assert relative_rms_error(state, state_ref) < o_tol, "final state"
+
+    grads_out = {name: nan_like(t) for name, t in inputs.items() if t is not None}
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    grads = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, out=grads_out)
+    assert set(n for n, t in grads.items() if t is not None) == set(grads_ref)
+    for name, grad_ref in grads_ref.items():
+        assert grads[name] is grads_out[name], name
+        assert grads[name].dtype == inputs[name].dtype and grads[name].shape == inputs[name].shape, name
+        error = relative_rms_error(grads[name], grad_ref)
+        if name in ("A_log", "dt_bias"):
+            limit = max(gate_grad_tol, GATE_PARAMETER_TOLERANCE)
+        else:
+            limit = gate_grad_tol if name in ("g", "beta") else grad_tol
+        assert error < limit, f"d{name}: relative RMS error {error:.2e}"
+
+
+# name, (batch, time, H, HV, K, V), gate, options, dtype, chunk size
+KERNEL_CASES = [
+    ("plain-T63", (2, 63, 1, 1, 32, 32), "none", {}, torch.float32, 64),
+    ("plain-T130-h0", (1, 130, 1, 2, 64, 60), "none", {"initial_state": True}, torch.bfloat16, 64),
+    ("gdn-T100-gva-l2norm", (1, 100, 2, 4, 60, 64), "scalar", {"l2norm": True}, torch.float16, 32),
+    ("gdn-T130-strong-decay", (1, 130, 1, 1, 64, 32), "scalar", {"decay": 20.0, "initial_state": True},
+     torch.float32, 64),
+    ("gdn-T63-chunk16", (1, 63, 1, 2, 32, 60), "scalar", {}, torch.bfloat16, 16),
+    ("kda-T100-h0", (1, 100, 1, 2, 60, 32), "channel", {"initial_state": True}, torch.float32, 64),
+    ("kda-T40-gva-l2norm", (1, 40, 2, 4, 32, 32), "channel", {"l2norm": True}, torch.bfloat16, 32),
+    ("kda-T70-strong-decay", (1, 70, 1, 1, 32, 32), "channel", {"decay": 20.0}, torch.float32, 64),
+    ("kda-gate-softplus", (1, 63, 1, 2, 32, 32), "channel", {"gate_in_kernel": True}, torch.float16, 64),
+    ("kda-gate-lower-bound", (2, 40, 1, 1, 32, 32), "channel",
+     {"gate_in_kernel": True, "lower_bound": -5.0, "initial_state": True}, torch.float32, 16),
+    ("kda-K128-V128", (1, 20, 1, 1, 128, 128), "channel", {"initial_state": True}, torch.float32, 16),
+    ("gdn-K256-V256", (1, 17, 1, 1, MAX_HEAD_DIM, MAX_HEAD_DIM), "scalar", {}, torch.float32, 16),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", KERNEL_CASES,
+                         ids=[c[0] for c in KERNEL_CASES])
+def test_kernels_match_float64_recurrence(name, sizes, gate, options, dtype, chunk):
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1])
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+
+
+@requires_triton
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_kernels_handle_variable_length_sequences(gate):
+    # Three sequences: a partial chunk, a single token, and one spanning chunks.
+    cu_seqlens = torch.tensor([0, 37, 38, 80], dtype=torch.int32)
+    options = {"cu_seqlens": cu_seqlens, "initial_state": True, "num_sequences": 3}
+    inputs, kwargs = build_case((1, 80, 1, 1, 32, 48), gate, options, seed=11)
+    check_forward_and_backward(kernel_inputs(inputs, torch.float32), kwargs, torch.float32, 32)
+
+
+@requires_triton
+def test_kernels_accept_non_contiguous_inputs():
+    inputs, kwargs = build_case((1, 40, 2, 2, 32, 16), "channel", {"initial_state": True}, seed=3)
+    inputs = kernel_inputs(inputs, torch.float32)
+    # Same values, other layouts: heads-major, a slice of wider rows, a stride-2 last dim.
+    strided = {
+        "q": inputs["q"].transpose(1, 2).contiguous().transpose(1, 2),
+        "k": torch.cat([inputs["k"], torch.randn_like(inputs["k"])], dim=-1)[..., :32],
+        "v": torch.stack([inputs["v"], torch.randn_like(inputs["v"])], dim=-1).flatten(-2)[..., ::2],
+        "beta": torch.stack([inputs["beta"], torch.randn_like(inputs["beta"])], dim=-1)[..., 0],
+        "g": inputs["g"].transpose(1, 2).contiguous().transpose(1, 2),
+        "initial_state": inputs["initial_state"].transpose(-1, -2).contiguous().transpose(-1, -2),
+    }
+    assert not any(t.is_contiguous() for t in strided.values())
+    assert all(torch.equal(strided[n], inputs[n]) for n in strided)
+    o, state = chunk_delta_rule_fwd(**strided, **kwargs, chunk_size=32)
+    o_contiguous, state_contiguous = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=32)
+    # The kernels read the same values in the same order, so results are bitwise equal.
+    assert torch.equal(o, o_contiguous) and torch.equal(state, state_contiguous)
+
+    do, dht = random_output_gradients(inputs, torch.float32)
+    do_strided = do.transpose(1, 2).contiguous().transpose(1, 2)
+    dht_strided = dht.transpose(-1, -2).contiguous().transpose(-1, -2)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    assert not do_strided.is_contiguous() and not dht_strided.is_contiguous()
+    grads = chunk_delta_rule_bwd(**strided, **bwd_kwargs, chunk_size=32, do=do_strided, dht=dht_strided)
+    grads_contiguous = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=32, do=do, dht=dht)
+    for name in strided:
+        assert torch.equal(grads[name], grads_contiguous[name]), name
+
+
+@requires_triton
+def test_kernels_handle_empty_time_and_optional_state():
+    inputs, kwargs = build_case((2, 0, 1, 2, 16, 8), "channel", {"initial_state": True})
+    inputs = kernel_inputs(inputs, torch.float16)
+    o, state = chunk_delta_rule_fwd(**inputs, **kwargs)
+    assert o.shape == (2, 0, 2, 8) and o.dtype == torch.float16
+    torch.testing.assert_close(state, inputs["initial_state"])
+    do, dht = random_output_gradients(inputs, torch.float16)
+    grads = chunk_delta_rule_bwd(**inputs, gate="channel", do=do, dht=dht)
+    torch.testing.assert_close(grads["initial_state"], dht)
+    assert grads["q"].shape == inputs["q"].shape and grads["g"].shape == inputs["g"].shape
+
+    inputs, kwargs = build_case((1, 5, 1, 1, 16, 8), "none", {})
+    inputs = kernel_inputs(inputs, torch.float32)
+    o, state = chunk_delta_rule_fwd(**inputs, **{**kwargs, "output_final_state": False})
+    assert state is None and torch.isfinite(o).all()
+    grads = chunk_delta_rule_bwd(**inputs, do=torch.ones_like(o))
+    assert grads["g"] is None and grads["initial_state"] is None and grads["A_log"] is None
+    assert all(torch.isfinite(grads[n]).all() for n in ("q", "k", "v", "beta"))
+
+
+# The checks below run before any kernel, so they need no Triton.
+
+
+def valid_inputs(**changes):
+    inputs = {
+        "q": torch.zeros(1, 5, 2, 16), "k": torch.zeros(1, 5, 2, 16),
+        "v": torch.zeros(1, 5, 4, 8), "beta": torch.zeros(1, 5, 4),
+    }
+    inputs.update(changes)
+    return inputs
+
+
+LAUNCHER_INVALID_CASES = [
+    ({"q": torch.zeros(1, 5, 2, 16, dtype=torch.float64)}, TypeError, r"q: dtype torch.float64 is not supported"),
+    ({"k": torch.zeros(1, 5, 2, 16, dtype=torch.float16)}, TypeError, r"k: dtype torch.float16 differs from q's"),
+    ({"beta": torch.zeros(1, 5, 4, device="meta")}, ValueError, r"beta: device meta differs from q's device cpu"),
+    ({"q": torch.zeros(1, 5, 2, 300), "k": torch.zeros(1, 5, 2, 300)}, ValueError,
+     r"q: head dim 300 exceeds the supported maximum 256"),
+    ({"v": torch.zeros(1, 5, 4, 257)}, ValueError, r"v: head dim 257 exceeds the supported maximum 256"),
+    ({"chunk_size": 48}, ValueError, r"chunk_size: expected one of \(16, 32, 64\), got 48"),
+    ({"initial_state": torch.zeros(1, 4, 16, 8, dtype=torch.float64)}, TypeError,
+     r"initial_state: dtype torch.float64 is not supported"),
+    ({"out": torch.zeros(1, 5, 4, 16)}, ValueError,
+     r"out: shape \(1, 5, 4, 16\) differs from the expected \(1, 5, 4, 8\)"),
+    ({"out": torch.zeros(1, 5, 4, 8, dtype=torch.float16)}, TypeError, r"out: dtype torch.float16 differs"),
+    ({"final_state_out": torch.zeros(1, 4, 16, 8, dtype=torch.float16)}, TypeError,
+     r"final_state_out: dtype torch.float16 differs from the expected torch.float32"),
+    ({"v": torch.zeros(1, 5, 3, 8), "beta": torch.zeros(1, 5, 3)}, ValueError,
+     r"v: heads HV=3 must be a multiple of q's H=2"),
+]
+
+
+@pytest.mark.parametrize("changes, error, pattern", LAUNCHER_INVALID_CASES)
+def test_launchers_reject_invalid_inputs(changes, error, pattern):
+    with pytest.raises(error, match=pattern):
+        chunk_delta_rule_fwd(**valid_inputs(**changes))
+    if not any(name.endswith("out") for name in changes):
+        with pytest.raises(error, match=pattern):
+            named = valid_inputs(**changes)
+            chunk_delta_rule_bwd(**named, do=torch.zeros(named["v"].shape))
+
+
+@pytest.mark.parametrize(
+    "changes, error, pattern",
+    [
+        ({"do": torch.zeros(1, 5, 4, 9)}, ValueError,
+         r"do: shape \(1, 5, 4, 9\) differs from the expected \(1, 5, 4, 8\)"),
+        ({"dht": torch.zeros(2, 4, 16, 8)}, ValueError,
+         r"dht: shape \(2, 4, 16, 8\) differs from the expected \(1, 4, 16, 8\)"),
+        ({"do": torch.zeros(1, 5, 4, 8, dtype=torch.float64)}, TypeError, r"do: dtype torch.float64 is not supported"),
+        ({"out": {"dq": torch.zeros(1, 5, 2, 16)}}, ValueError, r"out: unknown gradient 'dq'"),
+        ({"out": {"g": torch.zeros(1, 5, 4)}}, ValueError, r"out\['g'\]: given, but input g is None"),
+        ({"out": {"k": torch.zeros(1, 5, 2, 8)}}, ValueError, r"out\['k'\]: shape \(1, 5, 2, 8\) differs"),
+    ],
+)
+def test_bwd_rejects_invalid_gradients(changes, error, pattern):
+    arguments = {"do": torch.zeros(1, 5, 4, 8), **changes}
+    with pytest.raises(error, match=pattern):
+        chunk_delta_rule_bwd(**valid_inputs(), **arguments)
+
+
+def test_launchers_explain_missing_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=1"):
+        chunk_delta_rule_fwd(**valid_inputs())
+    with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=1"):
+        chunk_delta_rule_bwd(**valid_inputs(), do=torch.zeros(1, 5, 4, 8))
+
+
+def test_triton_available_reads_environment_at_call_time(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_available("cpu") and triton_available("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_available("cpu")
+    assert not triton_available("meta")
