@@ -22,6 +22,7 @@ from . import compat
 from . import lowering  # noqa: F401  (custom ops must exist before any cached graph runs)
 from .config import HCConfig, resolve
 from .debug.dump import Dumper, graph_code, install_depyf_hook
+from .debug.memory import saved_activation_bytes
 from .debug.report import GraphReport, PassRecord
 from .passes import pass_source_files, passes_for_stage
 from .passes.base import PassContext
@@ -157,6 +158,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) 
     state.run_passes("dynamo", gm, "dynamo")
 
     inner_calls: list[str] = []
+    dyn_out = gm.graph.output_node().args[0]
+    num_user_outputs = len(dyn_out) if isinstance(dyn_out, (list, tuple)) else 1
 
     def timed_inner(gm_: fx.GraphModule, inputs_: Any, **kwargs: Any) -> Any:
         inner_calls.append("x")
@@ -165,6 +168,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) 
         state.current_graph = which
         if dumper:
             dumper.write(f"aot_{which}.py", graph_code(gm_))
+        if which == "forward":
+            try:
+                report.saved_bytes = saved_activation_bytes(gm_, num_user_outputs)
+            except Exception as e:  # noqa: BLE001 - accounting is advisory
+                report.saved_bytes = {"bytes": 0, "tensors": 0, "error": repr(e)}
         t0 = time.perf_counter()
         passes_before = len(report.passes)
         out = compile_fx_inner(gm_, inputs_, **kwargs)

@@ -78,6 +78,25 @@ OPTIONS: dict[str, Option] = {
                env="HCCOMPILE_COMPILER", parse=str,
                check=lambda v: None if v in ("inductor", "aot_eager")
                else f"must be 'inductor' or 'aot_eager', got {v!r}"),
+        Option("hc_recompute", "block", str,
+               "mHC recompute plan: 'block' keeps each block's input stream and every sublayer "
+               "output and rebuilds all hyper-connection intermediates in backward; 'layer' does "
+               "the same per sublayer; 'off' leaves the plan to the partitioner.",
+               env="HCCOMPILE_HC_RECOMPUTE", parse=str,
+               check=lambda v: None if v in ("block", "layer", "off")
+               else f"must be 'block', 'layer' or 'off', got {v!r}"),
+        Option("hc_recompute_block", None, (int, type(None)),
+               "Sublayers per recompute block; None uses the paper's L_r* = round(sqrt(n*L/(n+2))).",
+               env="HCCOMPILE_HC_RECOMPUTE_BLOCK", parse=int,
+               check=lambda v: None if v is None or v >= 1 else f"must be >= 1, got {v}"),
+        Option("hc_recompute_include_norm", True, bool,
+               "Also rebuild each sublayer's input norm (the norm applied to the aggregate) in "
+               "backward instead of saving its output.",
+               env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_NORM", parse=_parse_bool),
+        Option("hc_recompute_include_bda", True, bool,
+               "Rebuild the residual (bias-dropout-add) outputs inside a block; False saves each "
+               "sublayer's output stream.",
+               env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_BDA", parse=_parse_bool),
         Option("depyf", True, bool,
                "With dump_dir: also write depyf's decompiled Dynamo bytecode.",
                env="HCCOMPILE_DEPYF", parse=_parse_bool),

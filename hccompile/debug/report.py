@@ -35,6 +35,8 @@ class GraphReport:
     lowered_ops: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # graph -> ops
     fallback: str | None = None
     cache_hits: list[str] = dataclasses.field(default_factory=list)  # graphs served from cache
+    recompute_plan: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    saved_bytes: dict[str, Any] = dataclasses.field(default_factory=dict)  # from the forward graph
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     dump_dir: str | None = None
 
@@ -54,6 +56,8 @@ class GraphReport:
             "graph_id": self.graph_id,
             "fallback": self.fallback,
             "cache_hits": self.cache_hits,
+            "recompute_plan": self.recompute_plan,
+            "saved_bytes": self.saved_bytes,
             "timings_s": self.timings_s,
             "lowered_ops": self.lowered_ops,
             "passes": [dataclasses.asdict(p) for p in self.passes],
@@ -94,6 +98,16 @@ class GraphReport:
             out += ["", "## hccompile ops in the compiled graphs", ""]
             for g, ops in self.lowered_ops.items():
                 out.append(f"- {g}: {', '.join(ops) if ops else 'none'}")
+        if self.recompute_plan:
+            out += ["", "## Recompute plan", "", "| block | sublayers | saved | nodes recomputed |",
+                    "|---|---|---|---|"]
+            for b in self.recompute_plan:
+                out.append(f"| {b['block']} | {b['layers']} | {', '.join(b['saved'])} | "
+                           f"{b['recomputed_nodes']} |")
+        if self.saved_bytes:
+            sb = self.saved_bytes
+            out += ["", f"Saved for backward (forward graph): {sb['bytes'] / 2**20:.2f} MiB in "
+                        f"{sb['tensors']} tensor(s), not counting inputs and parameters."]
         if self.cache_hits:
             out += ["", f"Served from Inductor's cache (post-grad passes did not run): "
                         f"{', '.join(self.cache_hits)}. Set dump_dir or force_disable_caches to see them."]

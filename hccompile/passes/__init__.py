@@ -7,7 +7,9 @@ import importlib
 from .base import GraphPass, PassContext, register_pass, registered_passes
 
 PASS_MODULES = (
+    "hc_detect",
     "linear_attn",
+    "recompute",
     "op_inventory",
 )
 

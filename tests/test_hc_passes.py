@@ -1,0 +1,142 @@
+"""mHC detection (every layout, and refusal of look-alikes) and the block recompute plan."""
+import pytest
+import torch
+from torch import nn
+
+from hccompile.nn import TinyLinearTransformer
+from hccompile.nn.mhc import MHCGPT
+from hccompile.passes.recompute import default_block_length
+from helpers import Collect
+
+
+def _detect(model, x):
+    be = Collect(compiler="aot_eager")
+    torch.compile(model, backend=be)(x)
+    return be
+
+
+@pytest.mark.parametrize("layout", ["bsnc", "sbnc", "folded"])
+@pytest.mark.parametrize("init,eps", [("exp", 0.0), ("softmax", 1e-3)])
+def test_every_layout_detected(layout, init, eps):
+    m = MHCGPT(32, 2, 2, n=4, layout=layout, sinkhorn_iters=4, sinkhorn_init=init, eps=eps,
+               contract="sum" if layout == "folded" else "mean")
+    be = _detect(m, torch.randn(2, 8, 32))
+    layers = [x for x in be.matches if x["pattern"] == "mhc_layer"]
+    assert [x["layer"] for x in layers] == [0, 1, 2, 3]
+    assert all(x["sinkhorn_rounds"] == 4 for x in layers)
+    # consecutive: each layer's input stream is the previous layer's output
+    assert all(layers[i + 1]["x"] == layers[i]["x_out"] for i in range(3))
+    assert not [r for r in be.refusals if r["pattern"] == "mhc_layer"]
+
+
+def test_models_without_hyper_connections_yield_nothing():
+    for m, x in ((MHCGPT(32, 2, 2, n=1), torch.randn(2, 8, 32)),
+                 (TinyLinearTransformer(32, 2, 1), torch.randn(2, 8, 32))):
+        be = _detect(m, x)
+        assert not [x for x in be.matches if x["pattern"] in ("mhc_layer", "hc_block_recompute")]
+
+
+class LookAlike(nn.Module):
+    """Hyper-connection-like code that is not mHC: one-sided normalisation, or tanh mappings."""
+
+    def __init__(self, kind, n=4, C=16):
+        super().__init__()
+        self.kind, self.n = kind, n
+        self.phi = nn.Linear(n * C, n * n + 2 * n, bias=False)
+        self.f = nn.Linear(C, C)
+
+    def forward(self, x):  # [B, S, n, C]
+        n = self.n
+        proj = self.phi(x.flatten(-2))
+        pre, post, res = proj[..., :n], proj[..., n:2 * n], proj[..., 2 * n:].unflatten(-1, (n, n))
+        if self.kind == "row_softmax":  # one-sided: rows only, repeated
+            m = res.exp()
+            for _ in range(4):
+                m = m / m.sum(-1, keepdim=True)
+        elif self.kind == "one_round":
+            m = res.exp()
+            m = m / m.sum(-1, keepdim=True)
+            m = m / m.sum(-2, keepdim=True)
+        else:  # original hyper-connections: tanh, no Sinkhorn
+            m = torch.tanh(res)
+        y = torch.einsum("bsn,bsnc->bsc", torch.sigmoid(pre), x)
+        return torch.einsum("bsmn,bsmc->bsnc", m, x) + 2 * torch.sigmoid(post).unsqueeze(-1) * self.f(y).unsqueeze(-2)
+
+
+@pytest.mark.parametrize("kind", ["row_softmax", "one_round", "tanh"])
+def test_look_alikes_not_detected(kind):
+    be = _detect(LookAlike(kind), torch.randn(2, 8, 4, 16))
+    assert not [x for x in be.matches if x["pattern"] == "mhc_layer"]
+
+
+def test_default_block_length_is_papers():
+    assert default_block_length(4, 60) == 6
+    assert default_block_length(4, 8) == 2
+    assert default_block_length(1, 1) == 1
+
+
+def _train_step(model, x, **options):
+    """Saved-for-backward bytes (hooks, activations only), the report, output and gradients."""
+    torch._dynamo.reset()
+    be = Collect(force_disable_caches=True, **options)
+    cm = torch.compile(model, backend=be)
+    torch.manual_seed(123)
+    cm(x)  # compile
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    torch.manual_seed(123)  # same dropout masks in every run
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = cm(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad((out * w).sum(), [x] + list(model.parameters()))
+    return sum(storages.values()), be.reports[0], out.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def mhc_runs():
+    torch.manual_seed(0)
+    m = MHCGPT(32, 2, 2, n=4, layout="bsnc", sinkhorn_iters=4, dropout=0.1)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    runs = {}
+    for name, opts in {"off": {"hc_recompute": "off"}, "block": {}, "layer": {"hc_recompute": "layer"},
+                       "block3": {"hc_recompute_block": 3},
+                       "no_norm": {"hc_recompute_include_norm": False},
+                       "no_bda": {"hc_recompute_include_bda": False}}.items():
+        runs[name] = _train_step(m, x, **opts)
+    return runs
+
+
+def test_saved_bytes_equal_plan_and_drop(mhc_runs):
+    for name, (measured, report, _, _) in mhc_runs.items():
+        assert measured == report.saved_bytes["bytes"], name
+    assert mhc_runs["block"][0] < mhc_runs["layer"][0] < mhc_runs["off"][0]
+
+
+def test_gradients_with_dropout_equal_exactly(mhc_runs):
+    _, _, out_off, g_off = mhc_runs["off"]
+    for name in ("block", "layer", "block3", "no_norm", "no_bda"):
+        _, _, out, grads = mhc_runs[name]
+        assert torch.equal(out, out_off), name
+        assert all(torch.equal(a, b) for a, b in zip(grads, g_off)), name
+
+
+def test_options_change_plan_as_documented(mhc_runs):
+    plan = {k: v[1].recompute_plan for k, v in mhc_runs.items()}
+    assert plan["off"] == []
+    # 4 sublayers, n=4: default L_r = round(sqrt(4*4/6)) = 2
+    assert [b["layers"] for b in plan["block"]] == [[0, 1], [2, 3]]
+    assert [b["layers"] for b in plan["layer"]] == [[0], [1], [2], [3]]
+    assert [b["layers"] for b in plan["block3"]] == [[0, 1, 2], [3]]
+    for b in plan["block"]:
+        assert len(b["saved"]) == 1 + len(b["layers"])  # block input + each sublayer output
+    assert mhc_runs["no_norm"][0] > mhc_runs["block"][0]   # norm outputs saved instead
+    assert mhc_runs["no_bda"][0] > mhc_runs["block"][0]    # streams inside a block saved
+    md = mhc_runs["block"][1].to_markdown()
+    assert "## Recompute plan" in md and "Saved for backward" in md
