@@ -106,6 +106,9 @@ class _CompileState:
                 self.dumper.write(f"{prefix}.after.py", graph_code(target))
 
 
+_NOT_IN_CACHE_KEY = ("dump_dir", "depyf", "strict", "compiler")
+
+
 class HCGraphPass(CustomGraphPass):
     """One composite pass per Inductor hook; it runs every pass registered for its stage."""
 
@@ -123,7 +126,10 @@ class HCGraphPass(CustomGraphPass):
 
     def uuid(self) -> Any:
         cfg = self.state.cfg
-        extra = repr((self.stage, sorted(cfg.disable_passes), cfg.probe, cfg.probe_tolerance,
+        # every option a pass reads must be in the key: Dynamo-stage passes also set node tags
+        # (recompute policies) that the AOT/FX caches do not see in the graph code
+        affecting = {k: v for k, v in sorted(cfg.values.items()) if k not in _NOT_IN_CACHE_KEY}
+        extra = repr((self.stage, affecting, [p.name for p in passes_for_stage("dynamo")],
                       [p.name for p in passes_for_stage(self.stage)]))
         prior = self.prior
         if prior is not None:

@@ -133,3 +133,7 @@ def test_custom_pass_uuid_is_stable_and_tracks_config():
 
     assert uuid() == uuid()
     assert uuid() != uuid(disable_passes=["linear_attn"])
+    # recompute tags live in node meta, invisible to the graph-code cache key: options must count
+    assert uuid() != uuid(hc_recompute="off") != uuid(hc_recompute="layer")
+    assert uuid() != uuid(hc_recompute_block=3)
+    assert uuid() == uuid(dump_dir="/tmp/somewhere")

@@ -83,6 +83,21 @@ class HyperConnection(nn.Module):
             return x + self.dropout(self.sublayer(x))
         return getattr(self, f"_forward_{self.layout}")(x)
 
+    def as_recompute_sublayer(self, name: str):
+        """This hyper-connection as the eager manager's plain functions (layout "bsnc")."""
+        from ..recompute import MHCSublayer
+
+        sub = self.sublayer
+        return MHCSublayer(
+            compute_mappings=lambda x: self.mapping(x.flatten(-2)),
+            aggregate=lambda x, h_pre: torch.einsum("bsn,bsnc->bsc", h_pre, x),
+            apply_h_res=lambda h_res, x: torch.einsum("bsmn,bsmc->bsnc", h_res, x),
+            norm=sub.norm,
+            fn=lambda z: self.dropout(sub.forward_normed(z)),
+            apply_h_post=lambda f, h_post: h_post.unsqueeze(-1) * f.unsqueeze(-2),
+            bda=lambda post, mixed: mixed + post,
+            name=name)
+
     def _forward_bsnc(self, x):  # [B, S, n, C]
         h_pre, h_post, h_res = self.mapping(x.flatten(-2))
         y = torch.einsum("bsn,bsnc->bsc", h_pre, x)
@@ -123,8 +138,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, y):  # [B, S, C]
-        B, S, C = y.shape
-        q, k, v = self.qkv(self.norm(y)).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return self.forward_normed(self.norm(y))
+
+    def forward_normed(self, z):
+        B, S, C = z.shape
+        q, k, v = self.qkv(z).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(o.transpose(1, 2).reshape(B, S, C))
 
@@ -137,7 +155,10 @@ class MLP(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, y):
-        return self.down(F.gelu(self.up(self.norm(y))))
+        return self.forward_normed(self.norm(y))
+
+    def forward_normed(self, z):
+        return self.down(F.gelu(self.up(z)))
 
 
 class MHCGPT(nn.Module):
@@ -187,9 +208,31 @@ class MHCGPT(nn.Module):
             return reduce(x.view(S, B, n, self.dim), dim=2).transpose(0, 1)
         return reduce(x.view(B, n, -1, self.dim), dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recompute: object = None, block_layers: int | None = None
+                ) -> torch.Tensor:
+        """`recompute` ("block", "layer" or a hccompile.recompute.RecomputeConfig) runs the eager
+        block-recompute manager (layout "bsnc", n > 1): blocks of `block_layers` transformer
+        layers (default: the paper's L_r* sublayers, rounded up to whole layers)."""
         B = x.shape[0]
         h = self.expand(x)
-        for layer in self.layers:
-            h = layer(h)
+        if recompute is None or self.n == 1 or not torch.is_grad_enabled():
+            for layer in self.layers:
+                h = layer(h)
+        else:
+            h = self._forward_managed(h, recompute, block_layers)
         return self.head(self.norm(self.contract_streams(h, B)))
+
+    def _forward_managed(self, h, recompute, block_layers):
+        from ..recompute import MHCSublayer, RecomputeConfig, mhc_block_forward
+
+        if self.layout != "bsnc":
+            raise ValueError("the eager recompute manager adapter supports layout 'bsnc' only")
+        cfg = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(granularity=recompute)
+        subs = [hc.as_recompute_sublayer(f"sub{i}") for i, hc in enumerate(self.layers)]
+        pairs = [subs[i:i + 2] for i in range(0, len(subs), 2)]
+        if block_layers is None:
+            lr = round(math.sqrt(self.n * len(subs) / (self.n + 2)))
+            block_layers = max(1, math.ceil(lr / 2))
+        for b in range(0, len(pairs), block_layers):
+            h = mhc_block_forward(h, pairs[b:b + block_layers], cfg, name=f"block{b // block_layers}")
+        return h

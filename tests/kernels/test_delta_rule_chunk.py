@@ -38,7 +38,7 @@ GATE_PARAMETER_TOLERANCE = 1e-4
 
 def relative_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all(), "non-finite values: unwritten (NaN poison) or overflowed elements"
-    out, ref = out.double(), ref.double()
+    out, ref = out.double(), ref.double().to(out.device)
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
