@@ -1,0 +1,282 @@
+"""Tests for lightning attention with a per-head decay: the PyTorch references and the chunked
+Triton kernels (forward, final state, and the micro-chunked backward of seed 004)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from hccompile.kernels.lightning.chunk import (
+    MAX_HEAD_DIM,
+    lightning_attn_bwd,
+    lightning_attn_fwd,
+    triton_available,
+)
+from hccompile.kernels.lightning.decay_reference import (
+    lightning_attn_recurrent_ref,
+    lightning_attn_ref,
+)
+
+TRITON_CAN_RUN = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+requires_triton = pytest.mark.skipif(
+    not TRITON_CAN_RUN, reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Relative RMS error limits (output and final state, gradients). Triton's interpreter casts
+# float32 to bfloat16 by truncation, which about triples the bfloat16 error on CPU.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (5e-3, 8e-3) if DEVICE == "cuda" else (1e-2, 1e-2),
+    torch.bfloat16: (5e-3, 8e-3) if DEVICE == "cuda" else (1e-2, 1e-2),
+}
+
+
+def relative_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite values: unwritten (NaN poison) or overflowed elements"
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_decay(kind: str, heads: int) -> torch.Tensor:
+    if kind == "none":
+        return torch.zeros(heads)
+    if kind == "alibi":  # lightning attention's slopes: -2^(-8 (h + 1) / H)
+        return -torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+    if kind == "strong":
+        return torch.full((heads,), -0.5)
+    if kind == "mixed":
+        return torch.tensor([-0.5, 0.0, -0.03, -1e-3])[:heads]
+    raise ValueError(kind)
+
+
+def random_inputs(batch, time, heads, key_dim, value_dim, dtype, with_state, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q, k = randn(batch, time, heads, key_dim), randn(batch, time, heads, key_dim)
+    v, do = randn(batch, time, heads, value_dim), randn(batch, time, heads, value_dim)
+    h0 = randn(batch, heads, key_dim, value_dim) if with_state else None
+    dht = randn(batch, heads, key_dim, value_dim) if with_state else None
+    to = lambda t: None if t is None else t.to(device=DEVICE, dtype=dtype)  # noqa: E731
+    to32 = lambda t: None if t is None else t.to(device=DEVICE)  # noqa: E731
+    return to(q), to(k), to(v), to(do), to32(h0), to32(dht)
+
+
+def float64_reference(q, k, v, decay, do, scale, h0=None, dht=None):
+    """(o, final state, dq, dk, dv, dh0) from autograd through the quadratic reference in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    h64 = None if h0 is None else h0.detach().double().requires_grad_()
+    o, final = lightning_attn_ref(*leaves, decay.double(), scale, h64, output_final_state=True)
+    outputs, grads_in = [o], [do.double()]
+    if dht is not None:
+        outputs.append(final)
+        grads_in.append(dht.double())
+    inputs = leaves + ([h64] if h64 is not None else [])
+    grads = torch.autograd.grad(outputs, inputs, grads_in)
+    dh0 = grads[3] if h64 is not None else None
+    return o.detach(), final.detach(), grads[0], grads[1], grads[2], dh0
+
+
+# ---------------------------------------------------------------- references
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("decay_kind", ["none", "alibi", "strong"])
+def test_quadratic_reference_matches_recurrence(decay_kind, with_state):
+    q, k, v, _, h0, _ = random_inputs(2, 37, 3, 12, 9, torch.float64, with_state)
+    decay = make_decay(decay_kind, 3).double().to(DEVICE)
+    o, final = lightning_attn_ref(q, k, v, decay, 0.3, h0, True)
+    o_rec, final_rec = lightning_attn_recurrent_ref(q, k, v, decay, 0.3, h0, True)
+    assert relative_rms_error(o, o_rec) < 1e-12
+    assert relative_rms_error(final, final_rec) < 1e-12
+
+
+def test_reference_without_decay_is_plain_causal_linear_attention():
+    from hccompile.kernels.lightning.reference import causal_linear_attn_ref
+
+    q, k, v, _, _, _ = random_inputs(1, 20, 2, 8, 8, torch.float64, False)
+    o, final = lightning_attn_ref(q, k, v, torch.zeros(2, dtype=torch.float64, device=DEVICE), 0.5)
+    assert final is None
+    assert relative_rms_error(o, causal_linear_attn_ref(q, k, v, 0.5)) < 1e-12
+
+
+# ---------------------------------------------------------------- kernels: forward and backward
+
+# (batch, time, heads, K, V, decay, initial state, dtype)
+CASES = [
+    (1, 1, 2, 16, 16, "alibi", True, torch.float32),
+    (2, 17, 2, 60, 60, "strong", False, torch.float32),
+    (1, 64, 3, 64, 64, "none", True, torch.float32),
+    (1, 100, 4, 100, 60, "mixed", True, torch.float32),  # K != V, both not powers of two
+    (1, 130, 2, 64, 16, "alibi", False, torch.float32),
+    (1, 100, 2, 64, 64, "alibi", True, torch.bfloat16),
+    (1, 130, 2, 60, 100, "strong", True, torch.float16),
+    (1, 17, 2, 16, 64, "none", False, torch.bfloat16),
+]
+
+
+def case_id(case):
+    batch, time, heads, key_dim, value_dim, decay, state, dtype = case
+    return f"B{batch}T{time}H{heads}K{key_dim}V{value_dim}-{decay}-{'h0' if state else 'noh0'}-{str(dtype)[6:]}"
+
+
+@requires_triton
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_forward_and_backward_match_float64_reference(case):
+    batch, time, heads, key_dim, value_dim, decay_kind, with_state, dtype = case
+    q, k, v, do, h0, dht = random_inputs(batch, time, heads, key_dim, value_dim, dtype, with_state)
+    decay = make_decay(decay_kind, heads).to(DEVICE)
+    scale = key_dim**-0.5
+    o_ref, final_ref, dq_ref, dk_ref, dv_ref, dh0_ref = float64_reference(q, k, v, decay, do, scale, h0, dht)
+    out_tol, grad_tol = TOLERANCES[dtype]
+
+    o, final = lightning_attn_fwd(q, k, v, decay, scale, h0, output_final_state=True)
+    assert o.dtype == dtype and final.dtype == torch.float32
+    assert relative_rms_error(o, o_ref) < out_tol
+    assert relative_rms_error(final, final_ref) < out_tol
+
+    dq, dk, dv, dh0 = lightning_attn_bwd(q, k, v, decay, do, scale, h0, dht)
+    for name, grad, ref in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+        assert grad.dtype == dtype
+        assert relative_rms_error(grad, ref) < grad_tol, name
+    if with_state:
+        assert dh0.dtype == h0.dtype
+        assert relative_rms_error(dh0, dh0_ref) < grad_tol
+    else:
+        assert dh0 is None
+
+
+@requires_triton
+def test_forward_without_final_state_returns_none():
+    q, k, v, _, _, _ = random_inputs(1, 20, 2, 16, 16, torch.float32, False)
+    o, final = lightning_attn_fwd(q, k, v, make_decay("alibi", 2).to(DEVICE), None)
+    assert final is None
+    o_ref, _ = lightning_attn_ref(q.double(), k.double(), v.double(), make_decay("alibi", 2).double(), 16**-0.5)
+    assert relative_rms_error(o, o_ref) < 1e-4
+
+
+@requires_triton
+@pytest.mark.parametrize("block, cblock", [(16, 16), (32, 16), (64, 16), (64, 32), (128, 32)])
+def test_gradients_hold_for_every_block_and_micro_chunk(block, cblock):
+    """Varies the inter/intra block and the micro-chunk. T = 130 leaves a partial last block for
+    every block size and several blocks, so an inter-block state step that is not the intra-block
+    BLOCK (the seed-004 trap) double-counts or drops pairs and fails by a wide margin."""
+    heads = 4
+    q, k, v, do, h0, dht = random_inputs(1, 130, heads, 32, 24, torch.float32, True, seed=1)
+    decay = make_decay("mixed", heads).to(DEVICE)
+    scale = 32**-0.5
+    o_ref, final_ref, dq_ref, dk_ref, dv_ref, dh0_ref = float64_reference(q, k, v, decay, do, scale, h0, dht)
+    o, final = lightning_attn_fwd(q, k, v, decay, scale, h0, True, block=block, cblock=cblock)
+    assert relative_rms_error(o, o_ref) < 1e-4
+    assert relative_rms_error(final, final_ref) < 1e-4
+    grads = lightning_attn_bwd(q, k, v, decay, do, scale, h0, dht, block=block, cblock=cblock)
+    for name, grad, ref in zip(("dq", "dk", "dv", "dh0"), grads, (dq_ref, dk_ref, dv_ref, dh0_ref)):
+        assert relative_rms_error(grad, ref) < 1e-4, f"{name} at block={block}, cblock={cblock}"
+
+
+@requires_triton
+def test_head_dim_256_and_strided_inputs():
+    """The largest head dim, and q/k/v as non-contiguous views of one packed projection."""
+    generator = torch.Generator().manual_seed(3)
+    packed = torch.randn(1, 40, 2, 3 * MAX_HEAD_DIM, generator=generator).to(DEVICE)
+    q, k, v = packed.split(MAX_HEAD_DIM, dim=-1)
+    do = torch.randn(1, 40, 2, MAX_HEAD_DIM, generator=generator).to(DEVICE)
+    decay = make_decay("alibi", 2).to(DEVICE)
+    scale = MAX_HEAD_DIM**-0.5
+    o_ref, _, dq_ref, dk_ref, dv_ref, _ = float64_reference(q, k, v, decay, do, scale)
+    o, _ = lightning_attn_fwd(q, k, v, decay, scale, block=32, cblock=16)
+    assert relative_rms_error(o, o_ref) < 1e-4
+    dq, dk, dv, _ = lightning_attn_bwd(q, k, v, decay, do, scale, block=32, cblock=16)
+    for grad, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert relative_rms_error(grad, ref) < 1e-4
+
+
+@requires_triton
+def test_every_output_element_is_written():
+    """NaN-poisoned outputs: any element the kernels skip stays NaN and fails the check."""
+    heads = 2
+    q, k, v, do, h0, dht = random_inputs(2, 100, heads, 60, 40, torch.float32, True)
+    decay = make_decay("alibi", heads).to(DEVICE)
+    nan = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    o_out, final_out = nan(v), nan(h0)
+    o, final = lightning_attn_fwd(q, k, v, decay, 0.2, h0, True, out=o_out, final_state_out=final_out)
+    assert o is o_out and final is final_out
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    grads_out = (nan(q), nan(k), nan(v), nan(h0))
+    grads = lightning_attn_bwd(q, k, v, decay, do, 0.2, h0, dht, out=grads_out)
+    for grad, given in zip(grads, grads_out):
+        assert grad is given
+        assert torch.isfinite(grad).all()
+
+
+@requires_triton
+def test_empty_sequence_passes_the_state_through():
+    q, k, v, do, h0, dht = random_inputs(1, 0, 2, 16, 16, torch.float32, True)
+    decay = make_decay("strong", 2).to(DEVICE)
+    o, final = lightning_attn_fwd(q, k, v, decay, 0.5, h0, True)
+    assert o.shape == (1, 0, 2, 16)
+    assert torch.equal(final, h0)
+    *_, dh0 = lightning_attn_bwd(q, k, v, decay, do, 0.5, h0, dht)
+    assert torch.equal(dh0, dht)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _valid_inputs():
+    q, k, v, do, h0, dht = random_inputs(1, 8, 2, 16, 16, torch.float32, True)
+    return q, k, v, make_decay("alibi", 2).to(DEVICE), do, h0, dht
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda a: {**a, "decay": torch.zeros(3)}, ValueError, "decay: expected shape"),
+        (lambda a: {**a, "decay": torch.zeros(2, dtype=torch.int64)}, TypeError, "decay: expected a floating"),
+        (lambda a: {**a, "decay": torch.tensor([-0.1, 0.2])}, ValueError, "decay: log-decays must be <= 0"),
+        (lambda a: {**a, "decay": torch.tensor([-0.1, math.nan])}, ValueError, "decay: log-decays must be finite"),
+        (lambda a: {**a, "initial_state": torch.zeros(1, 2, 16, 8)}, ValueError, "initial_state: expected shape"),
+        (lambda a: {**a, "k": a["k"][..., :8]}, ValueError, "k: head dim"),
+        (lambda a: {**a, "v": a["v"].double()}, TypeError, "v: dtype"),
+        (lambda a: {**a, "block": 48}, ValueError, "block: must be a power of two"),
+        (lambda a: {**a, "cblock": 8}, ValueError, "cblock: must be a power of two >= 16"),
+        (lambda a: {**a, "block": 32, "cblock": 64}, ValueError, "cblock: micro-chunk 64 exceeds block 32"),
+        (lambda a: {**a, "block": 512}, ValueError, "block: 512 exceeds the supported maximum 256"),
+    ],
+)
+def test_forward_validation_errors(change, error, message):
+    q, k, v, decay, _, h0, _ = _valid_inputs()
+    args = change({"q": q, "k": k, "v": v, "decay": decay, "initial_state": h0, "block": 64, "cblock": 16})
+    with pytest.raises(error, match=message):
+        lightning_attn_fwd(
+            args["q"], args["k"], args["v"], args["decay"], None, args["initial_state"], True,
+            block=args["block"], cblock=args["cblock"],
+        )
+
+
+def test_head_dim_limit_and_out_errors():
+    generator = torch.Generator().manual_seed(0)
+    big = torch.randn(1, 4, 1, MAX_HEAD_DIM + 1, generator=generator)
+    with pytest.raises(ValueError, match=f"q: head dim {MAX_HEAD_DIM + 1} exceeds the supported maximum"):
+        lightning_attn_fwd(big, big, big, torch.zeros(1), None)
+    q, k, v, decay, do, h0, dht = _valid_inputs()
+    with pytest.raises(ValueError, match="out: shape"):
+        lightning_attn_fwd(q, k, v, decay, None, out=torch.empty(1, 8, 2, 8))
+    with pytest.raises(TypeError, match="final_state_out: dtype"):
+        lightning_attn_fwd(q, k, v, decay, None, h0, True, final_state_out=h0.double())
+    with pytest.raises(ValueError, match="dht: expected shape"):
+        lightning_attn_bwd(q, k, v, decay, do, None, h0, dht[..., :8])
+    with pytest.raises(ValueError, match="do: head dim"):
+        lightning_attn_bwd(q, k, v, decay, do[..., :8], None, h0, dht)
+    with pytest.raises(ValueError, match=r"out\[3\] \(dh0\): given but there is no initial_state"):
+        lightning_attn_bwd(q, k, v, decay, do, None, None, dht, out=(q.clone(), k.clone(), v.clone(), h0.clone()))
+
+
+def test_triton_available_reports_the_interpreter():
+    assert triton_available("cpu") == (os.environ.get("TRITON_INTERPRET") == "1")
