@@ -1,6 +1,7 @@
 """Every difference between the torch versions we support (2.11 and 2.13) lives here."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -61,3 +62,25 @@ def hash_files(paths: tuple[str, ...], extra: str = "") -> bytes:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     return get_hash_for_files(paths, extra)
+
+
+# --- recording autograd inside a custom op's implementation (private dispatcher API) ---
+# The Autograd dispatch keys that a custom op's implementation runs without (it is called below
+# Autograd, under the equivalent of torch._C._AutoDispatchBelowAutograd).
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor))
+
+
+@contextlib.contextmanager
+def autograd_recording():
+    """Lets torch.autograd.grad work inside the backward op's implementation: custom ops run below
+    the Autograd dispatch key, where no graph is recorded even under enable_grad. Both backward
+    paths need it: the fallback differentiates the reference, and the kernels differentiate KDA's
+    gate activation by autograd. (torch.func.vjp would avoid the private guard but breaks under
+    the dispatch modes of opcheck.) Only the Autograd keys are restored; autocast stays as it was."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    included = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(included, excluded - _AUTOGRAD_KEYS), torch.enable_grad():
+        yield
+

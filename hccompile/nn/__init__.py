@@ -1,5 +1,7 @@
 """Reference modules written in plain PyTorch, as users write them; the passes find their
 patterns without knowing these classes."""
 from .linear_attention import PlainCausalLinearAttention, TinyLinearTransformer
+from .mhc import HyperConnection, MHCGPT, MHCMapping
 
-__all__ = ["PlainCausalLinearAttention", "TinyLinearTransformer"]
+__all__ = ["PlainCausalLinearAttention", "TinyLinearTransformer", "HyperConnection", "MHCGPT",
+           "MHCMapping"]

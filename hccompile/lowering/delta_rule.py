@@ -1,0 +1,411 @@
+"""The (gated) delta rule — plain, GDN (scalar log-gate) and KDA (per-channel log-gate) — as custom ops.
+
+Layout and conventions are FLA's: q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H;
+beta [B, T, HV]; g [B, T, HV] (GDN) or [B, T, HV, K] (KDA); states [N, HV, K, V]; variable-length
+batches are B = 1 plus cu_seqlens [N + 1]. One op per direction, so AOTAutograd puts the forward op
+in the forward graph and the backward op in the backward graph:
+
+    hccompile::chunk_delta_rule(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g,
+        Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, str gate,
+        float scale, bool output_final_state, bool use_qk_l2norm_in_kernel, float? lower_bound,
+        SymInt chunk_size) -> (Tensor o, Tensor final_state)
+    hccompile::chunk_delta_rule_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g,
+        Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, Tensor do,
+        Tensor? dht, str gate, float scale, bool use_qk_l2norm_in_kernel, float? lower_bound,
+        SymInt chunk_size) -> (dq, dk, dv, dbeta, dg, dinitial_state, dA_log, ddt_bias)
+
+Custom ops cannot return None, so: the forward op's `final_state` is a zero-size tensor of shape
+(0,) when output_final_state is False, and the backward op returns a zero-size (0,) tensor (q's
+dtype) for every gradient whose input is absent. The public functions turn both back into None.
+The final state is float32 (float64 when q is float64), as FLA's.
+
+On CUDA, and on CPU under TRITON_INTERPRET=1, the ops run our Triton kernels
+(kernels/delta_rule/chunk.py) when every floating input is float16, bfloat16 or float32; otherwise
+(CPU without the interpreter, or any float64 input) they run the chunked plain-PyTorch reference,
+with the backward by autograd through it: same math, documented fallback.
+
+Usage::
+
+    import torch
+    from hccompile.lowering.delta_rule import chunk_gated_delta_rule
+
+    B, T, H, K, V = 2, 100, 4, 64, 64
+    q, k = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, T, H, V, requires_grad=True)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H))        # log-decay <= 0
+    beta = torch.rand(B, T, H).sigmoid()
+    o, state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+    o.sum().backward()
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from ..compat import autograd_recording as _autograd_recording
+from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_delta_rule_bwd, chunk_delta_rule_fwd,
+                                  chunk_delta_rule_ref, triton_available)
+from ..kernels.delta_rule.chunk import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES
+from ..kernels.delta_rule.reference import GATE_KINDS
+
+__all__ = [
+    "chunk_delta_rule",
+    "chunk_delta_rule_backward_op",
+    "chunk_delta_rule_op",
+    "chunk_gated_delta_rule",
+    "chunk_kda",
+    "implementation",
+]
+
+# The op's optional tensor inputs, in schema order after q, k, v, beta.
+_OPTIONAL_NAMES = ("g", "initial_state", "cu_seqlens", "A_log", "dt_bias")
+
+
+# ----------------------------------------------------------------------------------------
+# Validation
+
+
+def _require(name: str, tensor, dim: int | None = None, layout: str = "") -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if dim is not None and tensor.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor {layout}, got shape {tuple(tensor.shape)}")
+    if name != "cu_seqlens" and not tensor.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {tensor.dtype}")
+
+
+def _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
+                           do=None, dht=None) -> None:
+    """The shape contract of check_delta_rule_inputs without reading cu_seqlens values or turning a
+    size into a Python int: safe on fake tensors with symbolic sizes (it only adds equality guards).
+    The real ops run the kernel package's full check as well."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _require(name, tensor, 4, "[batch, time, heads, head_dim]")
+    _require("beta", beta, 3, "[batch, time, value_heads]")
+    batch, time, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k: shape {tuple(k.shape)} differs from q's shape {tuple(q.shape)}")
+    if tuple(v.shape[:2]) != (batch, time):
+        raise ValueError(f"v: batch, time {tuple(v.shape[:2])} differ from q's {(batch, time)}")
+    if value_heads % key_heads != 0:
+        raise ValueError(f"v: heads HV={value_heads} must be a multiple of q's H={key_heads}")
+    if tuple(beta.shape) != (batch, time, value_heads):
+        raise ValueError(f"beta: shape {tuple(beta.shape)} differs from the expected {(batch, time, value_heads)}")
+    if gate not in GATE_KINDS:
+        raise ValueError(f"gate: expected one of {GATE_KINDS}, got {gate!r}")
+    if gate == "none":
+        if g is not None:
+            raise ValueError('g: must be None for gate="none"')
+    else:
+        expected = (batch, time, value_heads) if gate == "scalar" else (batch, time, value_heads, key_dim)
+        if g is None:
+            raise ValueError(f'g: required for gate="{gate}", shape {expected}')
+        _require("g", g)
+        if tuple(g.shape) != expected:
+            raise ValueError(f'g: shape {tuple(g.shape)} differs from the expected {expected} for gate="{gate}"')
+    if A_log is not None or dt_bias is not None:
+        if gate != "channel":
+            raise ValueError(f'A_log: the in-kernel gate needs gate="channel", got gate="{gate}"')
+        if A_log is None or dt_bias is None:
+            raise ValueError("A_log: the in-kernel gate needs both A_log and dt_bias")
+        _require("A_log", A_log, 1, "[HV]")
+        _require("dt_bias", dt_bias, 1, "[HV * K]")
+        if A_log.shape[0] != value_heads:
+            raise ValueError(f"A_log: shape {tuple(A_log.shape)} differs from the expected ({value_heads},)")
+        if dt_bias.shape[0] != value_heads * key_dim:
+            raise ValueError(f"dt_bias: shape {tuple(dt_bias.shape)} differs from the expected "
+                             f"({value_heads * key_dim},)")
+    elif lower_bound is not None:
+        raise ValueError("lower_bound: only used by the in-kernel gate (pass A_log and dt_bias)")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"lower_bound: must be negative (a log-decay), got {lower_bound}")
+    if cu_seqlens is not None:
+        _require("cu_seqlens", cu_seqlens, 1, "[N + 1]")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+        if batch != 1:
+            raise ValueError(f"cu_seqlens: requires B == 1, got B={batch}")
+    state_shape = _state_shape(q, v, cu_seqlens)
+    for name, tensor in (("initial_state", initial_state), ("dht", dht)):
+        if tensor is not None:
+            _require(name, tensor, 4, "[N, HV, K, V]")
+            if tuple(tensor.shape) != state_shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the expected {state_shape}")
+    if do is not None:
+        _require("do", do, 4, "[B, T, HV, V]")
+        if tuple(do.shape) != (batch, time, value_heads, value_dim):
+            raise ValueError(f"do: shape {tuple(do.shape)} differs from the expected "
+                             f"{(batch, time, value_heads, value_dim)}")
+
+
+def _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size) -> None:
+    """Dtype, device, head-dim and chunk-size limits shared by both implementations."""
+    if q.dtype not in SUPPORTED_DTYPES + (torch.float64,):
+        raise TypeError(f"q: dtype {q.dtype} is not supported (float16, bfloat16, float32, float64)")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {tensor.dtype} differs from q's dtype {q.dtype}")
+    for name, tensor in (("k", k), ("v", v), ("beta", beta), ("g", g), ("initial_state", initial_state),
+                         ("A_log", A_log), ("dt_bias", dt_bias)):
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
+    for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
+    # The kernels' chunk sizes, also for the reference: the two paths must accept the same calls.
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+
+
+def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Tensor | None):
+    # N from the shape of cu_seqlens, never from its values: valid for fake tensors.
+    num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (num_sequences, v.shape[2], q.shape[3], v.shape[3])
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    # The kernels keep the state in float32; the reference in float64 for float64 inputs.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _uses_triton(*tensors: Tensor | None) -> bool:
+    """Kernels when they can run on the device and every floating input has a kernel dtype."""
+    present = [t for t in tensors if t is not None]
+    return triton_available(present[0].device) and all(t.dtype in SUPPORTED_DTYPES for t in present)
+
+
+def implementation(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Which implementation backs the ops for this device and dtype: 'triton', 'triton-interpreter'
+    or 'reference'."""
+    device = torch.device(device)
+    if dtype in SUPPORTED_DTYPES and triton_available(device):
+        return "triton" if device.type == "cuda" else "triton-interpreter"
+    return "reference"
+
+
+def _absent(q: Tensor) -> Tensor:
+    """What the ops return in place of a missing tensor (custom ops cannot return None)."""
+    return q.new_empty((0,))
+
+
+# ----------------------------------------------------------------------------------------
+# Forward op
+
+
+@torch.library.custom_op("hccompile::chunk_delta_rule", mutates_args=())
+def chunk_delta_rule_op(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, gate: str, scale: float,
+    output_final_state: bool, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
+                dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size)
+    if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
+        o, final_state = chunk_delta_rule_fwd(q, k, v, beta, **args)
+    else:
+        o, final_state = chunk_delta_rule_ref(q, k, v, beta, **args)
+    if final_state is None:
+        return o, q.new_empty((0,), dtype=_state_dtype(q))
+    return o, final_state.to(_state_dtype(q)).contiguous()
+
+
+@chunk_delta_rule_op.register_fake
+def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
+                           output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size):
+    _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound)
+    _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    batch, time, value_heads, value_dim = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
+    o = v.new_empty((batch, time, value_heads, value_dim))
+    state_shape = _state_shape(q, v, cu_seqlens) if output_final_state else (0,)
+    return o, q.new_empty(state_shape, dtype=_state_dtype(q))
+
+
+# ----------------------------------------------------------------------------------------
+# Backward op
+
+
+
+
+def _reference_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate, scale,
+                        use_qk_l2norm_in_kernel, lower_bound, chunk_size) -> dict[str, Tensor | None]:
+    """Gradients by autograd through chunk_delta_rule_ref (the fallback's backward)."""
+    inputs = dict(zip(GRADIENT_NAMES, (q, k, v, beta, g, initial_state, A_log, dt_bias)))
+    with _autograd_recording():
+        leaves = {name: t.detach().requires_grad_() for name, t in inputs.items() if t is not None}
+        o, final_state = chunk_delta_rule_ref(
+            gate=gate, scale=scale, output_final_state=dht is not None, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound, chunk_size=chunk_size,
+            **leaves,
+        )
+        outputs, cotangents = [o], [do.to(o.dtype)]
+        if dht is not None:
+            outputs.append(final_state)
+            cotangents.append(dht.to(final_state.dtype))
+        grads = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)
+    result: dict[str, Tensor | None] = dict.fromkeys(GRADIENT_NAMES)
+    for (name, leaf), grad in zip(leaves.items(), grads):
+        result[name] = torch.zeros_like(leaf) if grad is None else grad
+    return result
+
+
+def _kernel_backward(q, k, v, beta, do, dht, **args) -> dict[str, Tensor | None]:
+    """Gradients by the Triton backward kernels."""
+    with _autograd_recording():
+        return chunk_delta_rule_bwd(q, k, v, beta, **args, do=do.to(v.dtype),
+                                    dht=None if dht is None else dht.to(torch.float32))
+
+
+@torch.library.custom_op("hccompile::chunk_delta_rule_backward", mutates_args=())
+def chunk_delta_rule_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, do: Tensor, dht: Tensor | None,
+    gate: str, scale: float, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                lower_bound=lower_bound, chunk_size=chunk_size)
+    # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
+    if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
+        grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, **args)
+    else:
+        grads = _reference_backward(q, k, v, beta, do=do, dht=dht, **args)
+    inputs = dict(zip(GRADIENT_NAMES, (q, k, v, beta, g, initial_state, A_log, dt_bias)))
+    return tuple(
+        _absent(q) if inputs[name] is None else grads[name].to(inputs[name].dtype).contiguous()
+        for name in GRADIENT_NAMES
+    )
+
+
+@chunk_delta_rule_backward_op.register_fake
+def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
+                                    scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size):
+    _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
+                           do=do, dht=dht)
+    _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    return tuple(_absent(q) if t is None else t.new_empty(t.shape)
+                 for t in (q, k, v, beta, g, initial_state, A_log, dt_bias))
+
+
+# ----------------------------------------------------------------------------------------
+# Autograd
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale, output_final_state,
+     use_qk_l2norm_in_kernel, lower_bound, chunk_size) = inputs
+    # The backward recomputes the forward's intermediates from its inputs: nothing else is saved.
+    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias)
+    ctx.options = (gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None):
+    q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
+    gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size = ctx.options
+    if do is None:
+        do = torch.zeros(q.shape[:2] + v.shape[2:], dtype=v.dtype, device=v.device)
+    # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
+    dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
+    grads = chunk_delta_rule_backward_op(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias,
+                                         do.contiguous(), dht, gate, scale, use_qk_l2norm_in_kernel,
+                                         lower_bound, chunk_size)
+    dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (
+        None if x is None else grad for x, grad in zip((q, k, v, beta, g, initial_state, A_log, dt_bias), grads)
+    )
+    # Order of the op's arguments; cu_seqlens and the non-tensor options get None.
+    return dq, dk, dv, dbeta, dg, dh0, None, dA_log, ddt_bias, None, None, None, None, None, None
+
+
+chunk_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# Public functions (FLA's names and argument names)
+
+
+def _run(q, k, v, beta, g, gate, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+         A_log=None, dt_bias=None, lower_bound=None, chunk_size=DEFAULT_CHUNK_SIZE):
+    if not torch.compiler.is_compiling():
+        # The kernel package's full check (it reads cu_seqlens, so eager only); under torch.compile
+        # the fake runs the trace-safe subset, and the real op the full check at run time.
+        check_delta_rule_inputs(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound)
+        _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, final_state = chunk_delta_rule_op(
+        q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, float(scale),
+        bool(output_final_state), bool(use_qk_l2norm_in_kernel),
+        None if lower_bound is None else float(lower_bound), int(chunk_size),
+    )
+    return o, (final_state if output_final_state else None)
+
+
+def chunk_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, scale: float | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False, *,
+    cu_seqlens: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The delta rule without decay: S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, o_t = scale S_t^T q_t.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV]; initial_state [N, HV, K, V]. Returns
+    (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] float32, or None unless
+    output_final_state). `scale` defaults to K**-0.5. Differentiable in q, k, v, beta and
+    initial_state; works under torch.compile(fullgraph=True, dynamic=True).
+    """
+    return _run(q, k, v, beta, None, "none", scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False, *,
+    cu_seqlens: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Gated DeltaNet: the delta rule with a scalar log-decay per token and value head, g [B, T, HV]
+    (natural log, <= 0), applied to the state before the delta correction as in FLA.
+
+    Arguments and results as chunk_delta_rule; also differentiable in g. The arguments after
+    output_final_state are keyword-only because FLA's releases order them differently.
+    """
+    return _run(q, k, v, beta, g, "scalar", scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel)
+
+
+def chunk_kda(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False, *,
+    cu_seqlens: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False, A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None, lower_bound: float | None = None, use_gate_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Kimi Delta Attention: the delta rule with a per-channel log-decay g [B, T, HV, K].
+
+    With use_gate_in_kernel=True, g holds raw activations and the log-decay is computed in the
+    kernel (FLA's names; there A_log and dt_bias travel in **kwargs):
+    g = -exp(A_log) * softplus(g + dt_bias), or with lower_bound b < 0,
+    g = b * sigmoid(exp(A_log) * (g + dt_bias)); A_log [HV], dt_bias [HV * K] (None: zeros, as FLA's
+    optional bias). Arguments and results otherwise as chunk_gated_delta_rule; also
+    differentiable in A_log and dt_bias.
+    """
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log: required when use_gate_in_kernel=True, shape [HV]")
+        if dt_bias is None:
+            value_heads, key_dim = v.shape[2], q.shape[3]
+            dt_bias = torch.zeros(value_heads * key_dim, dtype=A_log.dtype, device=A_log.device)
+    else:
+        for name, given in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if given is not None:
+                raise ValueError(f"{name}: only used with use_gate_in_kernel=True")
+    return _run(q, k, v, beta, g, "channel", scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound)

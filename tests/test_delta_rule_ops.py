@@ -1,0 +1,246 @@
+"""The delta-rule custom ops (hccompile::chunk_delta_rule{,_backward}) and their FLA-style functions:
+opcheck, gradients against the float64 recurrence, torch.compile with dynamic T, input errors.
+
+"kernels" runs the Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1 set before Python starts);
+"reference" forces the documented plain-PyTorch fallback by setting TRITON_INTERPRET=0, which
+triton_available reads at call time."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hccompile.kernels.delta_rule import naive_recurrent_delta_rule
+from hccompile.lowering.delta_rule import (chunk_delta_rule, chunk_delta_rule_backward_op, chunk_delta_rule_op,
+                                           chunk_gated_delta_rule, chunk_kda, implementation)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_CAN_RUN = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+# fp32 inputs against the float64 recurrence; the gate parameters sum the gate gradient over all
+# tokens, which cancels and leaves fewer digits (as in the kernel tests).
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(params=["kernels", "reference"])
+def mode(request, monkeypatch):
+    if request.param == "kernels":
+        if not KERNELS_CAN_RUN:
+            pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
+    else:
+        if DEVICE != "cpu":
+            pytest.skip("the reference fallback is forced through TRITON_INTERPRET, a CPU-only switch")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expected = "reference" if request.param == "reference" else ("triton" if DEVICE == "cuda" else
+                                                                "triton-interpreter")
+    assert implementation(DEVICE) == expected
+    return request.param
+
+
+def relative_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite values"
+    out, ref = out.detach().double(), ref.detach().double().to(out.device)
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_case(gate: str, *, B=1, T=20, H=1, HV=2, K=16, V=16, initial_state=True, seqlens=None,
+              gate_in_kernel=False, seed=0, dtype=torch.float32) -> dict:
+    """Inputs of one call, every tensor fp32 (states, gate parameters) or `dtype`; seqlens given
+    makes a varlen batch (B = 1, cu_seqlens)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    if seqlens is not None:
+        B, T = 1, sum(seqlens)
+    N = B if seqlens is None else len(seqlens)
+    case = dict(q=randn(B, T, H, K), k=randn(B, T, H, K), v=randn(B, T, HV, V),
+                beta=torch.rand(B, T, HV, generator=gen), g=None, initial_state=None, cu_seqlens=None,
+                A_log=None, dt_bias=None)
+    if gate == "scalar":
+        case["g"] = F.logsigmoid(randn(B, T, HV))
+    elif gate == "channel":
+        case["g"] = randn(B, T, HV, K) if gate_in_kernel else F.logsigmoid(randn(B, T, HV, K) + 2)
+    if gate_in_kernel:
+        case["A_log"], case["dt_bias"] = 0.3 * randn(HV), 0.5 * randn(HV * K)
+    if initial_state:
+        case["initial_state"] = 0.5 * randn(N, HV, K, V)
+    if seqlens is not None:
+        case["cu_seqlens"] = torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0)), dtype=torch.int64)
+    for name in ("q", "k", "v", "beta", "g"):
+        if case[name] is not None:
+            case[name] = case[name].to(dtype)
+    return {name: None if t is None else t.to(DEVICE) for name, t in case.items()}
+
+
+def op_args(case: dict, gate: str, *, scale=0.3, output_final_state=True, l2norm=True, lower_bound=None,
+            chunk_size=16) -> tuple:
+    return (case["q"], case["k"], case["v"], case["beta"], case["g"], case["initial_state"], case["cu_seqlens"],
+            case["A_log"], case["dt_bias"], gate, scale, output_final_state, l2norm, lower_bound, chunk_size)
+
+
+OPCHECK_CASES = {
+    # name: (gate, make_case kwargs, op_args kwargs)
+    # The interpreter makes each op call take about a second and opcheck makes dozens, so the cases
+    # are few: GDN and KDA with initial and final state, and one varlen batch (with an empty sequence).
+    "gdn": ("scalar", dict(), dict()),
+    "kda-gate-in-kernel": ("channel", dict(gate_in_kernel=True), dict(lower_bound=-5.0)),
+    "gdn-varlen": ("scalar", dict(seqlens=(7, 0, 13)), dict()),
+}
+
+
+@pytest.mark.parametrize("name", list(OPCHECK_CASES))
+def test_opcheck_forward_and_backward(name, mode):
+    gate, case_kwargs, arg_kwargs = OPCHECK_CASES[name]
+    case = make_case(gate, **case_kwargs)
+    differentiable = {n: (t.requires_grad_() if t is not None and t.is_floating_point() else t)
+                      for n, t in case.items()}
+    args = op_args(differentiable, gate, **arg_kwargs)
+    torch.library.opcheck(chunk_delta_rule_op, args)
+
+    o, final_state = chunk_delta_rule_op(*op_args(case, gate, **arg_kwargs))
+    do = torch.randn_like(o)
+    dht = torch.randn_like(final_state) if arg_kwargs.get("output_final_state", True) else None
+    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+    backward_args = (*detached[:9], do, dht, *[detached[i] for i in (9, 10, 12, 13, 14)])
+    torch.library.opcheck(chunk_delta_rule_backward_op, backward_args)
+
+
+def test_absent_outputs_are_zero_size_placeholders(mode):
+    case = make_case("scalar", initial_state=False)
+    o, final_state = chunk_delta_rule_op(*op_args(case, "scalar", output_final_state=False))
+    assert o.shape == case["v"].shape and final_state.shape == (0,) and final_state.dtype == torch.float32
+    grads = chunk_delta_rule_backward_op(*op_args(case, "scalar")[:9], torch.ones_like(o), None, "scalar", 0.3,
+                                         True, None, 16)
+    # dq, dk, dv, dbeta, dg present; dinitial_state, dA_log, ddt_bias absent.
+    assert [tuple(g.shape) for g in grads[5:]] == [(0,)] * 3
+    o, final_state = chunk_gated_delta_rule(case["q"], case["k"], case["v"], case["g"], case["beta"])
+    assert final_state is None
+
+
+GRADIENT_CASES = {
+    # name: (public function, gate, make_case kwargs, extra keyword arguments)
+    "gdn": (chunk_gated_delta_rule, "scalar", dict(T=40), dict(use_qk_l2norm_in_kernel=True)),
+    "kda": (chunk_kda, "channel", dict(T=40, B=2, H=2), dict()),
+    "kda-gate-in-kernel": (chunk_kda, "channel", dict(T=40, gate_in_kernel=True),
+                           dict(use_gate_in_kernel=True, lower_bound=-4.0, use_qk_l2norm_in_kernel=True)),
+    "kda-varlen": (chunk_kda, "channel", dict(seqlens=(9, 31)), dict(use_qk_l2norm_in_kernel=True)),
+    "delta-rule": (chunk_delta_rule, "none", dict(T=40), dict(use_qk_l2norm_in_kernel=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_CASES))
+def test_gradients_match_float64_recurrence(name, mode):
+    function, gate, case_kwargs, extra = GRADIENT_CASES[name]
+    case = make_case(gate, seed=1, **case_kwargs)
+    leaves = {n: t.requires_grad_() for n, t in case.items() if t is not None and t.is_floating_point()}
+    positional = [case["q"], case["k"], case["v"]] + ([case["g"]] if gate != "none" else []) + [case["beta"]]
+    kwargs = dict(initial_state=case["initial_state"], output_final_state=True, cu_seqlens=case["cu_seqlens"],
+                  **extra)
+    if case["A_log"] is not None:
+        kwargs.update(A_log=case["A_log"], dt_bias=case["dt_bias"])
+    o, final_state = function(*positional, **kwargs)
+    assert o.dtype == case["v"].dtype and final_state.dtype == torch.float32
+
+    as64 = {n: None if t is None else (t.detach().double().requires_grad_() if t.is_floating_point() else t)
+            for n, t in case.items()}
+    o_ref, final_ref = naive_recurrent_delta_rule(
+        as64["q"], as64["k"], as64["v"], as64["beta"], as64["g"], gate=gate, initial_state=as64["initial_state"],
+        output_final_state=True, cu_seqlens=case["cu_seqlens"],
+        use_qk_l2norm_in_kernel=extra.get("use_qk_l2norm_in_kernel", False), A_log=as64["A_log"],
+        dt_bias=as64["dt_bias"], lower_bound=extra.get("lower_bound"),
+    )
+    assert relative_rms_error(o, o_ref) < TOLERANCE
+    assert relative_rms_error(final_state, final_ref) < TOLERANCE
+
+    do, dht = torch.randn_like(o), torch.randn_like(final_state)
+    grads = torch.autograd.grad((o, final_state), list(leaves.values()), (do, dht))
+    grads_ref = torch.autograd.grad((o_ref, final_ref), [as64[n] for n in leaves], (do.double(), dht.double()))
+    for leaf_name, grad, grad_ref in zip(leaves, grads, grads_ref):
+        assert grad.dtype == leaves[leaf_name].dtype and grad.shape == leaves[leaf_name].shape
+        assert relative_rms_error(grad, grad_ref) < TOLERANCE, leaf_name
+
+
+def test_compile_fullgraph_dynamic_time_compiles_once(mode):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def layer(q, k, v, g, beta, initial_state):
+        o, final_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o * 2, final_state
+
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    for T in (17, 40, 64):
+        case = make_case("scalar", B=2, T=T, seed=T)
+        names = ("q", "k", "v", "g", "beta", "initial_state")
+        inputs = [case[n].requires_grad_() for n in names]
+        o, final_state = compiled(*inputs)
+        o_eager, final_eager = layer(*inputs)
+        assert relative_rms_error(o, o_eager) < 1e-6 and relative_rms_error(final_state, final_eager) < 1e-6
+        do, dht = torch.randn_like(o), torch.randn_like(final_state)
+        grads = torch.autograd.grad((o, final_state), inputs, (do, dht))
+        grads_eager = torch.autograd.grad((o_eager, final_eager), inputs, (do, dht))
+        for name, grad, grad_eager in zip(names, grads, grads_eager):
+            assert relative_rms_error(grad, grad_eager) < 1e-6, name
+    assert counter.frame_count == 1
+
+
+def test_compile_reports_bad_shapes_at_trace_time():
+    case = make_case("scalar")
+    compiled = torch.compile(chunk_gated_delta_rule, backend="eager", fullgraph=True, dynamic=True)
+    with pytest.raises(Exception, match=r"g: shape"):
+        compiled(case["q"], case["k"], case["v"], torch.zeros(1, 20, 2, 16), case["beta"])
+
+
+def _bad_calls():
+    """(description, call taking a fresh case, expected message)."""
+    def gdn(case, **overrides):
+        args = {n: case[n] for n in ("q", "k", "v", "g", "beta")}
+        kwargs = dict(initial_state=case["initial_state"], cu_seqlens=case["cu_seqlens"])
+        merged = {**args, **kwargs, **overrides}
+        return chunk_gated_delta_rule(merged.pop("q"), merged.pop("k"), merged.pop("v"), merged.pop("g"),
+                                      merged.pop("beta"), **merged)
+
+    return [
+        ("q 3-D", lambda c: gdn(c, q=c["q"][0]), r"q: expected a 4-D"),
+        ("k shape", lambda c: gdn(c, k=c["k"][..., :8]), r"k: shape"),
+        ("v heads", lambda c: gdn(c, q=torch.randn(1, 20, 2, 16), k=torch.randn(1, 20, 2, 16),
+                                    v=torch.randn(1, 20, 3, 16), beta=torch.rand(1, 20, 3), g=torch.zeros(1, 20, 3)),
+         r"v: heads HV=3 must be a multiple of q's H=2"),
+        ("beta shape", lambda c: gdn(c, beta=c["beta"][:, :5]), r"beta: shape"),
+        ("g per channel for GDN", lambda c: gdn(c, g=torch.zeros(1, 20, 2, 16)), r"g: shape"),
+        ("k dtype", lambda c: gdn(c, k=c["k"].half()), r"k: dtype torch.float16 differs"),
+        ("int q", lambda c: gdn(c, q=c["q"].int(), k=c["k"].int()), r"q: expected a floating-point"),
+        ("initial_state shape", lambda c: gdn(c, initial_state=c["initial_state"][:, :1]), r"initial_state: shape"),
+        ("cu_seqlens with B=2", lambda c: gdn(c, q=c["q"].expand(2, -1, -1, -1), k=c["k"].expand(2, -1, -1, -1),
+                                              v=c["v"].expand(2, -1, -1, -1), g=c["g"].expand(2, -1, -1),
+                                              beta=c["beta"].expand(2, -1, -1), initial_state=None,
+                                              cu_seqlens=torch.tensor([0, 20])),
+         r"cu_seqlens: requires B == 1"),
+        ("cu_seqlens end", lambda c: gdn(c, initial_state=None, cu_seqlens=torch.tensor([0, 5, 19])),
+         r"cu_seqlens: must end at T=20"),
+        ("head dim", lambda c: chunk_delta_rule(torch.randn(1, 3, 1, 300), torch.randn(1, 3, 1, 300),
+                                                torch.randn(1, 3, 1, 8), torch.rand(1, 3, 1)),
+         r"q: head dim 300 exceeds the supported maximum 256"),
+        ("A_log without use_gate_in_kernel", lambda c: chunk_kda(c["q"], c["k"], c["v"], torch.zeros(1, 20, 2, 16),
+                                                                  c["beta"], A_log=torch.zeros(2)),
+         r"A_log: only used with use_gate_in_kernel=True"),
+        ("use_gate_in_kernel without A_log", lambda c: chunk_kda(c["q"], c["k"], c["v"], torch.zeros(1, 20, 2, 16),
+                                                                  c["beta"], use_gate_in_kernel=True),
+         r"A_log: required"),
+        ("positive lower_bound", lambda c: chunk_kda(c["q"], c["k"], c["v"], torch.zeros(1, 20, 2, 16), c["beta"],
+                                                     A_log=torch.zeros(2), use_gate_in_kernel=True, lower_bound=1.0),
+         r"lower_bound: must be negative"),
+        ("chunk size", lambda c: chunk_delta_rule_op(*op_args(c, "scalar", chunk_size=48)),
+         r"chunk_size: expected one of"),
+    ]
+
+
+@pytest.mark.parametrize("description, call, match", _bad_calls(), ids=[b[0] for b in _bad_calls()])
+def test_bad_input_names_argument(description, call, match):
+    if DEVICE != "cpu":
+        pytest.skip("the cases build CPU tensors")
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(make_case("scalar"))
