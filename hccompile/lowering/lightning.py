@@ -1,0 +1,297 @@
+"""Lightning attention — causal linear attention with a constant per-head decay — as custom ops.
+
+Per head h with log-decay gamma_h <= 0 (0 = no decay), layout [B, T, H, D] (FLA's; lightning
+attention 2, FLA's ``g_gamma``):
+
+    o_t = scale * sum_{s <= t} exp(gamma_h (t - s)) (q_t . k_s) v_s + scale * exp(gamma_h (t + 1)) q_t S_0
+    S_T = sum_s exp(gamma_h (T - 1 - s)) k_s v_s^T + exp(gamma_h T) S_0
+
+One op per direction, so AOTAutograd puts the forward op in the forward graph and the backward op
+in the backward graph:
+
+    hccompile::lightning_attn(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor? initial_state,
+        float scale, bool output_final_state) -> (Tensor o, Tensor final_state)
+    hccompile::lightning_attn_backward(Tensor q, Tensor k, Tensor v, Tensor decay,
+        Tensor? initial_state, Tensor do, Tensor? dht, float scale)
+        -> (Tensor dq, Tensor dk, Tensor dv, Tensor dinitial_state)
+
+q, k [B, T, H, K]; v [B, T, H, V]; decay [H] (log-decays, a constant: it gets no gradient);
+initial_state and dht [B, H, K, V]. Custom ops cannot return None, so the forward op's
+`final_state` is a zero-size tensor of shape (0,) when output_final_state is False, and the backward
+op's `dinitial_state` is a zero-size (0,) tensor (q's dtype) when there is no initial state. The
+public function turns both back into None. Every output is contiguous; o has v's dtype; the final
+state is float32 (float64 when q is float64); dq, dk, dv, dinitial_state have their inputs' dtypes.
+
+On CUDA, and on CPU under TRITON_INTERPRET=1, the ops run our Triton kernels
+(kernels/lightning/chunk.py) when q, k, v are float16, bfloat16 or float32; otherwise (CPU without
+the interpreter, or float64) they run the quadratic plain-PyTorch reference
+(kernels/lightning/decay_reference.py), with the backward by autograd through it: same math,
+documented fallback.
+
+Usage::
+
+    import torch
+    from hccompile.lowering.lightning import alibi_decay, lightning_attn
+
+    B, T, H, K, V = 2, 100, 4, 64, 64
+    q, k = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, T, H, V, requires_grad=True)
+    o, state = lightning_attn(q, k, v, decay=alibi_decay(H), output_final_state=True)
+    o.sum().backward()
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..compat import autograd_recording as _autograd_recording
+from ..kernels.lightning.chunk import MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd
+from ..kernels.lightning.chunk import triton_available
+from ..kernels.lightning.decay_reference import check_decay_and_state, lightning_attn_ref
+from ..kernels.lightning.reference import check_attention_shapes
+
+__all__ = [
+    "alibi_decay",
+    "implementation",
+    "lightning_attn",
+    "lightning_attn_backward_op",
+    "lightning_attn_op",
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Validation
+
+
+def _require(name: str, tensor, dim: int, layout: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor {layout}, got shape {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {tensor.dtype}")
+
+
+def _check_shapes_symbolic(q, k, v, decay, initial_state, do=None, dht=None) -> None:
+    """The shape contract of check_attention_shapes + check_decay_and_state without reading the
+    decay's values or turning a size into a Python int: safe on fake tensors with symbolic sizes
+    (it only adds equality guards). The real ops run the kernel package's full checks as well."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _require(name, tensor, 4, "[batch, time, heads, head_dim]")
+    batch, time, heads, key_dim = q.shape
+    value_dim = v.shape[3]
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k: shape {tuple(k.shape)} differs from q's shape {tuple(q.shape)}")
+    if tuple(v.shape[:3]) != (batch, time, heads):
+        raise ValueError(f"v: batch, time, heads {tuple(v.shape[:3])} differ from q's {(batch, time, heads)}")
+    _require("decay", decay, 1, "[heads] (one log-decay per head)")
+    if tuple(decay.shape) != (heads,):
+        raise ValueError(f"decay: expected shape ({heads},) (one log-decay per head), got {tuple(decay.shape)}")
+    state_shape = (batch, heads, key_dim, value_dim)
+    for name, tensor in (("initial_state", initial_state), ("dht", dht)):
+        if tensor is not None:
+            _require(name, tensor, 4, "[batch, heads, K, V]")
+            if tuple(tensor.shape) != state_shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the expected {state_shape}")
+    if do is not None:
+        _require("do", do, 4, "[batch, time, heads, V]")
+        if tuple(do.shape) != (batch, time, heads, value_dim):
+            raise ValueError(f"do: shape {tuple(do.shape)} differs from the expected "
+                             f"{(batch, time, heads, value_dim)}")
+
+
+def _check_options(q, k, v, decay, initial_state, do=None, dht=None) -> None:
+    """Dtype, device and head-dim limits shared by both implementations."""
+    if q.dtype not in SUPPORTED_DTYPES + (torch.float64,):
+        raise TypeError(f"q: dtype {q.dtype} is not supported (float16, bfloat16, float32, float64)")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {tensor.dtype} differs from q's dtype {q.dtype}")
+    for name, tensor in (("k", k), ("v", v), ("decay", decay), ("initial_state", initial_state), ("do", do),
+                         ("dht", dht)):
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
+    for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
+        if dim < 1:
+            raise ValueError(f"{name}: head dim must be at least 1, got {dim}")
+
+
+def _check_eager(q, k, v, decay, initial_state, do=None, dht=None) -> None:
+    """Everything, including the decay's values (on CPU): for real tensors only."""
+    extra = {} if do is None else {"do": do}
+    check_attention_shapes(q, k, v, **extra)
+    _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht)
+    check_decay_and_state(q, v, decay, initial_state=initial_state, dht=dht)
+    _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    # The kernels keep the state in float32; the reference in float64 for float64 inputs.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _uses_triton(q: Tensor) -> bool:
+    """Kernels when they can run on the device and q, k, v (one dtype) have a kernel dtype."""
+    return q.dtype in SUPPORTED_DTYPES and triton_available(q.device)
+
+
+def implementation(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Which implementation backs the ops for this device and dtype: 'triton', 'triton-interpreter'
+    or 'reference'."""
+    device = torch.device(device)
+    if dtype in SUPPORTED_DTYPES and triton_available(device):
+        return "triton" if device.type == "cuda" else "triton-interpreter"
+    return "reference"
+
+
+def _absent(q: Tensor) -> Tensor:
+    """What the ops return in place of a missing tensor (custom ops cannot return None)."""
+    return q.new_empty((0,))
+
+
+# ----------------------------------------------------------------------------------------
+# Forward op
+
+
+@torch.library.custom_op("hccompile::lightning_attn", mutates_args=())
+def lightning_attn_op(
+    q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, scale: float,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    _check_eager(q, k, v, decay, initial_state)
+    if _uses_triton(q):
+        o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
+                                            output_final_state)
+    else:
+        o, final_state = lightning_attn_ref(q, k, v, decay, scale, initial_state, output_final_state)
+    o = o.to(v.dtype).contiguous()
+    if final_state is None:
+        return o, q.new_empty((0,), dtype=_state_dtype(q))
+    return o, final_state.to(_state_dtype(q)).contiguous()
+
+
+@lightning_attn_op.register_fake
+def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_state):
+    _check_shapes_symbolic(q, k, v, decay, initial_state)
+    _check_options(q, k, v, decay, initial_state)
+    batch, time, heads, key_dim = q.shape
+    value_dim = v.shape[3]
+    o = v.new_empty((batch, time, heads, value_dim))
+    state_shape = (batch, heads, key_dim, value_dim) if output_final_state else (0,)
+    return o, q.new_empty(state_shape, dtype=_state_dtype(q))
+
+
+# ----------------------------------------------------------------------------------------
+# Backward op
+
+
+def _reference_backward(q, k, v, decay, initial_state, do, dht, scale):
+    """(dq, dk, dv, dh0 or None) by autograd through lightning_attn_ref (the fallback's backward)."""
+    with _autograd_recording():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        h0 = None if initial_state is None else initial_state.detach().requires_grad_()
+        o, final_state = lightning_attn_ref(*leaves, decay.detach(), scale, h0, dht is not None)
+        outputs, cotangents = [o], [do.to(o.dtype)]
+        if dht is not None:
+            outputs.append(final_state)
+            cotangents.append(dht.to(final_state.dtype))
+        inputs = leaves + ([h0] if h0 is not None else [])
+        grads = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+    return (*grads[:3], grads[3] if h0 is not None else None)
+
+
+@torch.library.custom_op("hccompile::lightning_attn_backward", mutates_args=())
+def lightning_attn_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, do: Tensor,
+    dht: Tensor | None, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_eager(q, k, v, decay, initial_state, do=do, dht=dht)
+    # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
+    if _uses_triton(q):
+        dq, dk, dv, dh0 = lightning_attn_bwd(
+            q, k, v, decay.float().contiguous(), do.to(v.dtype), scale, initial_state,
+            None if dht is None else dht.to(torch.float32),
+        )
+    else:
+        dq, dk, dv, dh0 = _reference_backward(q, k, v, decay, initial_state, do, dht, scale)
+    grads = tuple(g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), (q, k, v)))
+    if initial_state is None:
+        return (*grads, _absent(q))
+    return (*grads, dh0.to(initial_state.dtype).contiguous())
+
+
+@lightning_attn_backward_op.register_fake
+def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale):
+    _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht)
+    _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
+    return tuple(_absent(q) if t is None else t.new_empty(t.shape) for t in (q, k, v, initial_state))
+
+
+# ----------------------------------------------------------------------------------------
+# Autograd
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, decay, initial_state, scale, output_final_state = inputs
+    # The backward recomputes what it needs from the inputs: nothing else is saved.
+    ctx.save_for_backward(q, k, v, decay, initial_state)
+    ctx.scale = scale
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None):
+    q, k, v, decay, initial_state = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros(q.shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device)
+    # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
+    dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
+    dq, dk, dv, dh0 = lightning_attn_backward_op(q, k, v, decay, initial_state, do.contiguous(), dht, ctx.scale)
+    # Order of the op's arguments: the decay (a constant) and the non-tensor options get None.
+    return dq, dk, dv, None, (None if initial_state is None else dh0), None, None
+
+
+lightning_attn_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# Public functions
+
+
+def alibi_decay(heads: int, *, device: torch.device | str | None = None) -> Tensor:
+    """ALiBi-like per-head log-decays, -2**(-8 (h + 1) / H) for h < H (lightning attention's /
+    FLA's slopes for a power-of-two H), as a float32 [H] tensor."""
+    exponent = -8.0 * torch.arange(1, heads + 1, dtype=torch.float64) / heads
+    return (-(2.0 ** exponent)).to(torch.float32).to(device)
+
+
+def lightning_attn(
+    q: Tensor, k: Tensor, v: Tensor, decay: Tensor | None = None, scale: float | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Lightning attention: causal linear attention with a constant per-head log-decay.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; decay [H] log-decays <= 0 on q's device (None: no decay,
+    i.e. zeros; it is a constant and gets no gradient); initial_state [B, H, K, V]. Returns
+    (o [B, T, H, V] in v's dtype, final state [B, H, K, V] float32 — float64 for float64 inputs —
+    or None unless output_final_state). `scale` defaults to K**-0.5. Differentiable in q, k, v and
+    initial_state; works under torch.compile(fullgraph=True, dynamic=True).
+    """
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _require(name, tensor, 4, "[batch, time, heads, head_dim]")
+    if decay is None:
+        decay = torch.zeros(q.shape[2], dtype=torch.float32, device=q.device)
+    if not torch.compiler.is_compiling():
+        # The full check (it reads the decay's values, so eager only); under torch.compile the fake
+        # runs the trace-safe subset, and the real op the full check at run time.
+        _check_eager(q, k, v, decay, initial_state)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, final_state = lightning_attn_op(q, k, v, decay, initial_state, float(scale), bool(output_final_state))
+    return o, (final_state if output_final_state else None)

@@ -1,0 +1,217 @@
+"""The lightning-attention custom ops (hccompile::lightning_attn{,_backward}) and lightning_attn:
+opcheck, outputs and gradients against float64 autograd through the quadratic reference,
+torch.compile with dynamic T, input errors.
+
+"kernels" runs the Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1 set before Python starts);
+"reference" forces the documented plain-PyTorch fallback by setting TRITON_INTERPRET=0, which
+triton_available reads at call time."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hccompile.kernels.lightning import lightning_attn_ref
+from hccompile.lowering.lightning import (alibi_decay, implementation, lightning_attn, lightning_attn_backward_op,
+                                          lightning_attn_op)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_CAN_RUN = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+# fp32 inputs against float64 autograd through the reference.
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(params=["kernels", "reference"])
+def mode(request, monkeypatch):
+    if request.param == "kernels":
+        if not KERNELS_CAN_RUN:
+            pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
+    else:
+        if DEVICE != "cpu":
+            pytest.skip("the reference fallback is forced through TRITON_INTERPRET, a CPU-only switch")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expected = "reference" if request.param == "reference" else ("triton" if DEVICE == "cuda" else
+                                                                "triton-interpreter")
+    assert implementation(DEVICE) == expected
+    return request.param
+
+
+def relative_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite values"
+    out, ref = out.detach().double(), ref.detach().double().to(out.device)
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_case(*, B=1, T=20, H=2, K=16, V=16, decay="alibi", initial_state=True, seed=0,
+              dtype=torch.float32) -> dict:
+    """Inputs of one call on DEVICE: q, k, v in `dtype`, decay and initial_state float32."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    case = dict(q=randn(B, T, H, K).to(dtype), k=randn(B, T, H, K).to(dtype), v=randn(B, T, H, V).to(dtype),
+                decay={"alibi": alibi_decay(H), "none": torch.zeros(H)}[decay],
+                initial_state=0.5 * randn(B, H, K, V) if initial_state else None)
+    return {name: None if t is None else t.to(DEVICE) for name, t in case.items()}
+
+
+OPCHECK_CASES = {
+    # name: (make_case kwargs, output_final_state). The interpreter makes each op call slow and
+    # opcheck makes dozens, so the cases are few and tiny.
+    "states": (dict(), True),
+    "no-states": (dict(initial_state=False, decay="none"), False),
+}
+
+
+@pytest.mark.parametrize("name", list(OPCHECK_CASES))
+def test_opcheck_forward_and_backward(name, mode):
+    case_kwargs, output_final_state = OPCHECK_CASES[name]
+    case = make_case(T=9, H=1, **case_kwargs)
+    q, k, v, decay, h0 = (case[n] for n in ("q", "k", "v", "decay", "initial_state"))
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), decay,
+            None if h0 is None else h0.requires_grad_(), 0.3, output_final_state)
+    torch.library.opcheck(lightning_attn_op, args)
+
+    with torch.no_grad():
+        o, final_state = lightning_attn_op(*args)
+    do = torch.randn_like(o)
+    dht = torch.randn_like(final_state) if output_final_state else None
+    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, decay, h0)]
+    torch.library.opcheck(lightning_attn_backward_op, (*detached, do, dht, 0.3))
+
+
+def test_absent_outputs_are_zero_size_placeholders(mode):
+    case = make_case(initial_state=False)
+    q, k, v, decay = (case[n] for n in ("q", "k", "v", "decay"))
+    o, final_state = lightning_attn_op(q, k, v, decay, None, 0.3, False)
+    assert o.shape == v.shape and o.is_contiguous()
+    assert final_state.shape == (0,) and final_state.dtype == torch.float32
+    dq, dk, dv, dh0 = lightning_attn_backward_op(q, k, v, decay, None, torch.ones_like(o), None, 0.3)
+    assert (dq.shape, dk.shape, dv.shape, dh0.shape) == (q.shape, k.shape, v.shape, (0,))
+    o, final_state = lightning_attn(q, k, v, decay)
+    assert final_state is None
+
+
+GRADIENT_CASES = {
+    # name: make_case kwargs. T=70 crosses the kernels' default block of 64.
+    "no-decay": dict(decay="none", B=2, T=40),
+    "alibi": dict(decay="alibi", T=70, V=32),
+    "alibi-no-initial-state": dict(decay="alibi", T=33, initial_state=False),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_CASES))
+def test_outputs_and_gradients_match_float64_reference(name, mode):
+    case = make_case(seed=1, **GRADIENT_CASES[name])
+    names = [n for n in ("q", "k", "v", "initial_state") if case[n] is not None]
+    leaves = [case[n].requires_grad_() for n in names]
+    decay = None if GRADIENT_CASES[name]["decay"] == "none" else case["decay"]
+    o, final_state = lightning_attn(case["q"], case["k"], case["v"], decay, initial_state=case["initial_state"],
+                                    output_final_state=True)
+    assert o.dtype == torch.float32 and final_state.dtype == torch.float32
+
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    h0_64 = as64[3] if len(as64) == 4 else None
+    o_ref, final_ref = lightning_attn_ref(*as64[:3], case["decay"].double(), case["q"].shape[-1] ** -0.5, h0_64,
+                                          True)
+    assert relative_rms_error(o, o_ref) < TOLERANCE
+    assert relative_rms_error(final_state, final_ref) < TOLERANCE
+
+    do, dht = torch.randn_like(o), torch.randn_like(final_state)
+    grads = torch.autograd.grad((o, final_state), leaves, (do, dht))
+    grads_ref = torch.autograd.grad((o_ref, final_ref), as64, (do.double(), dht.double()))
+    for leaf_name, leaf, grad, grad_ref in zip(names, leaves, grads, grads_ref):
+        assert grad.dtype == leaf.dtype and grad.shape == leaf.shape
+        assert relative_rms_error(grad, grad_ref) < TOLERANCE, leaf_name
+
+
+def test_only_final_state_used_and_float64_uses_reference(mode):
+    # Gradient through the final state alone (do is None in the backward), with a custom scale.
+    case = make_case(seed=2)
+    leaves = [case[n].requires_grad_() for n in ("q", "k", "v", "initial_state")]
+    _, final_state = lightning_attn(*leaves[:3], case["decay"], 0.25, leaves[3], True)
+    grads = torch.autograd.grad(final_state.sum(), leaves, allow_unused=True)
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    _, final_ref = lightning_attn_ref(*as64[:3], case["decay"], 0.25, as64[3], True)
+    grads_ref = torch.autograd.grad(final_ref.sum(), as64[1:])
+    assert grads[0] is None or grads[0].abs().max() == 0  # q does not reach the final state
+    for grad, grad_ref in zip(grads[1:], grads_ref):
+        assert relative_rms_error(grad, grad_ref) < TOLERANCE
+    # float64 inputs always run the reference and keep a float64 state.
+    assert implementation(DEVICE, torch.float64) == "reference"
+    o64, final64 = lightning_attn(*as64[:3], case["decay"], 0.25, as64[3], True)
+    assert o64.dtype == torch.float64 and final64.dtype == torch.float64
+    assert relative_rms_error(final64, final_ref) < 1e-12
+
+
+def test_compile_fullgraph_dynamic_time_compiles_once(mode):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def layer(q, k, v, decay, initial_state):
+        o, final_state = lightning_attn(q, k, v, decay, initial_state=initial_state, output_final_state=True)
+        return o * 2, final_state
+
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    for T in (17, 40):
+        case = make_case(T=T, seed=T)
+        names = ("q", "k", "v", "initial_state")
+        inputs = [case[n].requires_grad_() for n in names]
+        o, final_state = compiled(*inputs[:3], case["decay"], inputs[3])
+        o_eager, final_eager = layer(*inputs[:3], case["decay"], inputs[3])
+        assert relative_rms_error(o, o_eager) < 1e-6 and relative_rms_error(final_state, final_eager) < 1e-6
+        do, dht = torch.randn_like(o), torch.randn_like(final_state)
+        grads = torch.autograd.grad((o, final_state), inputs, (do, dht))
+        grads_eager = torch.autograd.grad((o_eager, final_eager), inputs, (do, dht))
+        for name, grad, grad_eager in zip(names, grads, grads_eager):
+            assert relative_rms_error(grad, grad_eager) < 1e-6, name
+    assert counter.frame_count == 1
+
+
+def test_compile_reports_bad_shapes_at_trace_time():
+    case = make_case()
+    compiled = torch.compile(lightning_attn, backend="eager", fullgraph=True, dynamic=True)
+    with pytest.raises(Exception, match=r"decay: expected shape"):
+        compiled(case["q"], case["k"], case["v"], torch.zeros(3, device=DEVICE))
+
+
+def _bad_calls():
+    """(description, call taking a fresh case, expected message)."""
+    def call(case, **overrides):
+        merged = {**case, **overrides}
+        return lightning_attn(merged.pop("q"), merged.pop("k"), merged.pop("v"), **merged)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE)
+
+    return [
+        ("q 3-D", lambda c: call(c, q=c["q"][0]), r"q: expected a 4-D"),
+        ("k shape", lambda c: call(c, k=c["k"][..., :8]), r"k: "),
+        ("v heads", lambda c: call(c, v=c["v"][:, :, :1]), r"v: batch, time, heads"),
+        ("k dtype", lambda c: call(c, k=c["k"].half()), r"k: dtype torch.float16 differs"),
+        ("int q", lambda c: call(c, q=c["q"].int()), r"q: expected a floating-point"),
+        ("decay shape", lambda c: call(c, decay=torch.zeros(3, device=DEVICE)), r"decay: expected shape \(2,\)"),
+        ("decay positive", lambda c: call(c, decay=torch.tensor([0.0, 0.5], device=DEVICE)),
+         r"decay: log-decays must be <= 0"),
+        ("decay not finite", lambda c: call(c, decay=torch.tensor([0.0, float("nan")], device=DEVICE)),
+         r"decay: log-decays must be finite"),
+        ("decay not a tensor", lambda c: call(c, decay=[0.0, -0.1]), r"decay: expected a torch.Tensor"),
+        ("decay int", lambda c: call(c, decay=torch.zeros(2, dtype=torch.int64, device=DEVICE)),
+         r"decay: expected a floating-point"),
+        ("initial_state shape", lambda c: call(c, initial_state=c["initial_state"][:, :1]),
+         r"initial_state: shape"),
+        ("head dim", lambda c: lightning_attn(randn(1, 3, 1, 300), randn(1, 3, 1, 300), randn(1, 3, 1, 8)),
+         r"q: head dim 300 exceeds the supported maximum 256"),
+        ("backward do shape", lambda c: lightning_attn_backward_op(c["q"], c["k"], c["v"], c["decay"], None,
+                                                                   c["v"][:, :5], None, 0.3),
+         r"do: "),
+    ]
+
+
+@pytest.mark.parametrize("description, call, match", _bad_calls(), ids=[b[0] for b in _bad_calls()])
+def test_bad_input_names_argument(description, call, match):
+    if DEVICE != "cpu" and "decay" in description and ("positive" in description or "finite" in description):
+        pytest.skip("decay values are only checked on CPU (a GPU check would synchronise)")
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(make_case())
