@@ -21,22 +21,13 @@ e^G_t / e^G_s, so a strongly decaying chunk underflows to 0 instead of overflowi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .reference import DeltaRuleProblem, check_delta_rule_inputs, kda_gate
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as error:  # the PyTorch references still work without Triton
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR: ImportError | None = error
-else:
-    _TRITON_IMPORT_ERROR = None
+from .._triton import interpreted, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -64,20 +55,6 @@ GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
 ACTIVATION_NONE, ACTIVATION_SOFTPLUS, ACTIVATION_SIGMOID = 0, 1, 2
 
 
-def triton_available(device: torch.device | str) -> bool:
-    """Whether the kernels here can run on `device`.
-
-    CPU tensors need Triton's interpreter; TRITON_INTERPRET=1 must be set before
-    Python starts, because Triton decides at kernel definition time.
-    """
-    if _TRITON_IMPORT_ERROR is not None:
-        return False
-    device_type = torch.device(device).type
-    if device_type == "cuda":
-        return True
-    if device_type == "cpu":
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    return False
 
 
 if triton is not None:
@@ -902,24 +879,11 @@ if triton is not None:
 
 
 def _kernels_interpreted() -> bool:
-    # Triton picks the interpreter when a kernel is defined, not when it is launched.
-    return not isinstance(_output_kernel, triton.runtime.JITFunction)
+    return interpreted(_output_kernel)
 
 
 def _require_triton(device: torch.device) -> None:
-    if triton_available(device):
-        if device.type == "cpu" and not _kernels_interpreted():
-            raise RuntimeError(
-                "TRITON_INTERPRET=1 was set after hccompile.kernels.delta_rule.chunk was imported; "
-                "set it before Python starts to run the kernels on CPU tensors"
-            )
-        return
-    if _TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError(f"Triton could not be imported: {_TRITON_IMPORT_ERROR}")
-    raise RuntimeError(
-        f"Triton kernels cannot run on device {device}: CPU tensors need TRITON_INTERPRET=1 "
-        "set before Python starts; use chunk_delta_rule_ref as the fallback"
-    )
+    require_triton(device, _output_kernel, "hccompile.kernels.delta_rule.chunk", "chunk_delta_rule_ref")
 
 
 def _check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:

@@ -7,21 +7,12 @@ different tensors in the a, b, c roles.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .reference import check_attention_shapes
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as error:  # the PyTorch references still work without Triton
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR: ImportError | None = error
-else:
-    _TRITON_IMPORT_ERROR = None
+from .._triton import interpreted, load_tile as _load_tile, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -48,30 +39,9 @@ PIPELINE_SHARED_MEMORY_BUDGET = 96 * 1024
 MAX_PIPELINE_STAGES = 3
 
 
-def triton_available(device: torch.device | str) -> bool:
-    """Whether the kernels here can run on `device`.
-
-    CPU tensors need Triton's interpreter; TRITON_INTERPRET=1 must be set before
-    Python starts, because Triton decides at kernel definition time.
-    """
-    if _TRITON_IMPORT_ERROR is not None:
-        return False
-    device_type = torch.device(device).type
-    if device_type == "cuda":
-        return True
-    if device_type == "cpu":
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    return False
 
 
 if triton is not None:
-
-    @triton.jit
-    def _load_tile(base_ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
-        """Loads base[rows, cols] with zeros outside [0, n_rows) x [0, n_cols)."""
-        ptrs = base_ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
     def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
@@ -182,24 +152,11 @@ def _check_out(name: str, out: torch.Tensor, like: torch.Tensor, shape: tuple[in
 
 
 def _kernels_interpreted() -> bool:
-    # Triton picks the interpreter when a kernel is defined, not when it is launched.
-    return not isinstance(_masked_linear_attn_kernel, triton.runtime.JITFunction)
+    return interpreted(_masked_linear_attn_kernel)
 
 
 def _require_triton(device: torch.device) -> None:
-    if triton_available(device):
-        if device.type == "cpu" and not _kernels_interpreted():
-            raise RuntimeError(
-                "TRITON_INTERPRET=1 was set after hccompile.kernels.lightning.simple was imported; "
-                "set it before Python starts to run the kernels on CPU tensors"
-            )
-        return
-    if _TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError(f"Triton could not be imported: {_TRITON_IMPORT_ERROR}")
-    raise RuntimeError(
-        f"Triton kernels cannot run on device {device}: CPU tensors need TRITON_INTERPRET=1 "
-        "set before Python starts; use causal_linear_attn_chunked_ref as the fallback"
-    )
+    require_triton(device, _masked_linear_attn_kernel, "hccompile.kernels.lightning.simple", "causal_linear_attn_chunked_ref")
 
 
 def _block_dim(dim: int) -> int:

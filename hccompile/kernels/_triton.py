@@ -1,0 +1,68 @@
+"""What every Triton kernel family here shares: the optional import, where kernels can run, the
+interpreter checks, and two small jit helpers."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # the PyTorch references still work without Triton
+    triton = None
+    tl = None
+    TRITON_IMPORT_ERROR: ImportError | None = error
+else:
+    TRITON_IMPORT_ERROR = None
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """Whether Triton kernels can run on `device`: CUDA, or CPU under Triton's interpreter.
+
+    TRITON_INTERPRET=1 must be set before Python starts, because Triton decides at kernel
+    definition time; this reads the variable at call time so tests can force the fallback.
+    """
+    if TRITON_IMPORT_ERROR is not None:
+        return False
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return True
+    if device_type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return False
+
+
+def interpreted(kernel) -> bool:
+    """Whether `kernel` was defined under the interpreter (Triton picks at definition time)."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+def require_triton(device: torch.device, kernel, module: str, fallback: str) -> None:
+    """Clear errors for launching `kernel` where it cannot run."""
+    if triton_available(device):
+        if device.type == "cpu" and not interpreted(kernel):
+            raise RuntimeError(
+                f"TRITON_INTERPRET=1 was set after {module} was imported; "
+                "set it before Python starts to run the kernels on CPU tensors"
+            )
+        return
+    if TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"Triton could not be imported: {TRITON_IMPORT_ERROR}")
+    raise RuntimeError(
+        f"Triton kernels cannot run on device {device}: CPU tensors need TRITON_INTERPRET=1 "
+        f"set before Python starts; use {fallback} as the fallback"
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def load_tile(base_ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
+        """Loads base[rows, cols] with zeros outside [0, n_rows) x [0, n_cols)."""
+        ptrs = base_ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+else:
+    load_tile = None
