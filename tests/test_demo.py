@@ -10,3 +10,4 @@ def test_demo_runs_and_checks_against_eager():
     assert "correctness vs eager" in r.stdout and "-> OK" in r.stdout
     assert "causal_linear_attn" in r.stdout
     assert "| hc |" in r.stdout and "| inductor |" in r.stdout
+    assert "gradients identical to no recompute (dropout on): OK" in r.stdout
