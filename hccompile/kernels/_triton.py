@@ -64,5 +64,15 @@ if triton is not None:
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         return tl.load(ptrs, mask=mask, other=0.0)
 
+    @triton.jit
+    def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
+        """tl.dot with fp32 accumulation; UPCAST_OPERANDS for the interpreter, which multiplies
+        bfloat16 bit patterns as integers (products of bf16 values are exact in fp32, as on the
+        tensor cores)."""
+        if UPCAST_OPERANDS:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
 else:
-    load_tile = None
+    load_tile = dot = None

@@ -43,6 +43,7 @@ import torch
 from .decay_reference import check_decay_and_state
 from .reference import check_attention_shapes
 
+from .._triton import dot as _dot
 from .._triton import interpreted, load_tile as _load_tile, require_triton, tl, triton, triton_available
 
 __all__ = [
@@ -67,19 +68,7 @@ PIPELINE_SHARED_MEMORY_BUDGET = 96 * 1024
 MAX_PIPELINE_STAGES = 3
 
 
-
-
 if triton is not None:
-
-    @triton.jit
-    def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
-        # Triton's interpreter multiplies bfloat16 bit patterns as integers, so there the
-        # operands go through float32; products of bf16 values are exact in fp32, as on
-        # the tensor cores.
-        if UPCAST_OPERANDS:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
 
     @triton.jit
     def _decay_tile(gamma, distance, scale):
