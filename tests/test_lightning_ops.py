@@ -215,3 +215,36 @@ def test_bad_input_names_argument(description, call, match):
         pytest.skip("decay values are only checked on CPU (a GPU check would synchronise)")
     with pytest.raises((ValueError, TypeError), match=match):
         call(make_case())
+
+
+def test_varlen_opcheck_gradients_and_compile(mode):
+    """cu_seqlens (FLA's varlen convention) through the ops: opcheck, gradients against each
+    sequence run alone, and torch.compile(fullgraph=True) with varlen and initial states."""
+    bounds = [0, 7, 7, 19]
+    case = make_case(T=19, H=2, K=8, V=8, initial_state=False, seed=4)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    h0 = 0.5 * torch.randn(3, 2, 8, 8, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    args = (case["q"].requires_grad_(), case["k"].requires_grad_(), case["v"].requires_grad_(), case["decay"],
+            h0.requires_grad_(), 0.3, True, cu_seqlens)
+    torch.library.opcheck(lightning_attn_op, args)
+
+    def layer(q, k, v, decay, initial_state, cu):
+        return lightning_attn(q, k, v, decay, 0.3, initial_state, True, cu_seqlens=cu)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    leaves = list(args[:3]) + [h0]
+    for fn in (layer, compiled):
+        o, final_state = fn(*args[:5], cu_seqlens)
+        assert final_state.shape == (3, 2, 8, 8)
+        grads = torch.autograd.grad((o, final_state), leaves, (torch.ones_like(o), torch.ones_like(final_state)))
+        for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+            alone = [t.detach()[:, bos:eos].double().requires_grad_() for t in args[:3]]
+            h0_n = h0.detach()[n:n + 1].double().requires_grad_()
+            o_n, f_n = lightning_attn_ref(*alone, case["decay"].double(), 0.3, h0_n, True)
+            assert relative_rms_error(o[:, bos:eos], o_n) < TOLERANCE if eos > bos else True
+            assert relative_rms_error(final_state[n:n + 1], f_n) < TOLERANCE
+            g_n = torch.autograd.grad((o_n, f_n), alone + [h0_n], (torch.ones_like(o_n), torch.ones_like(f_n)))
+            for grad, grad_n in zip(grads[:3], g_n[:3]):
+                if eos > bos:
+                    assert relative_rms_error(grad[:, bos:eos], grad_n) < TOLERANCE
+            assert relative_rms_error(grads[3][n:n + 1], g_n[3]) < TOLERANCE

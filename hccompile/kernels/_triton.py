@@ -76,3 +76,25 @@ if triton is not None:
 
 else:
     load_tile = dot = None
+
+
+def compiled_resources(kernel) -> list[dict]:
+    """Shared memory, registers and spills of every compiled variant of a @triton.jit kernel, read
+    off the compiled kernels' metadata (empty under the interpreter or before the first launch)."""
+    if triton is None or interpreted(kernel):
+        return []
+    rows = []
+    caches = getattr(kernel, "device_caches", None) or {}
+    for device_cache in caches.values():
+        compiled = device_cache[0] if isinstance(device_cache, tuple) else device_cache
+        for variant in compiled.values():
+            meta = getattr(variant, "metadata", None)
+            rows.append({
+                "kernel": getattr(meta, "name", kernel.__name__),
+                "shared_bytes": getattr(meta, "shared", None),
+                "registers": getattr(variant, "n_regs", None),
+                "spills": getattr(variant, "n_spills", None),
+                "num_warps": getattr(meta, "num_warps", None),
+                "num_stages": getattr(meta, "num_stages", None),
+            })
+    return rows

@@ -10,13 +10,14 @@ One op per direction, so AOTAutograd puts the forward op in the forward graph an
 in the backward graph:
 
     hccompile::lightning_attn(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor? initial_state,
-        float scale, bool output_final_state) -> (Tensor o, Tensor final_state)
+        float scale, bool output_final_state, Tensor? cu_seqlens=None) -> (Tensor o, Tensor final_state)
     hccompile::lightning_attn_backward(Tensor q, Tensor k, Tensor v, Tensor decay,
-        Tensor? initial_state, Tensor do, Tensor? dht, float scale)
+        Tensor? initial_state, Tensor do, Tensor? dht, float scale, Tensor? cu_seqlens=None)
         -> (Tensor dq, Tensor dk, Tensor dv, Tensor dinitial_state)
 
 q, k [B, T, H, K]; v [B, T, H, V]; decay [H] (log-decays, a constant: it gets no gradient);
-initial_state and dht [B, H, K, V]. Custom ops cannot return None, so the forward op's
+initial_state and dht [N, H, K, V], N = B, or for a variable-length batch (B = 1, cu_seqlens
+[N + 1], FLA's convention) the number of sequences. Custom ops cannot return None, so the forward op's
 `final_state` is a zero-size tensor of shape (0,) when output_final_state is False, and the backward
 op's `dinitial_state` is a zero-size (0,) tensor (q's dtype) when there is no initial state. The
 public function turns both back into None. Every output is contiguous; o has v's dtype; the final
@@ -47,7 +48,7 @@ from torch import Tensor
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.lightning.chunk import MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd
 from ..kernels.lightning.chunk import triton_available
-from ..kernels.lightning.decay_reference import check_decay_and_state, lightning_attn_ref
+from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
 
 __all__ = [
@@ -72,7 +73,25 @@ def _require(name: str, tensor, dim: int, layout: str) -> None:
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {tensor.dtype}")
 
 
-def _check_shapes_symbolic(q, k, v, decay, initial_state, do=None, dht=None) -> None:
+def _num_states(q: Tensor, cu_seqlens: Tensor | None):
+    """N of the [N, H, K, V] states: the batch size, or the number of varlen sequences."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _check_cu_seqlens_symbolic(q: Tensor, cu_seqlens: Tensor | None) -> None:
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: a variable-length batch needs batch size 1, got q with batch {q.shape[0]}")
+
+
+def _check_shapes_symbolic(q, k, v, decay, initial_state, do=None, dht=None, cu_seqlens=None) -> None:
     """The shape contract of check_attention_shapes + check_decay_and_state without reading the
     decay's values or turning a size into a Python int: safe on fake tensors with symbolic sizes
     (it only adds equality guards). The real ops run the kernel package's full checks as well."""
@@ -87,10 +106,11 @@ def _check_shapes_symbolic(q, k, v, decay, initial_state, do=None, dht=None) -> 
     _require("decay", decay, 1, "[heads] (one log-decay per head)")
     if tuple(decay.shape) != (heads,):
         raise ValueError(f"decay: expected shape ({heads},) (one log-decay per head), got {tuple(decay.shape)}")
-    state_shape = (batch, heads, key_dim, value_dim)
+    _check_cu_seqlens_symbolic(q, cu_seqlens)
+    state_shape = (_num_states(q, cu_seqlens), heads, key_dim, value_dim)
     for name, tensor in (("initial_state", initial_state), ("dht", dht)):
         if tensor is not None:
-            _require(name, tensor, 4, "[batch, heads, K, V]")
+            _require(name, tensor, 4, "[N, heads, K, V]")
             if tuple(tensor.shape) != state_shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the expected {state_shape}")
     if do is not None:
@@ -118,12 +138,13 @@ def _check_options(q, k, v, decay, initial_state, do=None, dht=None) -> None:
             raise ValueError(f"{name}: head dim must be at least 1, got {dim}")
 
 
-def _check_eager(q, k, v, decay, initial_state, do=None, dht=None) -> None:
-    """Everything, including the decay's values (on CPU): for real tensors only."""
+def _check_eager(q, k, v, decay, initial_state, do=None, dht=None, cu_seqlens=None) -> None:
+    """Everything, including the decay's and cu_seqlens' values: for real tensors only."""
     extra = {} if do is None else {"do": do}
     check_attention_shapes(q, k, v, **extra)
-    _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht)
-    check_decay_and_state(q, v, decay, initial_state=initial_state, dht=dht)
+    _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
+    num_states = check_cu_seqlens(q, cu_seqlens)
+    check_decay_and_state(q, v, decay, num_states=num_states, initial_state=initial_state, dht=dht)
     _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
 
 
@@ -162,14 +183,15 @@ def _absent(q: Tensor) -> Tensor:
 @torch.library.custom_op("hccompile::lightning_attn", mutates_args=())
 def lightning_attn_op(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, scale: float,
-    output_final_state: bool,
+    output_final_state: bool, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_eager(q, k, v, decay, initial_state)
+    _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     if _uses_triton(q):
         o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                            output_final_state)
+                                            output_final_state, cu_seqlens=cu_seqlens)
     else:
-        o, final_state = lightning_attn_ref(q, k, v, decay, scale, initial_state, output_final_state)
+        o, final_state = lightning_attn_varlen_ref(q, k, v, decay, scale, initial_state, output_final_state,
+                                                   cu_seqlens)
     o = o.to(v.dtype).contiguous()
     if final_state is None:
         return o, q.new_empty((0,), dtype=_state_dtype(q))
@@ -177,13 +199,13 @@ def lightning_attn_op(
 
 
 @lightning_attn_op.register_fake
-def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_state):
-    _check_shapes_symbolic(q, k, v, decay, initial_state)
+def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None):
+    _check_shapes_symbolic(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     _check_options(q, k, v, decay, initial_state)
     batch, time, heads, key_dim = q.shape
     value_dim = v.shape[3]
     o = v.new_empty((batch, time, heads, value_dim))
-    state_shape = (batch, heads, key_dim, value_dim) if output_final_state else (0,)
+    state_shape = (_num_states(q, cu_seqlens), heads, key_dim, value_dim) if output_final_state else (0,)
     return o, q.new_empty(state_shape, dtype=_state_dtype(q))
 
 
@@ -191,12 +213,12 @@ def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_stat
 # Backward op
 
 
-def _reference_backward(q, k, v, decay, initial_state, do, dht, scale):
+def _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens):
     """(dq, dk, dv, dh0 or None) by autograd through lightning_attn_ref (the fallback's backward)."""
     with _autograd_recording():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         h0 = None if initial_state is None else initial_state.detach().requires_grad_()
-        o, final_state = lightning_attn_ref(*leaves, decay.detach(), scale, h0, dht is not None)
+        o, final_state = lightning_attn_varlen_ref(*leaves, decay.detach(), scale, h0, dht is not None, cu_seqlens)
         outputs, cotangents = [o], [do.to(o.dtype)]
         if dht is not None:
             outputs.append(final_state)
@@ -210,17 +232,17 @@ def _reference_backward(q, k, v, decay, initial_state, do, dht, scale):
 @torch.library.custom_op("hccompile::lightning_attn_backward", mutates_args=())
 def lightning_attn_backward_op(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, do: Tensor,
-    dht: Tensor | None, scale: float,
+    dht: Tensor | None, scale: float, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_eager(q, k, v, decay, initial_state, do=do, dht=dht)
+    _check_eager(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q):
         dq, dk, dv, dh0 = lightning_attn_bwd(
             q, k, v, decay.float().contiguous(), do.to(v.dtype), scale, initial_state,
-            None if dht is None else dht.to(torch.float32),
+            None if dht is None else dht.to(torch.float32), cu_seqlens=cu_seqlens,
         )
     else:
-        dq, dk, dv, dh0 = _reference_backward(q, k, v, decay, initial_state, do, dht, scale)
+        dq, dk, dv, dh0 = _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens)
     grads = tuple(g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), (q, k, v)))
     if initial_state is None:
         return (*grads, _absent(q))
@@ -228,8 +250,8 @@ def lightning_attn_backward_op(
 
 
 @lightning_attn_backward_op.register_fake
-def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale):
-    _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht)
+def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=None):
+    _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
     return tuple(_absent(q) if t is None else t.new_empty(t.shape) for t in (q, k, v, initial_state))
 
@@ -239,22 +261,23 @@ def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, decay, initial_state, scale, output_final_state = inputs
+    q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens = inputs
     # The backward recomputes what it needs from the inputs: nothing else is saved.
-    ctx.save_for_backward(q, k, v, decay, initial_state)
+    ctx.save_for_backward(q, k, v, decay, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
 
 
 def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None):
-    q, k, v, decay, initial_state = ctx.saved_tensors
+    q, k, v, decay, initial_state, cu_seqlens = ctx.saved_tensors
     if do is None:
         do = torch.zeros(q.shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device)
     # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
     dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
-    dq, dk, dv, dh0 = lightning_attn_backward_op(q, k, v, decay, initial_state, do.contiguous(), dht, ctx.scale)
-    # Order of the op's arguments: the decay (a constant) and the non-tensor options get None.
-    return dq, dk, dv, None, (None if initial_state is None else dh0), None, None
+    dq, dk, dv, dh0 = lightning_attn_backward_op(q, k, v, decay, initial_state, do.contiguous(), dht, ctx.scale,
+                                                 cu_seqlens)
+    # Order of the op's arguments: the decay (a constant), cu_seqlens and the options get None.
+    return dq, dk, dv, None, (None if initial_state is None else dh0), None, None, None
 
 
 lightning_attn_op.register_autograd(_backward, setup_context=_setup_context)
@@ -273,14 +296,16 @@ def alibi_decay(heads: int, *, device: torch.device | str | None = None) -> Tens
 
 def lightning_attn(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor | None = None, scale: float | None = None,
-    initial_state: Tensor | None = None, output_final_state: bool = False,
+    initial_state: Tensor | None = None, output_final_state: bool = False, *,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Lightning attention: causal linear attention with a constant per-head log-decay.
 
     q, k [B, T, H, K]; v [B, T, H, V]; decay [H] log-decays <= 0 on q's device (None: no decay,
-    i.e. zeros; it is a constant and gets no gradient); initial_state [B, H, K, V]. Returns
-    (o [B, T, H, V] in v's dtype, final state [B, H, K, V] float32 — float64 for float64 inputs —
-    or None unless output_final_state). `scale` defaults to K**-0.5. Differentiable in q, k, v and
+    i.e. zeros; it is a constant and gets no gradient); initial_state [N, H, K, V] with N = B, or
+    for a variable-length batch (FLA's convention: B = 1, cu_seqlens int [N + 1] of sequence
+    starts) the number of sequences. Returns (o [B, T, H, V] in v's dtype, final state
+    [N, H, K, V] float32 — float64 for float64 inputs — or None unless output_final_state). `scale` defaults to K**-0.5. Differentiable in q, k, v and
     initial_state; works under torch.compile(fullgraph=True, dynamic=True).
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
@@ -290,8 +315,9 @@ def lightning_attn(
     if not torch.compiler.is_compiling():
         # The full check (it reads the decay's values, so eager only); under torch.compile the fake
         # runs the trace-safe subset, and the real op the full check at run time.
-        _check_eager(q, k, v, decay, initial_state)
+        _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, final_state = lightning_attn_op(q, k, v, decay, initial_state, float(scale), bool(output_final_state))
+    o, final_state = lightning_attn_op(q, k, v, decay, initial_state, float(scale), bool(output_final_state),
+                                       cu_seqlens)
     return o, (final_state if output_final_state else None)

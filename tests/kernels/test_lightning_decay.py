@@ -286,3 +286,85 @@ def test_head_dim_limit_and_out_errors():
 
 def test_triton_available_reports_the_interpreter():
     assert triton_available("cpu") == (os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ---------------------------------------------------------------- segments and varlen
+
+
+def float64_varlen_reference(q, k, v, decay, do, scale, h0, dht, cu_seqlens):
+    from hccompile.kernels.lightning.decay_reference import lightning_attn_varlen_ref
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, h0)]
+    o, final = lightning_attn_varlen_ref(*leaves[:3], decay.double(), scale, leaves[3], True, cu_seqlens)
+    grads = torch.autograd.grad([o, final], leaves, [do.double(), dht.double()])
+    return (o, final, *grads)
+
+
+@requires_triton
+@pytest.mark.parametrize("segment, block, cblock", [(32, 32, 16), (64, 32, 32), (128, 64, 16), (None, 64, 64)])
+def test_segments_of_any_length_are_exact(segment, block, cblock):
+    """Time cut into segments swept in parallel from prefix states: T = 130 leaves a ragged last
+    segment; a wrong summary weight or prefix order fails every segment after the first."""
+    heads = 4
+    q, k, v, do, h0, dht = random_inputs(2, 130, heads, 20, 28, torch.float32, True, seed=5)
+    decay = make_decay("mixed", heads).to(DEVICE)
+    ref = float64_reference(q, k, v, decay, do, 0.3, h0, dht)
+    o, final = lightning_attn_fwd(q, k, v, decay, 0.3, h0, True, segment=segment, block=block, cblock=cblock)
+    grads = lightning_attn_bwd(q, k, v, decay, do, 0.3, h0, dht, segment=segment, block=block, cblock=cblock)
+    for name, got, want in zip(("o", "final", "dq", "dk", "dv", "dh0"), (o, final, *grads), ref):
+        assert relative_rms_error(got, want) < 1e-4, f"{name} at segment={segment}"
+
+
+VARLEN_CASES = [
+    # (cu_seqlens, segment, dtype): sequences shorter and longer than a segment, an empty one
+    ([0, 50, 50, 137, 200], 64, torch.float32),
+    ([0, 1, 65, 100], 64, torch.float32),
+    ([0, 100], None, torch.float32),
+    ([0, 30, 97, 161], 64, torch.bfloat16),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("bounds, segment, dtype", VARLEN_CASES)
+def test_varlen_matches_each_sequence_alone(bounds, segment, dtype):
+    heads, key_dim, value_dim = 2, 24, 20
+    total, count = bounds[-1], len(bounds) - 1
+    q, k, v, do, _, _ = random_inputs(1, total, heads, key_dim, value_dim, dtype, False, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    h0 = torch.randn(count, heads, key_dim, value_dim, generator=generator).to(DEVICE)
+    dht = torch.randn(count, heads, key_dim, value_dim, generator=generator).to(DEVICE)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    decay = make_decay("alibi", heads).to(DEVICE)
+    ref = float64_varlen_reference(q, k, v, decay, do, 0.25, h0, dht, cu_seqlens)
+    nan = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    o, final = lightning_attn_fwd(q, k, v, decay, 0.25, h0, True, cu_seqlens=cu_seqlens, segment=segment,
+                                  out=nan(v), final_state_out=nan(h0))
+    grads = lightning_attn_bwd(q, k, v, decay, do, 0.25, h0, dht, cu_seqlens=cu_seqlens, segment=segment,
+                               out=(nan(q), nan(k), nan(v), nan(h0)))
+    out_tol, grad_tol = TOLERANCES[dtype]
+    for name, got, want in zip(("o", "final", "dq", "dk", "dv", "dh0"), (o, final, *grads), ref):
+        assert relative_rms_error(got, want) < (out_tol if name in ("o", "final") else grad_tol), name
+
+
+@pytest.mark.parametrize(
+    "bounds, batch, error, message",
+    [
+        ([0, 5, 8], 2, ValueError, "cu_seqlens: a variable-length batch needs batch size 1"),
+        ([0, 5, 7], 1, ValueError, "cu_seqlens: must start at 0 and end at T=8"),
+        ([0, 6, 5, 8], 1, ValueError, "cu_seqlens: must be non-decreasing"),
+        ([[0, 8]], 1, ValueError, "cu_seqlens: expected a 1-D tensor"),
+    ],
+)
+def test_varlen_validation_errors(bounds, batch, error, message):
+    q, k, v, _, _, _ = random_inputs(batch, 8, 2, 16, 16, torch.float32, False)
+    with pytest.raises(error, match=message):
+        lightning_attn_fwd(q, k, v, make_decay("alibi", 2).to(DEVICE), None,
+                           cu_seqlens=torch.tensor(bounds, device=DEVICE))
+    with pytest.raises(TypeError, match="cu_seqlens: expected int32 or int64"):
+        lightning_attn_fwd(q[:1], k[:1], v[:1], make_decay("alibi", 2).to(DEVICE), None,
+                           cu_seqlens=torch.tensor([0.0, 8.0], device=DEVICE))
+    with pytest.raises(ValueError, match="segment: must be a positive multiple of block=64"):
+        lightning_attn_fwd(q[:1], k[:1], v[:1], make_decay("alibi", 2).to(DEVICE), None, segment=96)
+    with pytest.raises(ValueError, match=r"initial_state: expected shape \(2, 2, 16, 16\)"):
+        lightning_attn_fwd(q[:1], k[:1], v[:1], make_decay("alibi", 2).to(DEVICE), None,
+                           torch.zeros(1, 2, 16, 16, device=DEVICE), cu_seqlens=torch.tensor([0, 4, 8], device=DEVICE))

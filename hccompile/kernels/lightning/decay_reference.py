@@ -18,9 +18,11 @@ import torch
 from .reference import check_attention_shapes
 
 __all__ = [
+    "check_cu_seqlens",
     "check_decay_and_state",
     "lightning_attn_ref",
     "lightning_attn_recurrent_ref",
+    "lightning_attn_varlen_ref",
 ]
 
 
@@ -28,10 +30,12 @@ def check_decay_and_state(
     q: torch.Tensor,
     v: torch.Tensor,
     decay: torch.Tensor,
-    **states: torch.Tensor | None,
+    **states,
 ) -> None:
-    """Raise unless `decay` is [H] and every given state (initial_state=, dht=) is [B, H, K, V]."""
+    """Raise unless `decay` is [H] and every given state (initial_state=, dht=) is [N, H, K, V],
+    N = `num_states` (the batch size unless given: the number of sequences of a varlen batch)."""
     batch, _, heads, key_dim = q.shape
+    batch = states.pop("num_states", None) or batch
     value_dim = v.shape[3]
     if not isinstance(decay, torch.Tensor):
         raise TypeError(f"decay: expected a torch.Tensor of shape [{heads}], got {type(decay).__name__}")
@@ -55,7 +59,7 @@ def check_decay_and_state(
         if not isinstance(state, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(state).__name__}")
         if tuple(state.shape) != expected:
-            raise ValueError(f"{name}: expected shape {expected} [batch, heads, K, V], got {tuple(state.shape)}")
+            raise ValueError(f"{name}: expected shape {expected} [N, heads, K, V], got {tuple(state.shape)}")
         if not state.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got dtype {state.dtype}")
         if state.device != q.device:
@@ -143,3 +147,53 @@ def lightning_attn_recurrent_ref(
     if output_final_state:
         final_state = state if dtype == torch.float64 else state.float()
     return o.to(v.dtype), final_state
+
+
+def check_cu_seqlens(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    """Number of sequences (states): B for fixed-length batches, len(cu_seqlens) - 1 for varlen.
+
+    Varlen batches follow FLA: B = 1, cu_seqlens an integer tensor [N + 1] starting at 0,
+    non-decreasing, ending at T. The values are read on the host (one sync on a GPU).
+    """
+    if cu_seqlens is None:
+        return q.shape[0]
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: a variable-length batch needs batch size 1, got q with batch {q.shape[0]}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[1]:
+        raise ValueError(f"cu_seqlens: must start at 0 and end at T={q.shape[1]}, got {bounds[0]} .. {bounds[-1]}")
+    if any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError("cu_seqlens: must be non-decreasing")
+    return len(bounds) - 1
+
+
+def lightning_attn_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lightning_attn_ref over the sequences of a varlen batch (B = 1, cu_seqlens [N + 1]);
+    states are [N, H, K, V]. Without cu_seqlens it is lightning_attn_ref."""
+    if cu_seqlens is None:
+        return lightning_attn_ref(q, k, v, decay, scale, initial_state, output_final_state)
+    check_cu_seqlens(q, cu_seqlens)
+    bounds = cu_seqlens.tolist()
+    outputs, states = [], []
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, state = lightning_attn_ref(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], decay, scale, h0, True)
+        outputs.append(o)
+        states.append(state)
+    final_state = torch.cat(states) if output_final_state else None
+    return torch.cat(outputs, dim=1), final_state

@@ -1,0 +1,204 @@
+"""Lightning attention on the GPU: ours vs FLA 0.6.0 vs SDPA causal vs the plain form under Inductor
+and under hc, forward and forward+backward, side by side in one process.
+
+    python benchmarks/lightning.py --out results/lightning.jsonl
+
+Per shape and decay setting it prints one markdown row per implementation: median ms
+(triton.testing.do_bench), the achieved GB/s of the minimum traffic (fwd: q, k, v read and o
+written; fwd+bwd adds q, k, v, do read and dq, dk, dv written) against the measured device copy
+bandwidth, and, for ours, the error against FLA. FLA is `fla.ops.simple_gla.chunk_simple_gla` with
+`g_gamma` = our decay, which is what FLA's `chunk_lightning_attn` calls. The kernels' shared memory
+and registers come from the compiled kernels' metadata.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SHAPES = {"B4-T4096-H16-D128": (4, 4096, 16, 128), "B1-T32768-H16-D128": (1, 32768, 16, 128),
+          "B8-T2048-H32-D64": (8, 2048, 32, 64)}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    from triton.testing import do_bench
+
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def plain_decay_attention(q, k, v, decay, scale):
+    """The quadratic form as written in model code: [B, T, H, D], a decay mask per head."""
+    t = q.shape[1]
+    pos = torch.arange(t, device=q.device)
+    dist = (pos[:, None] - pos[None, :]).to(torch.float32)
+    mask = torch.exp(decay[:, None, None] * dist.clamp_min(0)) * (dist >= 0)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    return torch.einsum("bhts,bshd->bthd", (scores * mask).to(v.dtype), v)
+
+
+def plain_linear_attention(q, k, v, scale):
+    t = q.shape[1]
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    return torch.einsum("bhts,bshd->bthd", scores.masked_fill(~mask, 0), v)
+
+
+def bench(fn, grad_inputs, do):
+    from triton.testing import do_bench
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        for t in grad_inputs:
+            t.grad = None
+        out = fn()
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(do)
+
+    return do_bench(fwd), do_bench(fwd_bwd)
+
+
+def run_shape(name, shape, decayed, args, bandwidth):
+    import hccompile
+
+    b, t, h, d = shape
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, t, h, d, device="cuda", dtype=dtype, generator=gen).mul_(0.5)
+               .requires_grad_() for _ in range(3))
+    do = torch.randn(b, t, h, d, device="cuda", dtype=dtype, generator=gen)
+    decay = hccompile.lowering.lightning.alibi_decay(h, device="cuda") if decayed else \
+        torch.zeros(h, device="cuda")
+    scale = d ** -0.5
+    elem = q.element_size()
+    fwd_bytes = 4 * b * t * h * d * elem
+    bwd_bytes = fwd_bytes + 7 * b * t * h * d * elem
+    rows = []
+
+    def add(impl, fn, note=""):
+        try:
+            f_ms, fb_ms = bench(fn, (q, k, v), do)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            rows.append(dict(impl=impl, note="out of memory"))
+            return
+        rows.append(dict(impl=impl, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, fwd_gbs=fwd_bytes / f_ms / 1e6,
+                         fwd_bwd_gbs=bwd_bytes / fb_ms / 1e6, note=note))
+
+    ours = lambda: hccompile.lightning_attn(q, k, v, decay=decay, scale=scale)[0]  # noqa: E731
+    add("hccompile.lightning_attn", ours)
+
+    fla_err = None
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as error:  # noqa: BLE001
+        rows.append(dict(impl="FLA 0.6.0", note=f"not importable: {error}"))
+    else:
+        fla = lambda: chunk_simple_gla(q, k, v, g_gamma=decay, scale=scale)[0]  # noqa: E731
+        add("FLA 0.6.0 chunk_simple_gla(g_gamma)", fla)
+        outs = []
+        for f in (ours, fla):
+            for x in (q, k, v):
+                x.grad = None
+            o = f()
+            o.backward(do)
+            outs.append([o.detach().float()] + [x.grad.detach().float() for x in (q, k, v)])
+        fla_err = {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), *outs)}
+
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    add("SDPA causal (softmax)", lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2))
+
+    quadratic_bytes = b * h * t * t * 4
+    if args.skip_plain or quadratic_bytes > args.plain_limit_gb * 2**30:
+        rows.append(dict(impl="plain form (Inductor / hc)", note=f"skipped: [B,H,T,T] fp32 = {quadratic_bytes / 2**30:.0f} GiB"))
+    else:
+        plain = (lambda q, k, v: plain_decay_attention(q, k, v, decay, scale)) if decayed else \
+            (lambda q, k, v: plain_linear_attention(q, k, v, scale))
+        for backend in ("inductor", "hc"):
+            torch._dynamo.reset()
+            compiled = torch.compile(plain, backend=backend, fullgraph=True)
+            add(f"plain form, {backend}", lambda: compiled(q, k, v))
+
+    for row in rows:
+        row.update(shape=name, decay=decayed, dtype=args.dtype)
+        if row["impl"] == "hccompile.lightning_attn":
+            row["error_vs_fla"] = fla_err
+            row["floor_fwd_ms"] = fwd_bytes / bandwidth * 1e3
+            row["floor_fwd_bwd_ms"] = bwd_bytes / bandwidth * 1e3
+    return rows
+
+
+def kernel_resources():
+    from hccompile.kernels._triton import compiled_resources
+    from hccompile.kernels.lightning import chunk
+
+    return [r for name in dir(chunk) if name.endswith("_kernel")
+            for r in compiled_resources(getattr(chunk, name))]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--skip-plain", action="store_true", help="skip the plain form under Inductor/hc")
+    p.add_argument("--plain-limit-gb", type=float, default=8.0, help="skip plain forms whose score matrix is larger")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args(argv)
+
+    import triton
+
+    bandwidth = copy_bandwidth()
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__, copy_gbs=bandwidth / 1e9)
+    try:
+        import fla
+        meta["fla"] = getattr(fla, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        meta["fla"] = None
+    print(f"# {meta}")
+    results = []
+    for name in args.shapes.split(","):
+        for decayed in (True, False):
+            rows = run_shape(name, SHAPES[name], decayed, args, bandwidth)
+            results += rows
+            print(f"\n## {name} {'decay' if decayed else 'no decay'} {args.dtype}")
+            print("| impl | fwd ms | fwd+bwd ms | fwd GB/s | fwd+bwd GB/s | note |")
+            print("|---|---|---|---|---|---|")
+            for r in rows:
+                if "fwd_ms" in r:
+                    print(f"| {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_gbs']:.0f} | "
+                          f"{r['fwd_bwd_gbs']:.0f} | {r.get('note', '')} |")
+                else:
+                    print(f"| {r['impl']} | - | - | - | - | {r.get('note', '')} |")
+            ours = rows[0]
+            if "floor_fwd_ms" in ours:
+                print(f"floor (copy bandwidth): fwd {ours['floor_fwd_ms']:.3f} ms, fwd+bwd {ours['floor_fwd_bwd_ms']:.3f} ms;"
+                      f" error vs FLA: {ours.get('error_vs_fla')}")
+            sys.stdout.flush()
+    resources = kernel_resources()
+    print("\n## kernel resources (compiled metadata)")
+    for r in resources:
+        print(r)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps({**meta, **r}) + "\n")
+            f.write(json.dumps({**meta, "kernel_resources": resources}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Sweep the lightning kernels' exact tuning knobs (block, micro-chunk, column tile, warps,
+segment) on the GPU and print the time of each forward and backward configuration, so the
+defaults in kernels/lightning/chunk.py are chosen by measurement.
+
+    python benchmarks/lightning_tune.py [--shapes B4-T4096-H16-D128,...] [--out tune.jsonl]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from lightning import SHAPES  # noqa: E402  (benchmarks/ is the script's directory)
+
+
+def main(argv=None):
+    from triton.testing import do_bench
+
+    from hccompile.kernels._triton import compiled_resources
+    from hccompile.kernels.lightning import chunk
+    from hccompile.lowering.lightning import alibi_decay
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="B4-T4096-H16-D128,B1-T32768-H16-D128")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    for name in args.shapes.split(","):
+        b, t, h, d = SHAPES[name]
+        q, k, v, do = (torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16) * 0.5 for _ in range(4))
+        decay = alibi_decay(h, device="cuda")
+        configs = list(itertools.product((64,), (32, 64), (64, 128), (4, 8), (None, 512)))
+        configs += [(128, 32, 64, 8, None), (128, 64, 64, 8, None), (64, 16, 64, 4, None)]
+        for block, cblock, tile, warps, seg in configs:
+            knobs = dict(block=block, cblock=cblock, column_tile=tile, num_warps=warps, segment=seg)
+            try:
+                f = do_bench(lambda: chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs))
+                bw = do_bench(lambda: chunk.lightning_attn_bwd(q, k, v, decay, do, None, **knobs))
+            except Exception as error:  # noqa: BLE001  (out of resources for a config)
+                print(name, knobs, "failed:", str(error).splitlines()[0][:120])
+                continue
+            res = compiled_resources(chunk._reverse_sweep_kernel)
+            shared = max((r["shared_bytes"] or 0) for r in res) if res else None
+            row = dict(shape=name, **knobs, fwd_ms=f, bwd_ms=bw, max_reverse_shared=shared)
+            rows.append(row)
+            print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg}: "
+                  f"fwd {f:.3f} bwd {bw:.3f} ms", flush=True)
+        best_f = min((r for r in rows if r["shape"] == name), key=lambda r: r["fwd_ms"])
+        best_b = min((r for r in rows if r["shape"] == name), key=lambda r: r["bwd_ms"])
+        print("best fwd", best_f, "\nbest bwd", best_b, flush=True)
+    for r in compiled_resources(chunk._reverse_sweep_kernel) + compiled_resources(chunk._forward_sweep_kernel):
+        print(r)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
