@@ -9,6 +9,7 @@ from .debug import Report, explain  # noqa: E402
 from .lowering import (causal_linear_attn, chunk_delta_rule, chunk_gated_delta_rule,  # noqa: E402
                        chunk_kda, lightning_attn)
 from .backend import hc_backend  # noqa: E402  (also reachable as backend="hc")
+from . import distributed  # noqa: E402  (context parallelism)
 
 __version__ = "0.1.0"
 

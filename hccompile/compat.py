@@ -84,3 +84,13 @@ def autograd_recording():
     with torch._C._ForceDispatchKeyGuard(included, excluded - _AUTOGRAD_KEYS), torch.enable_grad():
         yield
 
+
+
+# --- collectives ---
+def all_gather_single(output, input, group=None, async_op: bool = False):
+    """Every rank's `input` concatenated into `output`: torch 2.13 deprecates
+    all_gather_into_tensor for all_gather_single (same arguments); 2.11 has only the former."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

@@ -1,0 +1,321 @@
+"""Context-parallel GDN and KDA, forward and forward+backward, at 64K tokens on two GPUs.
+
+One command (NCCL, one process per GPU):
+
+    torchrun --nproc-per-node 2 benchmarks/cp.py --out benchmarks/results/cp_h200.jsonl
+
+For each op (GDN, KDA) and token layout (one 64K sequence; several sequences, one crossing the
+rank boundary), side by side:
+
+  1gpu-hc        hccompile's op on all tokens on rank 0 alone
+  cp2-hc-<s>     hccompile under context_parallel on both ranks, exchange strategy s
+                 (all_gather, scan, ring)
+  1gpu-fla       FLA's op on all tokens on rank 0 alone             (if `fla` imports)
+  cp2-fla        FLA's CP (fla.ops.cp.build_cp_context) on both ranks (if `fla` imports)
+
+Times are medians of CUDA-event timings over --iters iterations after --warmup (each iteration
+starts after a barrier; a CP time is the slowest rank's median). Every CP row also reports its
+relative RMS error against the 1-GPU run of the same implementation (output and dq), so a fast
+wrong answer shows. Writes one JSON line per row to --out and the markdown table to --out with
+the suffix .md (and prints it). A variant that fails (e.g. FLA 0.6.0's GDN backward refuses Triton
+3.4-3.7 on Hopper) is a row with its error, not a crash.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEVERAL = [8192, 20000, 3000, 12000, 16000, 6344]  # 65536 tokens; the 4th sequence crosses the CP2 boundary
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON lines file (appended); the table goes to <out>.md")
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--ops", default="gdn,kda")
+    parser.add_argument("--layouts", default="one,several")
+    parser.add_argument("--strategies", default="all_gather,scan,ring")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-fla", action="store_true", help="skip FLA even if it imports")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: gloo and wall-clock timing, for a smoke run of this script under "
+                             "TRITON_INTERPRET=1 at tiny sizes (no meaningful times)")
+    return parser.parse_args()
+
+
+def seqlens_of(layout: str, tokens: int) -> list[int]:
+    if layout == "one":
+        return [tokens]
+    scale = tokens / sum(SEVERAL)
+    lengths = [max(1, int(n * scale)) for n in SEVERAL]
+    lengths[-1] += tokens - sum(lengths)
+    return lengths
+
+
+def make_inputs(op: str, tokens: int, heads: int, dim: int, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(0)  # same inputs on every rank
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    q, k, v = (randn(1, tokens, heads, dim).to(dtype) for _ in range(3))
+    beta = torch.rand(1, tokens, heads, generator=gen, device=device).to(dtype)
+    gate_shape = (1, tokens, heads) if op == "gdn" else (1, tokens, heads, dim)
+    g = F.logsigmoid(randn(*gate_shape) + 4).to(dtype)  # weak decay: state crosses the boundary
+    do = randn(1, tokens, heads, dim).to(dtype)
+    return dict(q=q, k=k, v=v, g=g, beta=beta), do
+
+
+# ----------------------------------------------------------------------------------------
+# Implementations: each returns a function (tensors, cu_seqlens) -> o
+
+
+def hc_function(op: str):
+    import hccompile
+
+    function = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+
+    def run(t, cu_seqlens):
+        o, _ = function(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=cu_seqlens,
+                        use_qk_l2norm_in_kernel=True)
+        return o
+
+    return run
+
+
+def fla_function(op: str, cp_context=None):
+    if op == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as function
+    else:
+        from fla.ops.kda import chunk_kda as function
+
+    def run(t, cu_seqlens):
+        kwargs = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        if cp_context is not None:
+            kwargs.update(cu_seqlens=cp_context.cu_seqlens, cp_context=cp_context)
+        o, _ = function(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], **kwargs)
+        return o
+
+    return run
+
+
+def fla_available() -> str | None:
+    try:
+        import fla  # noqa: F401
+        from fla.ops.cp import build_cp_context  # noqa: F401
+    except Exception as error:  # noqa: BLE001 (any import failure means: skip with a note)
+        return f"fla not importable: {type(error).__name__}: {error}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# Timing
+
+
+def _elapsed_ms(step, device) -> float:
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        step()
+        return (time.perf_counter() - begin) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def median_ms(step, iters: int, warmup: int, group_wide: bool, device) -> float:
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if group_wide:
+            dist.barrier()
+        times.append(_elapsed_ms(step, device))
+    result = torch.tensor([statistics.median(times)], device=device)
+    if group_wide:
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    return float(result.item())
+
+
+def measure(run, tensors, cu_seqlens, do, iters, warmup, group_wide, context=contextlib.nullcontext):
+    """(fwd ms, fwd+bwd ms, o, dq); `context()` is entered around each forward and backward."""
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+
+    def forward():
+        with torch.no_grad(), context():
+            return run(leaves, cu_seqlens)
+
+    device = leaves["q"].device
+    fwd = median_ms(forward, iters, warmup, group_wide, device)
+
+    def step():
+        with context():
+            o = run(leaves, cu_seqlens)
+            return o, torch.autograd.grad(o, [leaves["q"]], do)[0]
+
+    both = median_ms(step, iters, warmup, group_wide, device)
+    o, dq = step()
+    return fwd, both, o.detach(), dq.detach()
+
+
+def relative_error(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float(((out - ref).norm() / ref.norm().clamp_min(1e-30)).item())
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
+    from hccompile.distributed import build_cp_context, context_parallel
+
+    fla_note = "disabled (--no-fla)" if args.no_fla else fla_available()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke run)"
+    meta = dict(date=datetime.date.today().isoformat(), device=name, world=world,
+                torch=torch.__version__, tokens=args.tokens, heads=args.heads, head_dim=args.head_dim,
+                dtype=args.dtype)
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows = []
+
+    def record(**row):
+        row = {**meta, **row}
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+
+    for op in args.ops.split(","):
+        for layout in args.layouts.split(","):
+            lengths = seqlens_of(layout, args.tokens)
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n)
+            cu_global = torch.tensor(cu, dtype=torch.int64, device=device)
+            tensors, do = make_inputs(op, args.tokens, args.heads, args.head_dim, dtype, device)
+            common = dict(op=op, layout=layout, sequences=len(lengths))
+            implementations = [("hc", hc_function)]
+            if fla_note is None:
+                implementations.append(("fla", fla_function))
+            for name, factory in implementations:
+                single = None
+                if rank == 0:
+                    try:
+                        fwd, both, o, dq = measure(factory(op), tensors, cu_global, do, args.iters, args.warmup,
+                                                   group_wide=False)
+                        single = (o, dq)
+                        record(variant=f"1gpu-{name}", fwd_ms=fwd, fwd_bwd_ms=both, **common)
+                    except Exception as error:  # noqa: BLE001 (a refused variant is a row, not a crash)
+                        record(variant=f"1gpu-{name}", error=f"{type(error).__name__}: {error}", **common)
+                        traceback.print_exc()
+                dist.barrier()
+                strategies = args.strategies.split(",") if name == "hc" else ["fla"]
+                for strategy in strategies:
+                    variant = f"cp{world}-{name}" + (f"-{strategy}" if name == "hc" else "")
+                    try:
+                        if name == "hc":
+                            ctx = build_cp_context(cu, strategy=strategy, device=device)
+                            local = {n: ctx.shard(t) for n, t in tensors.items()}
+                            fwd, both, o, dq = measure(factory(op), local, ctx.cu_seqlens, ctx.shard(do), args.iters,
+                                                       args.warmup, group_wide=True,
+                                                       context=lambda ctx=ctx: context_parallel(ctx))
+                            o, dq = ctx.unshard(o), ctx.unshard(dq)
+                        else:
+                            from fla.ops.cp import build_cp_context as fla_context
+
+                            fctx = fla_context(cu_global, group=dist.group.WORLD)
+                            per_rank = args.tokens // world
+                            local = {n: t[:, rank * per_rank:(rank + 1) * per_rank].contiguous()
+                                     for n, t in tensors.items()}
+                            fwd, both, o, dq = measure(factory(op, fctx), local, None,
+                                                       do[:, rank * per_rank:(rank + 1) * per_rank].contiguous(),
+                                                       args.iters, args.warmup, group_wide=True)
+                            gathered = [torch.empty_like(o) for _ in range(world)]
+                            dist.all_gather(gathered, o.contiguous())
+                            o = torch.cat(gathered, dim=1)
+                            gathered = [torch.empty_like(dq) for _ in range(world)]
+                            dist.all_gather(gathered, dq.contiguous())
+                            dq = torch.cat(gathered, dim=1)
+                        checks = {}
+                        if single is not None:
+                            checks = dict(o_error=relative_error(o, single[0]), dq_error=relative_error(dq, single[1]))
+                        record(variant=variant, fwd_ms=fwd, fwd_bwd_ms=both, **checks, **common)
+                    except Exception as error:  # noqa: BLE001
+                        record(variant=variant, error=f"{type(error).__name__}: {error}", **common)
+                        if rank == 0:
+                            traceback.print_exc()
+                    dist.barrier()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            if fla_note is not None:
+                record(variant="fla", error=f"skipped: {fla_note}", **common)
+
+    if rank == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        table = markdown(rows)
+        out.with_suffix(".md").write_text(table)
+        print(table)
+    dist.destroy_process_group()
+
+
+def markdown(rows) -> str:
+    """One table: fwd and fwd+bwd ms, speedup over the same implementation on one GPU, errors."""
+    meta = rows[0] if rows else {}
+    lines = [f"{meta.get('device', '?')} x{meta.get('world', '?')}, torch {meta.get('torch', '?')}, "
+             f"triton {meta.get('triton', '?')}, {meta.get('tokens')} tokens, H{meta.get('heads')} "
+             f"D{meta.get('head_dim')} {meta.get('dtype')}, median ms", "",
+             "| op | sequences | variant | fwd | fwd+bwd | speedup fwd / fwd+bwd | o err | dq err | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    singles = {(r["op"], r["layout"], r["variant"].split("-")[1]): r for r in rows
+               if r["variant"].startswith("1gpu") and "fwd_ms" in r}
+    for r in rows:
+        if "fwd_ms" not in r:
+            lines.append(f"| {r['op']} | {r['sequences']} | {r['variant']} | | | | | | {r.get('error', '')[:120]} |")
+            continue
+        base = singles.get((r["op"], r["layout"], r["variant"].split("-")[1]))
+        speed = ""
+        if base is not None and not r["variant"].startswith("1gpu"):
+            speed = f"{base['fwd_ms'] / r['fwd_ms']:.2f}x / {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x"
+        err = lambda key: f"{r[key]:.1e}" if key in r else ""  # noqa: E731
+        lines.append(f"| {r['op']} | {r['sequences']} | {r['variant']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} "
+                     f"| {speed} | {err('o_error')} | {err('dq_error')} | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Context parallelism over 4 real processes (torch.distributed, gloo on CPU, kernels in Triton's
+interpreter): outputs, final states and every gradient of the public functions under
+context_parallel equal the single-process run (tests/distributed/cp_worker.py has the cases: layouts,
+strategies, sequences crossing 0, 1 and several rank boundaries, uneven splits, fixed-length rows,
+initial state, KDA's in-kernel gate)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_worker import SUITES
+from harness import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+TOLERANCE = 1e-5  # fp32: the CP run and the single-process run use the same kernels
+GATE_PARAMETER_TOLERANCE = 1e-4  # dA_log, ddt_bias: sums over every token of every rank
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(4, "four", tmp_path_factory.mktemp("cp4") / "results.json", timeout=600)
+
+
+@pytest.mark.parametrize("name", SUITES["four"])
+def test_matches_single_process(results, name):
+    errors = results[name]
+    assert "o" in errors and "final_state" in errors and "dq" in errors, errors
+    for quantity, error in errors.items():
+        limit = GATE_PARAMETER_TOLERANCE if quantity in ("dA_log", "ddt_bias") else TOLERANCE
+        assert error < limit, (name, quantity, error)
