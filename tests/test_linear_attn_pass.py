@@ -1,5 +1,7 @@
 """The linear-attention pass: every claimed spelling is lowered (forward and backward), every
 near-miss is refused with its reason, and the replaced graph computes what the original did."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,7 @@ def test_form_is_lowered_and_matches_eager(fn):
     out, grads = fwd_bwd(compiled, q, k, v)
     ref, ref_grads = fwd_bwd(fn, q, k, v)
     assert [m["pattern"] for m in be.matches] == ["causal_linear_attn"], be.refusals
+    assert [m["op"] for m in be.matches] == ["causal_linear_attn"]
     assert be.ops("dynamo") == [] and not be.refusals
     assert rel_err(out, ref) < 1e-5
     for g, r in zip(grads, ref_grads):
@@ -176,13 +179,6 @@ def normalised(q, k, v):
     return (s / s.sum(-1, keepdim=True)) @ v
 
 
-def decay_mask(q, k, v):  # a decay is not this pattern (issue 4 lowers it separately)
-    T = q.shape[-2]
-    i = torch.arange(T, device=q.device)
-    decay = torch.where(i[:, None] >= i[None, :], 0.9 ** (i[:, None] - i[None, :]).float(), 0.0)
-    return ((q @ k.transpose(-2, -1)) * decay) @ v
-
-
 def relu_scores(q, k, v):
     s = q @ k.transpose(-2, -1)
     return s.masked_fill(s < 0, 0.0) @ v
@@ -200,10 +196,28 @@ REFUSED = {
     strictly_causal: "diagonal=-1",
     wrong_mask_orientation: "probe mismatch",
     normalised: "normaliser",
-    decay_mask: "probe mismatch",
-    relu_scores: "probe mismatch",
+    relu_scores: "data-dependent mask",
     float64_inputs: "float64",
 }
+
+
+def decay_mask(q, k, v):
+    T = q.shape[-2]
+    i = torch.arange(T, device=q.device)
+    decay = torch.where(i[:, None] >= i[None, :], 0.9 ** (i[:, None] - i[None, :]).float(), 0.0)
+    return ((q @ k.transpose(-2, -1)) * decay) @ v
+
+
+def test_decay_mask_goes_to_the_decay_form():
+    """A decay is not the plain form: it is lowered to lightning_attn with γ = log 0.9 (more decay
+    forms and their near-misses: test_lightning_pass.py)."""
+    be = Collect(compiler="aot_eager")
+    q, k, v = _inputs()
+    out, grads = fwd_bwd(torch.compile(decay_mask, backend=be, fullgraph=True), q, k, v)
+    ref, ref_grads = fwd_bwd(decay_mask, q, k, v)
+    assert [(m["pattern"], m["op"]) for m in be.matches] == [("decayed_linear_attn", "lightning_attn")]
+    assert be.matches[0]["decay"] == [pytest.approx(math.log(0.9), rel=1e-5)]
+    assert rel_err(out, ref) < 1e-5 and all(rel_err(g, r) < 1e-5 for g, r in zip(grads, ref_grads))
 
 
 @pytest.mark.parametrize("fn", list(REFUSED), ids=lambda f: f.__name__)
@@ -215,6 +229,36 @@ def test_near_miss_refused_and_left_alone(fn):
     reasons = [r["reason"] for r in be.refusals]
     assert any(REFUSED[fn] in r for r in reasons), reasons
     torch.testing.assert_close(out, fn(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def mask_argument(q, k, v, mask):
+    return (q @ k.transpose(-2, -1)).masked_fill(~mask, 0.0) @ v
+
+
+def padding_mask(q, k, v):
+    keep = torch.ones(q.shape[0], 1, 1, q.shape[-2])
+    keep[0, ..., -3:] = 0  # padding on the first sequence
+    return (torch.tril(q @ k.transpose(-2, -1)) * keep) @ v
+
+
+def test_mask_from_an_input_refused():
+    """The probe sees one value of a mask passed in; another call may pass another: refused."""
+    be = Collect(compiler="aot_eager")
+    q, k, v = _inputs()
+    mask = _mask(q.shape[-2], q.device)
+    out = torch.compile(mask_argument, backend=be, fullgraph=True)(q, k, v, mask)
+    assert be.matches == []
+    assert any("forward input" in r["reason"] for r in be.refusals), be.refusals
+    torch.testing.assert_close(out, mask_argument(q, k, v, mask))
+
+
+def test_padding_mask_refused():
+    be = Collect(compiler="aot_eager")
+    q, k, v = _inputs()
+    out = torch.compile(padding_mask, backend=be, fullgraph=True)(q, k, v)
+    assert be.matches == []
+    assert any("padding mask" in r["reason"] for r in be.refusals), be.refusals
+    torch.testing.assert_close(out, padding_mask(q, k, v))
 
 
 def test_head_dim_over_limit_refused():
