@@ -1,12 +1,17 @@
-"""mHC training step: eager, eager + block manager, Inductor, and hc with recompute off/layer/block,
-for n=1 (plain residual) and n=4 streams. One forward+backward step of the reference GPT.
+"""mHC training step for n=1 (plain residual) and n=4 streams: eager, eager + block manager, Inductor,
+and hc with recompute off / layer / block (hc fuses the hyper-connection subgraphs into the
+kernels of hccompile/kernels/mhc unless the variant ends in "-nofuse"). One forward+backward step of
+the reference GPT (hccompile.nn.MHCGPT, layout [B, S, n, C]).
 
 Reports the median step time (CUDA events), the peak memory above parameters during the step, and
-the compile time (first step minus a warm step). Results are appended as JSON lines to --out, so a
-long sweep can be split across runs (--variants).
+the compile time (first step minus a warm step, caches off). Results are appended as JSON lines to
+--out, so a long sweep can be split across runs (--variants); benchmarks/mhc_table.py makes the
+tables.
 
-    python benchmarks/mhc.py --variants n1-eager,n1-inductor,n1-hc,n4-eager,n4-manager,n4-inductor
-    python benchmarks/mhc.py --variants n4-hc-off,n4-hc-layer,n4-hc-block
+    python benchmarks/mhc.py --variants n1-eager,n1-inductor,n1-hc-block,n4-eager,n4-manager
+    python benchmarks/mhc.py --variants n4-inductor,n4-hc-off,n4-hc-layer,n4-hc-block
+    python benchmarks/mhc.py --layers 4 --variants n4-hc-block-nofuse     # the unfused plan
+    python benchmarks/mhc.py --kernels     # each fused kernel vs its reference under Inductor
 """
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compile
 
 import torch  # noqa: E402
 
-ALL = ["n1-eager", "n1-inductor", "n1-hc", "n4-eager", "n4-manager", "n4-inductor",
-       "n4-hc-off", "n4-hc-layer", "n4-hc-block"]
+KINDS = ["eager", "manager", "inductor", "hc-off", "hc-layer", "hc-block"]
+ALL = [f"n{n}-{k}" for n in (1, 4) for k in KINDS] + ["n4-hc-block-nofuse"]
+DEFAULT = [v for v in ALL if v != "n4-hc-block-nofuse"]
 
 
 def build(n: int, a) -> torch.nn.Module:
@@ -33,19 +39,29 @@ def build(n: int, a) -> torch.nn.Module:
                   sinkhorn_iters=a.sinkhorn_iters).to(a.device, getattr(torch, a.dtype))
 
 
+def parse(variant: str) -> tuple[int, str, bool]:
+    """'n4-hc-block-nofuse' -> (4, 'hc-block', False)."""
+    n_part, rest = variant.split("-", 1)
+    fuse = not rest.endswith("-nofuse")
+    return int(n_part[1:]), rest.removesuffix("-nofuse"), fuse
+
+
 def step_fn(variant: str, model):
-    if variant.endswith("eager"):
+    _, kind, fuse = parse(variant)
+    if kind == "eager":
         return lambda x: model(x)
-    if variant.endswith("manager"):
+    if kind == "manager":  # n=1 has no hyper-connection: the manager leaves it a plain model
         return lambda x: model(x, recompute="block")
-    if variant.endswith("inductor"):
+    if kind == "inductor":
         return torch.compile(model, backend="inductor")
-    mode = variant.split("-")[-1] if variant.startswith("n4-hc-") else "block"
-    return torch.compile(model, backend="hc", options={"hc_recompute": mode})
+    options = {"hc_recompute": kind.split("-")[1]}
+    if not fuse:
+        options["disable_passes"] = ["hc_fuse"]
+    return torch.compile(model, backend="hc", options=options)
 
 
 def measure(variant: str, a) -> dict:
-    n = 4 if variant.startswith("n4") else 1
+    n, kind, fuse = parse(variant)
     model = build(n, a)
     fn = step_fn(variant, model)
     x = torch.randn(a.batch, a.seq, a.dim, device=a.device, dtype=getattr(torch, a.dtype))
@@ -79,14 +95,61 @@ def measure(variant: str, a) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     ms = statistics.median(times)
-    return {"variant": variant, "n": n, "step_ms": ms, "peak_gib": peak / 2**30,
-            "compile_s": max(0.0, first - ms / 1e3) if "eager" not in variant and "manager" not in variant else 0.0}
+    compiled = kind not in ("eager", "manager")
+    return {"variant": variant, "n": n, "kind": kind, "fuse": fuse if kind.startswith("hc") else None,
+            "step_ms": ms, "peak_gib": peak / 2**30,
+            "compile_s": max(0.0, first - ms / 1e3) if compiled else 0.0}
+
+
+def kernel_bench(a) -> None:
+    """--kernels: each fused kernel against its PyTorch reference compiled by Inductor, one sublayer's
+    worth of tokens (B·S) at n=4; effective bandwidth from the bytes each must move."""
+    import triton.testing
+
+    from hccompile.kernels.mhc import MappingSpec, mhc_aggregate_ref, mhc_mapping_ref, mhc_post_ref
+    from hccompile.lowering.mhc import mhc_aggregate, mhc_mapping, mhc_post
+
+    dt, dev, n, C = getattr(torch, a.dtype), a.device, 4, a.dim
+    B, S = a.batch, a.seq
+    x = torch.randn(B, S, n, C, device=dev, dtype=dt, requires_grad=True)
+    f = torch.randn(B, S, C, device=dev, dtype=dt, requires_grad=True)
+    h_res = torch.rand(B, S, n, n, device=dev, dtype=dt, requires_grad=True)
+    h = torch.rand(B, S, n, device=dev, dtype=dt, requires_grad=True)
+    spec = MappingSpec(n=n, steps=2 * a.sinkhorn_iters)
+    proj = torch.randn(B, S, spec.width, device=dev, dtype=dt, requires_grad=True)
+    r = (torch.rand(B, S, 1, device=dev, dtype=dt) + 0.5).requires_grad_()
+    alphas = [torch.tensor(0.5, device=dev, dtype=dt, requires_grad=True) for _ in range(3)]
+    biases = [torch.zeros(w, device=dev, dtype=dt, requires_grad=True) for w in (n, n, n * n)]
+    esz = x.element_size()
+    cases = {
+        "post": (lambda: mhc_post(x, h_res, h, f, True),
+                 torch.compile(lambda: mhc_post_ref(x, h_res, h, f, True)), (2 * n + 1) * C * esz,
+                 (x, h_res, h, f)),
+        "aggregate": (lambda: mhc_aggregate(x, h), torch.compile(lambda: mhc_aggregate_ref(x, h)),
+                      (n + 1) * C * esz, (x, h)),
+        "mapping": (lambda: mhc_mapping(proj, r, alphas, biases, spec),
+                    torch.compile(lambda: mhc_mapping_ref(proj, r, alphas, biases, spec)),
+                    (spec.width + 1 + 2 * n + n * n) * esz, (proj, r)),
+    }
+    tokens = B * S
+    for name, (fused, ref, bytes_per_token, leaves) in cases.items():
+        for label, fn in (("fused", fused), ("inductor", ref)):
+            def fwd_bwd(fn=fn):
+                outs = fn()
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+            fwd_ms = triton.testing.do_bench(lambda fn=fn: fn())
+            both_ms = triton.testing.do_bench(fwd_bwd)
+            gbs = tokens * bytes_per_token / fwd_ms / 1e6
+            print(f"{name:10s} {label:9s} fwd {fwd_ms:7.3f} ms ({gbs:6.0f} GB/s)  fwd+bwd {both_ms:7.3f} ms",
+                  flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default=",".join(ALL))
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kernels", action="store_true", help="time the fused kernels alone and stop")
+    p.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, from {ALL}")
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
@@ -98,15 +161,21 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="mhc_results.jsonl")
     a = p.parse_args()
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "shape": f"L{a.layers} C{a.dim} H{a.heads} B{a.batch} "
-            f"S{a.seq} {a.dtype} dropout {a.dropout} sinkhorn {a.sinkhorn_iters}"}
-    for v in a.variants.split(","):
+    if a.kernels:
+        kernel_bench(a)
+        return
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
         if v not in ALL:
             raise SystemExit(f"unknown variant {v!r}; known: {ALL}")
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "layers": a.layers,
+            "shape": f"L{a.layers} C{a.dim} H{a.heads} B{a.batch} S{a.seq} {a.dtype} dropout "
+                     f"{a.dropout} sinkhorn {a.sinkhorn_iters}"}
+    for v in variants:
         torch._dynamo.reset()
         row = {**meta, **measure(v, a)}
-        print(f"{v:14s} step {row['step_ms']:8.2f} ms  peak {row['peak_gib']:6.2f} GiB  "
+        print(f"{v:20s} step {row['step_ms']:8.2f} ms  peak {row['peak_gib']:6.2f} GiB  "
               f"compile {row['compile_s']:6.1f} s", flush=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")

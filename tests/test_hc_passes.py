@@ -1,7 +1,10 @@
-"""mHC detection (every layout, and refusal of look-alikes) and the block recompute plan."""
+"""mHC detection (every layout, and refusal of look-alikes) and the block recompute plan (with the
+hyper-connections fused by hc_fuse, the default; tests/test_hc_fuse.py compares with it off)."""
 import pytest
 import torch
 from torch import nn
+
+import hccompile.passes.hc_fuse  # noqa: F401  (registered whether or not PASS_MODULES lists it yet)
 
 from hccompile.nn import TinyLinearTransformer
 from hccompile.nn.mhc import MHCGPT

@@ -4,6 +4,7 @@ code still calls `torch.ops.hccompile.*`."""
 from . import delta_rule  # noqa: F401  (registers torch.ops.hccompile.chunk_delta_rule*)
 from . import lightning  # noqa: F401  (registers torch.ops.hccompile.lightning_attn*)
 from . import linear_attn  # noqa: F401  (registers torch.ops.hccompile.causal_linear_attn*)
+from . import mhc  # noqa: F401  (registers torch.ops.hccompile.mhc_*)
 from .delta_rule import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda
 from .lightning import lightning_attn
 from .linear_attn import causal_linear_attn

@@ -8,6 +8,7 @@ from .base import GraphPass, PassContext, register_pass, registered_passes
 
 PASS_MODULES = (
     "hc_detect",
+    "hc_fuse",
     "linear_attn",
     "recompute",
     "op_inventory",

@@ -64,23 +64,33 @@ def _is_sum_keepdim(node: Any, src: fx.Node) -> int | None:
     return None
 
 
-def _norm_step(node: fx.Node) -> tuple[fx.Node, int] | None:
-    """node = m / m.sum(d, keepdim=True) (optionally + eps in the denominator) -> (m, d)."""
-    if M.kind(node) != "div" or len(node.args) < 2:
+def norm_step_parts(node: Any) -> tuple[fx.Node, int, float] | None:
+    """node = m / (m.sum(d, keepdim=True) [+ eps]) -> (m, d, eps), d made non-negative."""
+    if M.kind(node) != "div" or len(node.args) < 2 or node.kwargs:
         return None
     m, den = node.args[0], node.args[1]
     if not isinstance(m, fx.Node) or not isinstance(den, fx.Node):
         return None
-    if M.kind(den) is None and den.op == "call_function" and den.target in (operator.add, torch.add):
+    eps = 0.0
+    if M.kind(den) is None and den.op == "call_function" and den.target in (operator.add, torch.add) \
+            and not den.kwargs:
         a, b = den.args[0], den.args[1]
-        den = a if isinstance(a, fx.Node) and M.scalar(b) is not None else den
-    elif den.op == "call_method" and den.target == "add" and M.scalar(den.args[1]) is not None:
-        den = den.args[0]
+        if isinstance(a, fx.Node) and M.scalar(b) is not None:
+            den, eps = a, M.scalar(b)
+    elif den.op == "call_method" and den.target == "add" and len(den.args) == 2 and not den.kwargs \
+            and M.scalar(den.args[1]) is not None:
+        den, eps = den.args[0], M.scalar(den.args[1])
     dim = _is_sum_keepdim(den, m)
     if dim is None:
         return None
     nd = M.ndim(m)
-    return m, dim % nd if nd else dim
+    return m, dim % nd if nd else dim, eps
+
+
+def _norm_step(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """node = m / m.sum(d, keepdim=True) (optionally + eps in the denominator) -> (m, d)."""
+    parts = norm_step_parts(node)
+    return None if parts is None else parts[:2]
 
 
 def find_sinkhorn_chains(graph: fx.Graph) -> list[list[fx.Node]]:
@@ -181,6 +191,10 @@ class HCLayer:
     f: fx.Node             # sublayer output as H_post meets it (root through views)
     x_out: fx.Node         # residual add: mixed + post
     notes: list[str] = field(default_factory=list)
+    # what passes/hc_fuse.py replaced with fused ops ("mapping", "aggregate", "post"); it also
+    # points the fields above at the new nodes (h_pre/h_post/h_res: the mapping op's outputs,
+    # mixed/post: the post op, x_out and aggregate: the values that replaced them)
+    fused: list[str] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
         return {"layer": self.index, "x": self.x.name, "y": self.aggregate.name, "f": self.f.name,
@@ -252,6 +266,24 @@ def detect(graph: fx.Graph) -> tuple[list[HCLayer], list[tuple[str, str]]]:
         except Refusal as r:
             refusals.append((chain[0].name, str(r)))
     return layers, refusals
+
+
+def _live(node: Any, graph: fx.Graph) -> bool:
+    return isinstance(node, fx.Node) and node.graph is graph and not getattr(node, "_erased", False)
+
+
+def current_layers(gm: fx.GraphModule) -> list[HCLayer]:
+    """The layers hc_detect (and hc_fuse) recorded on gm, or a fresh detection when there are none
+    or they point at nodes no longer in the graph (a failed later pass was undone by rebuilding
+    the graph)."""
+    layers = gm.meta.get("hc_layers")
+    g = gm.graph
+    if layers is not None and all(_live(n, g) for l in layers
+                                  for n in (l.x, l.proj, l.aggregate, l.f, l.x_out, l.h_res)):
+        return layers
+    layers, _ = detect(g)
+    gm.meta["hc_layers"] = layers
+    return layers
 
 
 def chain_layers(layers: list[HCLayer]) -> list[list[HCLayer]]:

@@ -12,6 +12,9 @@ AOTAutograd's partitioner saves a tagged node whose users belong to another bloc
 block's output becomes the next block's saved input. Each f is tagged MUST_SAVE. Random ops are
 never tagged: a dropout inside the sublayer sits before f, which is saved, so masks are never
 replayed and gradients equal the non-recompute run exactly.
+
+When hc_fuse ran first, the layers' fields point at its custom ops (mapping, aggregate, post), which
+sit in the same regions and are tagged the same way: custom ops are saved unless tagged.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import fx_match as M
 from .base import GraphPass, PassContext, register_pass
-from .hc_detect import HCLayer, chain_layers, detect, view_root
+from .hc_detect import HCLayer, chain_layers, current_layers, view_root
 
 _NORMS = {torch.rms_norm, torch.layer_norm, torch.nn.functional.layer_norm,
           torch.nn.functional.rms_norm, torch.group_norm, torch.nn.functional.group_norm}
@@ -79,10 +82,7 @@ class HCRecomputePass(GraphPass):
         if cfg.hc_recompute == "off":
             record.notes.append("hc_recompute='off': plan left to the partitioner")
             return False
-        layers = gm.meta.get("hc_layers")
-        if layers is None:
-            layers, _ = detect(gm.graph)
-        layers = [l for l in layers if l.x_out.graph is gm.graph]
+        layers = current_layers(gm)
         if not layers:
             return False
         next_id = 1 + max((n.meta.get("ac_graph_id", 0) for n in gm.graph.nodes), default=0)

@@ -1,0 +1,84 @@
+"""What the mHC kernel launchers share: output allocation (one place, so tests can poison it),
+canonical-layout checks, block sizes."""
+from __future__ import annotations
+
+import torch
+
+from .._triton import interpreted, require_triton, triton, triton_available
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Elements of a [tokens, streams, channels] tile per program (4 warps). These kernels are
+# memory-bound: the tile only has to keep enough bytes in flight, and every element costs
+# registers (value and 64-bit address). Compiled for sm_90 with ptxas: the post forward at
+# 2048 elements ([1, 4, 512]) takes 56 registers, at 4096 ([8, 4, 128]) 252; the post backward,
+# which also holds dout, dx and the dA accumulator, 88 at [1, 4, 512] but spills at [4, 4, 128].
+TILE_ELEMENTS = 2048
+BWD_TILE_ELEMENTS = 1024
+MAX_BLOCK_C = 512
+BWD_MAX_BLOCK_C = 256
+
+
+def new_output(shape, dtype: torch.dtype, device: torch.device, order=None) -> torch.Tensor:
+    """An uninitialised output of `shape` whose memory holds the dims in `order` (outer to inner;
+    None: contiguous). Every kernel output is allocated here; tests replace this function with one
+    that fills NaN, so an element a kernel forgets to write fails the comparison."""
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    order = list(order)
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(
+        *[order.index(d) for d in range(len(shape))])
+
+
+def check_order(order, ndim: int, name: str = "out_order") -> list[int]:
+    order = [int(d) for d in order]
+    if sorted(order) != list(range(ndim)):
+        raise ValueError(f"{name}: must be a permutation of 0..{ndim - 1}, got {order}")
+    return order
+
+
+def check_tensor(name: str, t, ndim: int, layout: str, float64_ok: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor {layout}, got shape {tuple(t.shape)}")
+    allowed = SUPPORTED_DTYPES + ((torch.float64,) if float64_ok else ())
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported (one of {[str(d) for d in allowed]})")
+
+
+def check_same_device(**named: torch.Tensor) -> None:
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.device != first.device:
+            raise ValueError(f"{name}: device {t.device} differs from {first_name}'s {first.device}")
+
+
+def block_n(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def block_c(c: int, limit: int = MAX_BLOCK_C) -> int:
+    return max(16, min(limit, triton.next_power_of_2(c)))
+
+
+def block_t(per_token_elements: int, limit: int = 64, tile: int = TILE_ELEMENTS) -> int:
+    """Tokens per program so that the tile stays near `tile` elements."""
+    bt = max(1, tile // max(1, per_token_elements))
+    return min(limit, 1 << (bt.bit_length() - 1))
+
+
+def stream_blocks(n: int, C: int, backward: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_C, BLOCK_T) for the post and aggregate kernels."""
+    bn = block_n(n)
+    bc = block_c(C, BWD_MAX_BLOCK_C if backward else MAX_BLOCK_C)
+    # Each token row of a tile carries its own 64-bit address arithmetic: many short rows (small C)
+    # cost far more registers than a few long ones, hence the cap.
+    return bn, bc, block_t(bn * bc, limit=4, tile=BWD_TILE_ELEMENTS if backward else TILE_ELEMENTS)
+
+
+def require(device: torch.device, kernel, module: str) -> None:
+    require_triton(device, kernel, module, f"the reference in {module.rsplit('.', 1)[0]}.reference")
+
+
+__all__ = ["SUPPORTED_DTYPES", "block_c", "block_n", "block_t", "check_order", "check_same_device",
+           "check_tensor", "interpreted", "new_output", "require", "stream_blocks", "triton_available"]

@@ -1,0 +1,347 @@
+"""The mHC mapping kernel: from the projection p = v·φ (a cuBLAS matmul, outside) and the per-token
+norm r to H_pre, H_post and H_res, every step in registers, one program per block of tokens:
+α scaling, ρ = 1/r, bias, σ / a·σ + b, the Sinkhorn init (exp or row softmax + ε) and all its
+normalisations. Its backward recomputes the forward in registers, keeping only the n divisors of
+each normalisation (a [tokens, steps/2, n] register tile per parity), then walks the normalisations
+backwards: for m_out = m_in / s (s the row or column sums of m_in, plus ε),
+
+    dL/dm_in = (g - Σ_along g·m_out) / s,      m_in = m_out · s,
+
+so each earlier iterate is rebuilt from the later one instead of being stored. Gradients reach the
+projection, r, the three α and the three biases (the last two summed over tokens from per-program
+partial sums, no atomics: deterministic).
+
+Formulas and layouts: reference.py (MappingSpec). Outputs are contiguous: h_pre, h_post [..., n],
+h_res [..., n, n], in the dtypes asked for.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _common as common
+from .._triton import tl, triton
+from .reference import MappingSpec
+
+MAX_STREAMS = 16
+MAX_SINKHORN_STEPS = 256
+
+if triton is not None:
+
+    @triton.jit
+    def _normalise(m, ok, norm_eps, ROWS: tl.constexpr):
+        """m / (its row (ROWS) or column sums + eps); padded rows/columns divide by 1.
+        Returns the result and the divisors [BLOCK_T, BLOCK_N]."""
+        if ROWS:
+            s = tl.where(ok, tl.sum(m, axis=2) + norm_eps, 1.0)
+            out = m / s[:, :, None]
+        else:
+            s = tl.where(ok, tl.sum(m, axis=1) + norm_eps, 1.0)
+            out = m / s[:, None, :]
+        return out, s
+
+    @triton.jit
+    def _normalise_bwd(g, m_out, s, ROWS: tl.constexpr):
+        """Gradient through m_out = m_in / s(m_in), and m_in rebuilt from m_out."""
+        if ROWS:
+            g_in = (g - tl.sum(g * m_out, axis=2)[:, :, None]) / s[:, :, None]
+            m_in = m_out * s[:, :, None]
+        else:
+            g_in = (g - tl.sum(g * m_out, axis=1)[:, None, :]) / s[:, None, :]
+            m_in = m_out * s[:, None, :]
+        return g_in, m_in
+
+    @triton.jit
+    def _sinkhorn_init(z, ok2, init_eps, SOFTMAX_INIT: tl.constexpr):
+        """exp(z), or softmax over rows + eps; zero outside the n×n block."""
+        if SOFTMAX_INIT:
+            # finite fill: a padded row would otherwise be all -inf (NaN); it is masked below
+            zm = tl.where(ok2, z, -1e30)
+            e = tl.exp(zm - tl.max(zm, axis=2)[:, :, None])
+            m0 = tl.where(ok2, e / tl.sum(e, axis=2)[:, :, None] + init_eps, 0.0)
+        else:
+            m0 = tl.where(ok2, tl.exp(z), 0.0)
+        return m0
+
+    @triton.jit
+    def _logits(proj_ptr, tok_off, cols, mask, spk, offset, alpha_ptr, coef, rho, bias_ptr, sb, bias_cols):
+        """coef·α·p·ρ + bias for one part; returns (z, p·coef) in fp32."""
+        p = tl.load(proj_ptr + tok_off + (offset + cols) * spk, mask=mask, other=0.0).to(tl.float32)
+        alpha = tl.load(alpha_ptr).to(tl.float32)
+        bias = tl.load(bias_ptr + bias_cols * sb, mask=bias_cols >= 0, other=0.0).to(tl.float32)
+        cp = coef * p
+        return alpha * cp * rho + bias, cp
+
+    @triton.jit
+    def _mhc_mapping_fwd_kernel(
+        proj_ptr, r_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
+        h_pre_ptr, h_post_ptr, h_res_ptr,
+        T, spt, spk, sr, sb_pre, sb_post, sb_res,
+        off_pre, off_post, off_res, coef_pre, coef_post, coef_res,
+        pre_scale, pre_shift, post_scale, post_shift, init_eps, norm_eps,
+        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, STEPS: tl.constexpr,
+        ROW_FIRST: tl.constexpr, SOFTMAX_INIT: tl.constexpr, R_DIVIDES: tl.constexpr,
+    ):
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tok_ok = tok < T
+        i = tl.arange(0, BLOCK_N)
+        n_ok = i < N
+        tok64 = tok.to(tl.int64)
+        r = tl.load(r_ptr + tok64 * sr, mask=tok_ok, other=1.0).to(tl.float32)
+        rho = 1.0 / r if R_DIVIDES else r
+
+        ok1 = tok_ok[:, None] & n_ok[None, :]
+        tok_off1 = (tok64 * spt)[:, None]
+        bias_cols1 = tl.where(n_ok, i, -1)[None, :]
+        z_pre, _ = _logits(proj_ptr, tok_off1, i[None, :], ok1, spk, off_pre, a_pre_ptr, coef_pre,
+                           rho[:, None], b_pre_ptr, sb_pre, bias_cols1)
+        z_post, _ = _logits(proj_ptr, tok_off1, i[None, :], ok1, spk, off_post, a_post_ptr, coef_post,
+                            rho[:, None], b_post_ptr, sb_post, bias_cols1)
+        h_pre = pre_scale * tl.sigmoid(z_pre) + pre_shift
+        h_post = post_scale * tl.sigmoid(z_post) + post_shift
+        out1 = (tok64 * N)[:, None] + i[None, :]
+        tl.store(h_pre_ptr + out1, h_pre.to(h_pre_ptr.dtype.element_ty), mask=ok1)
+        tl.store(h_post_ptr + out1, h_post.to(h_post_ptr.dtype.element_ty), mask=ok1)
+
+        flat = i[:, None] * N + i[None, :]                      # [BN, BN]: row-major n×n index
+        ok_nn = n_ok[:, None] & n_ok[None, :]
+        ok2 = tok_ok[:, None, None] & ok_nn[None, :, :]
+        bias_cols2 = tl.where(ok_nn, flat, -1)[None, :, :]
+        z_res, _ = _logits(proj_ptr, (tok64 * spt)[:, None, None], flat[None, :, :], ok2, spk, off_res,
+                           a_res_ptr, coef_res, rho[:, None, None], b_res_ptr, sb_res, bias_cols2)
+        m = _sinkhorn_init(z_res, ok2, init_eps, SOFTMAX_INIT)
+        row_ok = ok1  # padded tokens too: their all-zero rows would divide 0 by 0
+        for _k in range(STEPS // 2):
+            m, _s = _normalise(m, row_ok, norm_eps, ROW_FIRST)
+            m, _s = _normalise(m, row_ok, norm_eps, not ROW_FIRST)
+        if STEPS % 2 == 1:
+            m, _s = _normalise(m, row_ok, norm_eps, ROW_FIRST)
+        tl.store(h_res_ptr + (tok64 * N * N)[:, None, None] + flat[None, :, :],
+                 m.to(h_res_ptr.dtype.element_ty), mask=ok2)
+
+    @triton.jit
+    def _mhc_mapping_bwd_kernel(
+        proj_ptr, r_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
+        dh_pre_ptr, dh_post_ptr, dh_res_ptr,
+        dproj_ptr, dr_ptr, partial_ptr,
+        T, spt, spk, sr, sb_pre, sb_post, sb_res,
+        sdpre_t, sdpre_n, sdpost_t, sdpost_n, sdres_t, sdres_i, sdres_j,
+        off_pre, off_post, off_res, coef_pre, coef_post, coef_res,
+        pre_scale, post_scale, init_eps, norm_eps,
+        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+        STEPS: tl.constexpr, ROW_FIRST: tl.constexpr, SOFTMAX_INIT: tl.constexpr,
+        R_DIVIDES: tl.constexpr,
+    ):
+        """dproj [T, n²+2n] and dr [T] per token; per program one row of partial sums
+        [dα_pre, dα_post, dα_res, dbias_pre (n), dbias_post (n), dbias_res (n²)]."""
+        pid = tl.program_id(0)
+        tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        tok_ok = tok < T
+        i = tl.arange(0, BLOCK_N)
+        n_ok = i < N
+        tok64 = tok.to(tl.int64)
+        r = tl.load(r_ptr + tok64 * sr, mask=tok_ok, other=1.0).to(tl.float32)
+        rho = 1.0 / r if R_DIVIDES else r
+        drho_dr = -rho * rho if R_DIVIDES else tl.full([BLOCK_T], 1.0, tl.float32)
+        width = 3 + 2 * N + N * N
+        row = partial_ptr + pid * width
+
+        # H_pre and H_post: z = α·cp·ρ + b, h = a·σ(z) + b'
+        ok1 = tok_ok[:, None] & n_ok[None, :]
+        tok_off1 = (tok64 * spt)[:, None]
+        bias_cols1 = tl.where(n_ok, i, -1)[None, :]
+        dr = tl.zeros([BLOCK_T], dtype=tl.float32)
+
+        z, cp = _logits(proj_ptr, tok_off1, i[None, :], ok1, spk, off_pre, a_pre_ptr, coef_pre,
+                        rho[:, None], b_pre_ptr, sb_pre, bias_cols1)
+        sig = tl.sigmoid(z)
+        dh = tl.load(dh_pre_ptr + (tok64 * sdpre_t)[:, None] + i[None, :] * sdpre_n, mask=ok1,
+                     other=0.0).to(tl.float32)
+        dz = tl.where(ok1, dh * pre_scale * sig * (1.0 - sig), 0.0)
+        alpha = tl.load(a_pre_ptr).to(tl.float32)
+        tl.store(dproj_ptr + (tok64 * (2 * N + N * N))[:, None] + off_pre + i[None, :],
+                 (dz * coef_pre * alpha * rho[:, None]).to(dproj_ptr.dtype.element_ty), mask=ok1)
+        dr += tl.sum(dz * alpha * cp, axis=1) * drho_dr
+        tl.store(row + 0, tl.sum(tl.sum(dz * cp * rho[:, None], axis=1), axis=0))
+        tl.store(row + 3 + i, tl.sum(dz, axis=0), mask=n_ok)
+
+        z, cp = _logits(proj_ptr, tok_off1, i[None, :], ok1, spk, off_post, a_post_ptr, coef_post,
+                        rho[:, None], b_post_ptr, sb_post, bias_cols1)
+        sig = tl.sigmoid(z)
+        dh = tl.load(dh_post_ptr + (tok64 * sdpost_t)[:, None] + i[None, :] * sdpost_n, mask=ok1,
+                     other=0.0).to(tl.float32)
+        dz = tl.where(ok1, dh * post_scale * sig * (1.0 - sig), 0.0)
+        alpha = tl.load(a_post_ptr).to(tl.float32)
+        tl.store(dproj_ptr + (tok64 * (2 * N + N * N))[:, None] + off_post + i[None, :],
+                 (dz * coef_post * alpha * rho[:, None]).to(dproj_ptr.dtype.element_ty), mask=ok1)
+        dr += tl.sum(dz * alpha * cp, axis=1) * drho_dr
+        tl.store(row + 1, tl.sum(tl.sum(dz * cp * rho[:, None], axis=1), axis=0))
+        tl.store(row + 3 + N + i, tl.sum(dz, axis=0), mask=n_ok)
+
+        # H_res: recompute the Sinkhorn forward, keeping each normalisation's divisors
+        flat = i[:, None] * N + i[None, :]
+        ok_nn = n_ok[:, None] & n_ok[None, :]
+        ok2 = tok_ok[:, None, None] & ok_nn[None, :, :]
+        bias_cols2 = tl.where(ok_nn, flat, -1)[None, :, :]
+        z, cp = _logits(proj_ptr, (tok64 * spt)[:, None, None], flat[None, :, :], ok2, spk, off_res,
+                        a_res_ptr, coef_res, rho[:, None, None], b_res_ptr, sb_res, bias_cols2)
+        m0 = _sinkhorn_init(z, ok2, init_eps, SOFTMAX_INIT)
+        row_ok = ok1  # padded tokens too: their all-zero rows would divide 0 by 0
+        step = tl.arange(0, BLOCK_K)[None, :, None]
+        s_first = tl.zeros([BLOCK_T, BLOCK_K, BLOCK_N], dtype=tl.float32)
+        s_second = tl.zeros([BLOCK_T, BLOCK_K, BLOCK_N], dtype=tl.float32)
+        m = m0
+        for k in range(STEPS // 2):
+            m, s = _normalise(m, row_ok, norm_eps, ROW_FIRST)
+            s_first = tl.where(step == k, s[:, None, :], s_first)
+            m, s = _normalise(m, row_ok, norm_eps, not ROW_FIRST)
+            s_second = tl.where(step == k, s[:, None, :], s_second)
+        s_last = tl.full([BLOCK_T, BLOCK_N], 1.0, tl.float32)
+        if STEPS % 2 == 1:
+            m, s_last = _normalise(m, row_ok, norm_eps, ROW_FIRST)
+
+        g = tl.load(dh_res_ptr + (tok64 * sdres_t)[:, None, None] + i[None, :, None] * sdres_i
+                    + i[None, None, :] * sdres_j, mask=ok2, other=0.0).to(tl.float32)
+        if STEPS % 2 == 1:
+            g, m = _normalise_bwd(g, m, s_last, ROW_FIRST)
+        for kk in range(STEPS // 2):
+            k = STEPS // 2 - 1 - kk
+            s = tl.sum(tl.where(step == k, s_second, 0.0), axis=1)
+            g, m = _normalise_bwd(g, m, s, not ROW_FIRST)
+            s = tl.sum(tl.where(step == k, s_first, 0.0), axis=1)
+            g, m = _normalise_bwd(g, m, s, ROW_FIRST)
+        if SOFTMAX_INIT:
+            p = tl.where(ok2, m0 - init_eps, 0.0)
+            dz = p * (g - tl.sum(g * p, axis=2)[:, :, None])
+        else:
+            dz = g * m0
+        dz = tl.where(ok2, dz, 0.0)
+        alpha = tl.load(a_res_ptr).to(tl.float32)
+        tl.store(dproj_ptr + (tok64 * (2 * N + N * N))[:, None, None] + off_res + flat[None, :, :],
+                 (dz * coef_res * alpha * rho[:, None, None]).to(dproj_ptr.dtype.element_ty), mask=ok2)
+        dr += tl.sum(tl.sum(dz * alpha * cp, axis=2), axis=1) * drho_dr
+        tl.store(row + 2, tl.sum(tl.sum(tl.sum(dz * cp * rho[:, None, None], axis=2), axis=1), axis=0))
+        tl.store(row + 3 + 2 * N + flat, tl.sum(dz, axis=0), mask=ok_nn)
+        tl.store(dr_ptr + tok64, dr.to(dr_ptr.dtype.element_ty), mask=tok_ok)
+
+
+def check_mapping_inputs(proj, r, alphas, biases, spec: MappingSpec, grads=None) -> None:
+    """Shape contract of the mapping (symbolic-size safe: equality checks only)."""
+    if not isinstance(spec, MappingSpec):
+        raise TypeError(f"spec: expected a MappingSpec, got {type(spec).__name__}")
+    spec.validate()
+    n = spec.n
+    if not isinstance(proj, torch.Tensor) or proj.dim() < 1:
+        raise ValueError("proj: expected a tensor [..., n²+2n]")
+    common.check_tensor("proj", proj, proj.dim(), "[..., n²+2n]")
+    if proj.shape[-1] != spec.width:
+        raise ValueError(f"proj: last dim {proj.shape[-1]} must be n²+2n = {spec.width} (n={n})")
+    lead = tuple(proj.shape[:-1])
+    common.check_tensor("r", r, r.dim(), "[...] or [..., 1]")
+    if tuple(r.shape) not in (lead, lead + (1,)):
+        raise ValueError(f"r: shape {tuple(r.shape)} must be proj's leading dims {lead} (or with a "
+                         f"trailing 1)")
+    if len(alphas) != 3 or len(biases) != 3:
+        raise ValueError("alphas and biases: expected three each (pre, post, res)")
+    for name, a in zip(("alpha_pre", "alpha_post", "alpha_res"), alphas):
+        common.check_tensor(name, a, a.dim(), "(one element)")
+        if a.numel() != 1:
+            raise ValueError(f"{name}: expected one element, got shape {tuple(a.shape)}")
+    for name, b, width in zip(("bias_pre", "bias_post", "bias_res"), biases, (n, n, n * n)):
+        common.check_tensor(name, b, b.dim(), f"({width} elements)")
+        if b.numel() != width:
+            raise ValueError(f"{name}: expected {width} elements, got shape {tuple(b.shape)}")
+    named = dict(proj=proj, r=r, alpha_pre=alphas[0], alpha_post=alphas[1], alpha_res=alphas[2],
+                 bias_pre=biases[0], bias_post=biases[1], bias_res=biases[2])
+    if grads is not None:
+        for name, g, shape in zip(("dh_pre", "dh_post", "dh_res"), grads,
+                                  (lead + (n,), lead + (n,), lead + (n, n))):
+            common.check_tensor(name, g, len(shape), str(list(shape)))
+            if tuple(g.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(g.shape)} must be {shape}")
+            named[name] = g
+    common.check_same_device(**named)
+
+
+def _kernel_args(proj, r, alphas, biases, spec):
+    n = spec.n
+    proj2 = proj.reshape(-1, spec.width)
+    r1 = r.reshape(-1)
+    a = [t.reshape(()) for t in alphas]
+    b = [t.reshape(-1) for t in biases]
+    return proj2, r1, a, b
+
+
+def _no_float64(proj, where):
+    if proj.dtype == torch.float64:
+        raise TypeError(f"proj: float64 runs the reference ({where}), not the kernel")
+
+
+def mhc_mapping_fwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, spec: MappingSpec,
+                    out_dtypes=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h_pre [..., n], h_post [..., n], h_res [..., n, n]), contiguous, in `out_dtypes`
+    (default proj's dtype each)."""
+    check_mapping_inputs(proj, r, alphas, biases, spec)
+    common.require(proj.device, _mhc_mapping_fwd_kernel, __name__)
+    _no_float64(proj, "mhc_mapping_ref")
+    n = spec.n
+    lead = tuple(proj.shape[:-1])
+    dt = tuple(out_dtypes) if out_dtypes is not None else (proj.dtype,) * 3
+    h_pre = common.new_output(lead + (n,), dt[0], proj.device)
+    h_post = common.new_output(lead + (n,), dt[1], proj.device)
+    h_res = common.new_output(lead + (n, n), dt[2], proj.device)
+    proj2, r1, a, b = _kernel_args(proj, r, alphas, biases, spec)
+    T = proj2.shape[0]
+    if T == 0:
+        return h_pre, h_post, h_res
+    bn = common.block_n(n)
+    bt = common.block_t(4 * bn * bn, limit=32)
+    _mhc_mapping_fwd_kernel[(triton.cdiv(T, bt),)](
+        proj2, r1, *a, *b, h_pre, h_post, h_res,
+        T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
+        *spec.part_offsets(), *map(float, spec.coefs),
+        *map(float, spec.pre_affine), *map(float, spec.post_affine),
+        float(spec.init_eps), float(spec.norm_eps),
+        N=n, BLOCK_N=bn, BLOCK_T=bt, STEPS=spec.steps, ROW_FIRST=spec.row_first,
+        SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides,
+    )
+    return h_pre, h_post, h_res
+
+
+def mhc_mapping_bwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, dh_pre: torch.Tensor,
+                    dh_post: torch.Tensor, dh_res: torch.Tensor, spec: MappingSpec):
+    """(dproj, dr, (dα_pre, dα_post, dα_res), (dbias_pre, dbias_post, dbias_res)), each shaped and
+    typed like its input."""
+    check_mapping_inputs(proj, r, alphas, biases, spec, (dh_pre, dh_post, dh_res))
+    common.require(proj.device, _mhc_mapping_bwd_kernel, __name__)
+    _no_float64(proj, "autograd through mhc_mapping_ref")
+    n = spec.n
+    proj2, r1, a, b = _kernel_args(proj, r, alphas, biases, spec)
+    T = proj2.shape[0]
+    dproj = common.new_output(tuple(proj.shape), proj.dtype, proj.device)
+    dr = common.new_output(tuple(r.shape), r.dtype, proj.device)
+    bn = common.block_n(n)
+    bk = triton.next_power_of_2(max(1, spec.steps // 2))
+    bt = common.block_t(2 * bk * bn + 6 * bn * bn, limit=32)
+    grid = triton.cdiv(T, bt)
+    partial = common.new_output((grid, 3 + 2 * n + n * n), torch.float32, proj.device)
+    if T > 0:
+        g_pre, g_post = dh_pre.reshape(T, n), dh_post.reshape(T, n)
+        g_res = dh_res.reshape(T, n, n)
+        _mhc_mapping_bwd_kernel[(grid,)](
+            proj2, r1, *a, *b, g_pre, g_post, g_res, dproj, dr.view(-1), partial,
+            T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
+            *g_pre.stride(), *g_post.stride(), *g_res.stride(),
+            *spec.part_offsets(), *map(float, spec.coefs),
+            float(spec.pre_affine[0]), float(spec.post_affine[0]),
+            float(spec.init_eps), float(spec.norm_eps),
+            N=n, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, STEPS=spec.steps, ROW_FIRST=spec.row_first,
+            SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides,
+        )
+    sums = partial.sum(0)
+    # the kernel's α sums already carry coef (they are Σ dz·coef·p·ρ)
+    dalphas = tuple(sums[k].to(alphas[k].dtype).reshape(alphas[k].shape) for k in range(3))
+    widths = (n, n, n * n)
+    starts = (3, 3 + n, 3 + 2 * n)
+    dbiases = tuple(sums[s:s + w].to(bias.dtype).reshape(bias.shape)
+                    for s, w, bias in zip(starts, widths, biases))
+    return dproj, dr, dalphas, dbiases

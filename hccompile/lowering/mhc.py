@@ -1,0 +1,346 @@
+"""mHC hyper-connection kernels as custom ops (what passes/hc_fuse.py lowers to).
+
+    hccompile::mhc_post(Tensor x, Tensor h_res, Tensor h_post, Tensor f, bool transpose_res,
+        int[] out_order) -> Tensor
+        out[i] = Σ_j A[i, j] x[j] + H_post[i] f, A = H_resᵀ if transpose_res else H_res;
+        x [T1, T2, n, C], h_res [T1, T2, n, n], h_post [T1, T2, n], f [T1, T2, C];
+        out [T1, T2, n, C] in x's dtype, its memory laid out in out_order (outer to inner).
+    hccompile::mhc_post_backward(x, h_res, h_post, f, dout, transpose_res, out_order)
+        -> (dx, dh_res, dh_post, df)
+    hccompile::mhc_aggregate(Tensor x, Tensor h_pre, int[] x_order) -> Tensor
+        y = Σ_i H_pre[i] x[i], y [T1, T2, C] contiguous in x's dtype; x_order is the memory
+        order its backward gives dx.
+    hccompile::mhc_aggregate_backward(x, h_pre, dy, x_order) -> (dx, dh_pre)
+    hccompile::mhc_mapping(Tensor proj, Tensor r, Tensor alpha_pre, Tensor alpha_post,
+        Tensor alpha_res, Tensor bias_pre, Tensor bias_post, Tensor bias_res, int n, int[] offsets,
+        float[] coefs, bool r_divides, float[] pre_affine, float[] post_affine, str init,
+        float init_eps, int steps, bool row_first, float norm_eps, ScalarType pre_dtype,
+        ScalarType post_dtype, ScalarType res_dtype) -> (Tensor h_pre, Tensor h_post, Tensor h_res)
+        The formulas: kernels/mhc/reference.py (the scalars are a MappingSpec's fields).
+    hccompile::mhc_mapping_backward(proj, r, α×3, bias×3, dh_pre, dh_post, dh_res, <the same
+        scalars, without the dtypes>) -> (dproj, dr, dα_pre, dα_post, dα_res, dbias_pre,
+        dbias_post, dbias_res)
+
+One op per direction, so AOTAutograd puts the forward op in the forward graph (where the recompute
+pass can tag it) and the backward op in the backward graph. On CUDA, and on CPU under
+TRITON_INTERPRET=1, the ops run the Triton kernels of kernels/mhc for float16/bfloat16/float32;
+otherwise (CPU without the interpreter, or float64) the plain-PyTorch reference, computed in at
+least float32 (the mapping's backward by autograd through it): same math, documented fallback.
+Every output's layout is fixed by the arguments (never by the input strides), so fake and real
+outputs always agree.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..compat import autograd_recording as _autograd_recording
+from ..kernels.mhc import _common as common
+from ..kernels.mhc import aggregate as K_agg
+from ..kernels.mhc import mapping as K_map
+from ..kernels.mhc import post as K_post
+from ..kernels.mhc import reference as R
+from ..kernels.mhc.reference import MappingSpec
+
+__all__ = ["implementation", "mhc_aggregate", "mhc_mapping", "mhc_post", "mhc_aggregate_op",
+           "mhc_aggregate_backward_op", "mhc_mapping_op", "mhc_mapping_backward_op", "mhc_post_op",
+           "mhc_post_backward_op", "spec_args"]
+
+IDENTITY_ORDER = (0, 1, 2, 3)
+
+
+def _uses_triton(t: Tensor) -> bool:
+    return t.dtype in common.SUPPORTED_DTYPES and common.triton_available(t.device)
+
+
+def implementation(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Which implementation backs the ops: 'triton', 'triton-interpreter' or 'reference'."""
+    device = torch.device(device)
+    if dtype in common.SUPPORTED_DTYPES and common.triton_available(device):
+        return "triton" if device.type == "cuda" else "triton-interpreter"
+    return "reference"
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _alloc(shape, dtype, device, order=None) -> Tensor:
+    """Fake-side twin of kernels.mhc._common.new_output (same layout rule, never poisoned)."""
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    order = list(order)
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(
+        *[order.index(d) for d in range(len(shape))])
+
+
+def _into(value: Tensor, shape, dtype, device, order=None) -> Tensor:
+    """Copy a reference result into an output of the ops' fixed layout."""
+    out = common.new_output(tuple(shape), dtype, device, order)
+    out.copy_(value)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# post
+
+
+@torch.library.custom_op("hccompile::mhc_post", mutates_args=())
+def mhc_post_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool,
+                out_order: Sequence[int]) -> Tensor:
+    K_post.check_post_inputs(x, h_res, h_post, f)
+    order = common.check_order(out_order, 4)
+    if _uses_triton(x):
+        return K_post.mhc_post_fwd(x, h_res, h_post, f, transpose_res, order)
+    ct = _compute_dtype(x)
+    out = R.mhc_post_ref(x.to(ct), h_res.to(ct), h_post.to(ct), f.to(ct), transpose_res)
+    return _into(out, x.shape, x.dtype, x.device, order)
+
+
+@mhc_post_op.register_fake
+def _mhc_post_fake(x, h_res, h_post, f, transpose_res, out_order):
+    K_post.check_post_inputs(x, h_res, h_post, f)
+    return _alloc(x.shape, x.dtype, x.device, common.check_order(out_order, 4))
+
+
+@torch.library.custom_op("hccompile::mhc_post_backward", mutates_args=())
+def mhc_post_backward_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
+                         transpose_res: bool, out_order: Sequence[int]
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    K_post.check_post_inputs(x, h_res, h_post, f, dout)
+    order = common.check_order(out_order, 4)
+    if _uses_triton(x):
+        return K_post.mhc_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
+    ct = _compute_dtype(x)
+    grads = R.mhc_post_bwd_ref(*(t.to(ct) for t in (x, h_res, h_post, f, dout)), transpose_res)
+    return (_into(grads[0], x.shape, x.dtype, x.device, order),
+            *(_into(g, t.shape, t.dtype, t.device) for g, t in zip(grads[1:], (h_res, h_post, f))))
+
+
+@mhc_post_backward_op.register_fake
+def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order):
+    K_post.check_post_inputs(x, h_res, h_post, f, dout)
+    order = common.check_order(out_order, 4)
+    return (_alloc(x.shape, x.dtype, x.device, order), _alloc(h_res.shape, h_res.dtype, x.device),
+            _alloc(h_post.shape, h_post.dtype, x.device), _alloc(f.shape, f.dtype, x.device))
+
+
+def _post_setup(ctx, inputs, output) -> None:
+    x, h_res, h_post, f, transpose_res, out_order = inputs
+    ctx.save_for_backward(x, h_res, h_post, f)
+    ctx.transpose_res, ctx.out_order = transpose_res, list(out_order)
+
+
+def _post_backward(ctx, dout: Tensor):
+    x, h_res, h_post, f = ctx.saved_tensors
+    dx, dh_res, dh_post, df = mhc_post_backward_op(x, h_res, h_post, f, dout, ctx.transpose_res,
+                                                    ctx.out_order)
+    return dx, dh_res, dh_post, df, None, None
+
+
+mhc_post_op.register_autograd(_post_backward, setup_context=_post_setup)
+
+
+def mhc_post(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool = False,
+             out_order: Sequence[int] | None = None) -> Tensor:
+    """x_next[i] = Σ_j A[i, j] x[j] + H_post[i] f (A = H_res, or H_resᵀ); differentiable."""
+    return mhc_post_op(x, h_res, h_post, f, bool(transpose_res),
+                       list(out_order if out_order is not None else IDENTITY_ORDER))
+
+
+# ----------------------------------------------------------------------------------------
+# aggregate
+
+
+@torch.library.custom_op("hccompile::mhc_aggregate", mutates_args=())
+def mhc_aggregate_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
+    K_agg.check_aggregate_inputs(x, h_pre)
+    common.check_order(x_order, 4, "x_order")
+    if _uses_triton(x):
+        return K_agg.mhc_aggregate_fwd(x, h_pre)
+    ct = _compute_dtype(x)
+    T1, T2, _, C = x.shape
+    return _into(R.mhc_aggregate_ref(x.to(ct), h_pre.to(ct)), (T1, T2, C), x.dtype, x.device)
+
+
+@mhc_aggregate_op.register_fake
+def _mhc_aggregate_fake(x, h_pre, x_order):
+    K_agg.check_aggregate_inputs(x, h_pre)
+    common.check_order(x_order, 4, "x_order")
+    T1, T2, _, C = x.shape
+    return _alloc((T1, T2, C), x.dtype, x.device)
+
+
+@torch.library.custom_op("hccompile::mhc_aggregate_backward", mutates_args=())
+def mhc_aggregate_backward_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
+                              ) -> tuple[Tensor, Tensor]:
+    K_agg.check_aggregate_inputs(x, h_pre, dy)
+    order = common.check_order(x_order, 4, "x_order")
+    if _uses_triton(x):
+        return K_agg.mhc_aggregate_bwd(x, h_pre, dy, order)
+    ct = _compute_dtype(x)
+    dx, dh = R.mhc_aggregate_bwd_ref(x.to(ct), h_pre.to(ct), dy.to(ct))
+    return (_into(dx, x.shape, x.dtype, x.device, order),
+            _into(dh, h_pre.shape, h_pre.dtype, x.device))
+
+
+@mhc_aggregate_backward_op.register_fake
+def _mhc_aggregate_backward_fake(x, h_pre, dy, x_order):
+    K_agg.check_aggregate_inputs(x, h_pre, dy)
+    order = common.check_order(x_order, 4, "x_order")
+    return _alloc(x.shape, x.dtype, x.device, order), _alloc(h_pre.shape, h_pre.dtype, x.device)
+
+
+def _aggregate_setup(ctx, inputs, output) -> None:
+    x, h_pre, x_order = inputs
+    ctx.save_for_backward(x, h_pre)
+    ctx.x_order = list(x_order)
+
+
+def _aggregate_backward(ctx, dy: Tensor):
+    x, h_pre = ctx.saved_tensors
+    dx, dh = mhc_aggregate_backward_op(x, h_pre, dy, ctx.x_order)
+    return dx, dh, None
+
+
+mhc_aggregate_op.register_autograd(_aggregate_backward, setup_context=_aggregate_setup)
+
+
+def mhc_aggregate(x: Tensor, h_pre: Tensor, x_order: Sequence[int] | None = None) -> Tensor:
+    """y = Σ_i H_pre[i] x[i]; x [T1, T2, n, C], h_pre [T1, T2, n]; differentiable."""
+    return mhc_aggregate_op(x, h_pre, list(x_order if x_order is not None else IDENTITY_ORDER))
+
+
+# ----------------------------------------------------------------------------------------
+# mapping
+
+
+def spec_args(spec: MappingSpec) -> tuple:
+    """The ops' scalar arguments for `spec`, in schema order (without the output dtypes)."""
+    return (spec.n, list(spec.part_offsets()), [float(c) for c in spec.coefs], bool(spec.r_divides),
+            [float(v) for v in spec.pre_affine], [float(v) for v in spec.post_affine], spec.init,
+            float(spec.init_eps), int(spec.steps), bool(spec.row_first), float(spec.norm_eps))
+
+
+def _spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps, row_first,
+          norm_eps) -> MappingSpec:
+    spec = MappingSpec(n=n, offsets=tuple(offsets), coefs=tuple(coefs), r_divides=r_divides,
+                       pre_affine=tuple(pre_affine), post_affine=tuple(post_affine), init=init,
+                       init_eps=init_eps, steps=steps, row_first=row_first, norm_eps=norm_eps)
+    if len(spec.coefs) != 3 or len(spec.pre_affine) != 2 or len(spec.post_affine) != 2 or \
+            len(spec.offsets) != 3:
+        raise ValueError("offsets and coefs take 3 values, pre_affine and post_affine 2")
+    return spec
+
+
+def _reference_mapping(proj, r, alphas, biases, spec):
+    ct = _compute_dtype(proj)
+    return R.mhc_mapping_ref(proj.to(ct), r.to(ct), tuple(a.to(ct) for a in alphas),
+                             tuple(b.to(ct) for b in biases), spec)
+
+
+@torch.library.custom_op("hccompile::mhc_mapping", mutates_args=())
+def mhc_mapping_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+                   alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor, n: int,
+                   offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
+                   pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
+                   init_eps: float, steps: int, row_first: bool, norm_eps: float,
+                   pre_dtype: torch.dtype, post_dtype: torch.dtype, res_dtype: torch.dtype
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    spec = _spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
+                 row_first, norm_eps)
+    alphas, biases = (alpha_pre, alpha_post, alpha_res), (bias_pre, bias_post, bias_res)
+    K_map.check_mapping_inputs(proj, r, alphas, biases, spec)
+    dtypes = (pre_dtype, post_dtype, res_dtype)
+    if _uses_triton(proj):
+        return K_map.mhc_mapping_fwd(proj, r, alphas, biases, spec, dtypes)
+    outs = _reference_mapping(proj, r, alphas, biases, spec)
+    return tuple(_into(o, o.shape, dt, proj.device) for o, dt in zip(outs, dtypes))
+
+
+@mhc_mapping_op.register_fake
+def _mhc_mapping_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res, n,
+                      offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
+                      row_first, norm_eps, pre_dtype, post_dtype, res_dtype):
+    spec = _spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
+                 row_first, norm_eps)
+    K_map.check_mapping_inputs(proj, r, (alpha_pre, alpha_post, alpha_res),
+                               (bias_pre, bias_post, bias_res), spec)
+    lead = tuple(proj.shape[:-1])
+    return (_alloc(lead + (n,), pre_dtype, proj.device), _alloc(lead + (n,), post_dtype, proj.device),
+            _alloc(lead + (n, n), res_dtype, proj.device))
+
+
+@torch.library.custom_op("hccompile::mhc_mapping_backward", mutates_args=())
+def mhc_mapping_backward_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+                            alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor,
+                            dh_pre: Tensor, dh_post: Tensor, dh_res: Tensor, n: int,
+                            offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
+                            pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
+                            init_eps: float, steps: int, row_first: bool, norm_eps: float
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    spec = _spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
+                 row_first, norm_eps)
+    alphas, biases = (alpha_pre, alpha_post, alpha_res), (bias_pre, bias_post, bias_res)
+    grads = (dh_pre, dh_post, dh_res)
+    K_map.check_mapping_inputs(proj, r, alphas, biases, spec, grads)
+    if _uses_triton(proj):
+        dproj, dr, dalphas, dbiases = K_map.mhc_mapping_bwd(proj, r, alphas, biases, *grads, spec)
+        # the α and bias gradients are slices of one sum: outputs must not share storage
+        return (dproj, dr, *(g.clone() for g in dalphas), *(g.clone() for g in dbiases))
+    inputs = (proj, r, *alphas, *biases)
+    with _autograd_recording():
+        leaves = [t.detach().to(_compute_dtype(proj)).requires_grad_() for t in inputs]
+        outs = R.mhc_mapping_ref(leaves[0], leaves[1], tuple(leaves[2:5]), tuple(leaves[5:8]), spec)
+        got = torch.autograd.grad(outs, leaves, [g.to(o.dtype) for g, o in zip(grads, outs)],
+                                  allow_unused=True)
+    return tuple(_into(torch.zeros_like(leaf) if g is None else g, t.shape, t.dtype, t.device)
+                 for g, leaf, t in zip(got, leaves, inputs))
+
+
+@mhc_mapping_backward_op.register_fake
+def _mhc_mapping_backward_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post,
+                               bias_res, dh_pre, dh_post, dh_res, n, offsets, coefs, r_divides,
+                               pre_affine, post_affine, init, init_eps, steps, row_first, norm_eps):
+    spec = _spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
+                 row_first, norm_eps)
+    inputs = (proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res)
+    K_map.check_mapping_inputs(proj, r, inputs[2:5], inputs[5:8], spec, (dh_pre, dh_post, dh_res))
+    return tuple(_alloc(t.shape, t.dtype, t.device) for t in inputs)
+
+
+_MAPPING_TENSORS = 8
+
+
+def _mapping_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:_MAPPING_TENSORS])
+    ctx.spec_args = tuple(inputs[_MAPPING_TENSORS:_MAPPING_TENSORS + 11])
+    ctx.num_scalars = len(inputs) - _MAPPING_TENSORS
+
+
+def _mapping_backward(ctx, dh_pre, dh_post, dh_res):
+    saved = ctx.saved_tensors
+    proj = saved[0]
+    lead = tuple(proj.shape[:-1])
+    n = ctx.spec_args[0]
+    # an unused output gets no gradient; the op needs a tensor
+    dh_pre = dh_pre if dh_pre is not None else proj.new_zeros(lead + (n,))
+    dh_post = dh_post if dh_post is not None else proj.new_zeros(lead + (n,))
+    dh_res = dh_res if dh_res is not None else proj.new_zeros(lead + (n, n))
+    grads = mhc_mapping_backward_op(*saved, dh_pre, dh_post, dh_res, *ctx.spec_args)
+    return (*grads, *([None] * ctx.num_scalars))
+
+
+mhc_mapping_op.register_autograd(_mapping_backward, setup_context=_mapping_setup)
+
+
+def mhc_mapping(proj: Tensor, r: Tensor, alphas: Sequence[Tensor], biases: Sequence[Tensor],
+                spec: MappingSpec, out_dtypes: Sequence[torch.dtype] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """(H_pre, H_post, H_res) from the projection [..., n²+2n] and the norm r; differentiable in
+    proj, r, the α (one element each) and the biases ([n], [n], [n²])."""
+    spec.validate()
+    dtypes = tuple(out_dtypes) if out_dtypes is not None else (proj.dtype,) * 3
+    return mhc_mapping_op(proj, r, *alphas, *biases, *spec_args(spec), *dtypes)
