@@ -7,11 +7,11 @@ _compat.check_torch_version()
 from . import lowering  # noqa: E402  (registers torch.ops.hccompile.*)
 from .debug import Report, explain  # noqa: E402
 from .lowering import (causal_linear_attn, chunk_delta_rule, chunk_gated_delta_rule,  # noqa: E402
-                       chunk_kda, lightning_attn)
+                       chunk_kda, htree_attention, lightning_attn)
 from .backend import hc_backend  # noqa: E402  (also reachable as backend="hc")
 from . import distributed  # noqa: E402  (context parallelism)
 
 __version__ = "0.1.0"
 
 __all__ = ["hc_backend", "explain", "Report", "causal_linear_attn", "chunk_delta_rule",
-           "chunk_gated_delta_rule", "chunk_kda", "lightning_attn", "__version__"]
+           "chunk_gated_delta_rule", "chunk_kda", "htree_attention", "lightning_attn", "__version__"]

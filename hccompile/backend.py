@@ -240,4 +240,5 @@ def _finish(report: GraphReport, dumper: Dumper | None, compiled: Any) -> Any:
 
 def _is_user_error(e: BaseException) -> bool:
     """Errors that plain Inductor would raise too (bad shapes in the user's own code) pass through."""
-    return isinstance(e, (torch._dynamo.exc.UserError,))
+    # RestartAnalysis is Dynamo asking to trace again (e.g. a global it specialised on), not a failure.
+    return isinstance(e, (torch._dynamo.exc.UserError, torch._dynamo.exc.RestartAnalysis))

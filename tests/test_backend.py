@@ -120,7 +120,8 @@ def test_mode_and_inductor_options_accepted():
 def test_registry_has_stages():
     assert {"hc_detect", "recompute", "linear_attn", "op_inventory"} <= set(all_pass_names())
     # detection annotates first; recompute tags last, on the final graph
-    assert [p.name for p in passes_for_stage("dynamo")] == ["hc_detect", "hc_fuse", "linear_attn", "recompute"]
+    assert [p.name for p in passes_for_stage("dynamo")] == ["hc_detect", "hc_fuse", "delta_rule", "htree", "linear_attn",
+                                                               "recompute"]
     assert [p.name for p in passes_for_stage("post_grad")] == ["op_inventory"]
 
 

@@ -12,7 +12,8 @@ def _blocks(path):
     return re.findall(r"```python\n(.*?)```", (ROOT / path).read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("path", ["README.md", "docs/options.md", "docs/mhc.md", "docs/cp.md", "docs/lightning.md"])
+@pytest.mark.parametrize("path", ["README.md", "docs/options.md", "docs/mhc.md", "docs/cp.md", "docs/lightning.md",
+                                  "docs/delta_rule.md", "docs/htree.md"])
 def test_markdown_python_blocks_run(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blocks = _blocks(path)

@@ -9,6 +9,8 @@ from .base import GraphPass, PassContext, register_pass, registered_passes
 PASS_MODULES = (
     "hc_detect",
     "hc_fuse",
+    "delta_rule",
+    "htree",
     "linear_attn",
     "recompute",
     "op_inventory",
@@ -45,6 +47,8 @@ def pass_source_files() -> tuple[str, ...]:
     pkg = os.path.dirname(here)
     files = glob.glob(os.path.join(here, "*.py")) + glob.glob(os.path.join(pkg, "lowering", "*.py"))
     files += [os.path.join(pkg, "config.py"), os.path.join(pkg, "backend.py")]
+    # The probes run the kernels and their references.
+    files += glob.glob(os.path.join(pkg, "kernels", "**", "*.py"), recursive=True)
     return tuple(sorted(f for f in files if os.path.exists(f)))
 
 

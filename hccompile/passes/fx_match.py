@@ -145,7 +145,8 @@ def is_impure(node: fx.Node) -> str | None:
         name = getattr(node.target, "__name__", "")
         if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
             return f"mutating op {name}"
-        if name.endswith("_") and not name.startswith("_"):
+        # operator.and_ / or_ are Python's & and |, not in-place tensor ops.
+        if name.endswith("_") and not name.startswith("_") and getattr(node.target, "__module__", "") != "_operator":
             return f"in-place op {name}"
     if node.op == "call_method":
         if node.target.endswith("_") and not node.target.startswith("_"):

@@ -357,6 +357,7 @@ def _htree_forward(
     cfg: HTreeConfig,
     fixed_selections: tuple[HTreeLayerSelection, ...] | None = None,
     record: bool = False,
+    lse_out: list | None = None,
 ) -> tuple[torch.Tensor | None, tuple[HTreeLayerSelection, ...] | None]:
     batch, time, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -368,6 +369,8 @@ def _htree_forward(
     if time == 0:
         empty = torch.zeros(batch, 0, kv_heads, 0, dtype=torch.long, device=q.device)
         output = None if v is None else q.new_zeros(batch, 0, heads, v.shape[3])
+        if lse_out is not None:
+            lse_out.append(q.new_zeros(batch, 0, heads, dtype=compute_dtype))
         return output, (HTreeLayerSelection(0, empty, empty[..., 0], None, None),) if record else None
 
     layer_sizes = htree_layer_sizes(time, r, cfg.max_top_nodes)
@@ -390,6 +393,7 @@ def _htree_forward(
     per_query = batch * kv_heads * max(width_max * max(head_dim, value_dim, group), cfg.top_k * group * head_dim)
     chunk = max(1, min(time, CHUNK_ELEMENTS // max(per_query, 1)))
     outputs = []
+    log_sums = []
     records: list[list[tuple]] = [[] for _ in range(num_layers)]
 
     for start in range(0, time, chunk):
@@ -460,10 +464,14 @@ def _htree_forward(
 
         if tree_v is not None:
             outputs.append(run_out / run_sum.clamp_min(torch.finfo(compute_dtype).tiny)[..., None])
+            if lse_out is not None:
+                log_sums.append(run_max + run_sum.log())
 
     output = None
     if tree_v is not None:
         output = torch.cat(outputs, dim=2).permute(0, 2, 1, 3, 4).flatten(2, 3).to(q.dtype)
+        if lse_out is not None:
+            lse_out.append(torch.cat(log_sums, dim=2).permute(0, 2, 1, 3).flatten(2, 3))
 
     selections = tuple(_stack_records(layer, records[layer]) for layer in range(num_layers)) if record else None
     return output, selections
@@ -493,19 +501,23 @@ def htree_attention_ref(
     causal: bool = False,
     sort_mode: str = "exact",
     selections: tuple[HTreeLayerSelection, ...] | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """htree attention output [B, T, H, V]; differentiable with the selection held constant.
 
     selections: per-layer selections (as from `htree_selections`) to use instead of computing
     them, e.g. to hold them fixed under finite differences; only their `selected` is read.
     Computes in the inputs' dtype for float32/float64, in float32 for half types.
+    return_lse: also return lse [B, T, H] (float32 for half inputs), the log of each output row's
+    softmax normaliser over every merged candidate (differentiable too).
     """
     cfg = resolve_htree_config(
         q, k, v, compression_rate=compression_rate, top_k=top_k, max_top_nodes=max_top_nodes,
         scale=scale, rope_base=rope_base, causal=causal, sort_mode=sort_mode,
     )
-    output, _ = _htree_forward(q, k, v, cfg, fixed_selections=selections)
-    return output
+    lse: list = []
+    output, _ = _htree_forward(q, k, v, cfg, fixed_selections=selections, lse_out=lse if return_lse else None)
+    return (output, lse[0]) if return_lse else output
 
 
 def htree_selections(

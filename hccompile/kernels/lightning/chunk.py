@@ -486,7 +486,29 @@ def _auto_segment_length(lengths: torch.Tensor, heads: int, column_tiles: int, b
     return min(triton.cdiv(length, block) * block, whole)
 
 
+# Fixed-length plans by (device, B, T, H, segment, block, column tiles): building one copies a small
+# table to the device, and a copy from pageable host memory waits for the GPU to go idle, so a
+# plan is built once per shape rather than once per call.
+_PLAN_CACHE: dict[tuple, _Segments] = {}
+_PLAN_CACHE_SIZE = 256
+
+
 def _plan_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
+    key = None
+    if cu_seqlens is None:
+        key = (q.device, *q.shape[:3], segment, block, column_tiles)
+        plan = _PLAN_CACHE.get(key)
+        if plan is not None:
+            return plan
+    plan = _build_segments(q, cu_seqlens, segment, block, column_tiles)
+    if key is not None:
+        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.clear()
+        _PLAN_CACHE[key] = plan
+    return plan
+
+
+def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
     batch_index, starts, lengths = _sequence_bounds(q, cu_seqlens)
     if segment is None:
         segment = _auto_segment_length(lengths, q.shape[2], column_tiles, block, q.device)

@@ -1,0 +1,296 @@
+"""Gated delta rule (GDN) and KDA: our op vs FLA 0.6.0 vs the plain-PyTorch chunked form (eager,
+Inductor, and hc, which lowers it to our op), forward and forward+backward, bf16; and the compile
+time of a plain Gated DeltaNet layer under hc and under Inductor.
+
+One command on a CUDA machine (FLA is optional: without it its rows are skipped with a note):
+
+    python benchmarks/delta_rule.py --out benchmarks/results/delta_rule_$(date +%F).jsonl
+    python benchmarks/delta_rule.py --skip-inductor-compile      # the T=8192 Inductor compile takes minutes
+
+Every measurement is a JSON line appended to --out, and a markdown table is printed at the end.
+Timings are triton.testing.do_bench medians in milliseconds. FLA's GDN backward refuses to run on
+Hopper with Triton >= 3.4, < 3.7.1 (fla #640: wrong gradients); its rows bypass that refusal for
+timing only and say so.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compiles, every variant
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DEFAULT_SHAPES = "B4T4096H16D128,B1T32768H16D128,B2T2048H8D128"
+DEFAULT_PLAIN_SHAPES = "B2T2048H8D128"
+FLA_TIMING_ONLY = ("timing only: FLA refuses this backward on Hopper with Triton >=3.4,<3.7.1 (fla #640, wrong "
+                   "gradients); refusal bypassed via fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1=True")
+
+
+def parse_shape(text: str) -> dict:
+    out, key, num = {}, "", ""
+    for ch in text.strip() + "#":
+        if ch.isdigit():
+            num += ch
+        else:
+            if key and num:
+                out[key] = int(num)
+            key, num = (ch if ch.isalpha() else ""), ""
+    missing = {"B", "T", "H", "D"} - set(out)
+    if missing:
+        raise SystemExit(f"--shapes: {text!r} lacks {sorted(missing)} (expected e.g. B4T4096H16D128)")
+    return out
+
+
+def bench(fn, grad_to_none=None) -> float:
+    from triton.testing import do_bench
+
+    try:
+        return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+    except TypeError:  # older Triton: no return_mode
+        return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none))
+
+
+def make_inputs(shape: dict, gate: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    q, k, v = randn(B, T, H, D).to(dtype), randn(B, T, H, D).to(dtype), randn(B, T, H, D).to(dtype)
+    beta = torch.rand(B, T, H, generator=gen, device="cuda").to(dtype)
+    g_shape = (B, T, H) if gate == "scalar" else (B, T, H, D)
+    g = torch.nn.functional.logsigmoid(randn(*g_shape)).float()  # FLA's tests: natural-log gates, fp32
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def run_variant(fn, inputs: dict) -> dict:
+    """Forward and forward+backward medians; gradients w.r.t. q, k, v, g, beta."""
+    with torch.no_grad():
+        fn(**inputs)
+        fwd = bench(lambda: fn(**inputs))
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
+    out = fn(**leaves)
+    do = torch.randn_like(out)
+    out.backward(do)  # compiles the backward of compiled variants
+
+    def step():
+        fn(**leaves).backward(do)
+
+    fwd_bwd = bench(step, grad_to_none=list(leaves.values()))
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
+
+
+def ours(gate: str):
+    import hccompile
+
+    if gate == "scalar":
+        return lambda q, k, v, g, beta: hccompile.chunk_gated_delta_rule(q, k, v, g, beta,
+                                                                        use_qk_l2norm_in_kernel=True)[0]
+    return lambda q, k, v, g, beta: hccompile.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def fla(gate: str):
+    if gate == "scalar":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
+    else:
+        from fla.ops.kda import chunk_kda as f
+    return lambda q, k, v, g, beta: f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+def unlock_fla_gdn_backward() -> bool:
+    """Bypass FLA's refusal of the gated chunk backward (a module-level version flag read at call
+    time). Returns whether a refusal was in force."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    locked = bool(getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
+                  and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True))
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return locked
+
+
+def plain(gate: str, how: str):
+    from hccompile.nn.delta_net import plain_chunk_gated_delta_rule, plain_chunk_kda
+
+    base = plain_chunk_gated_delta_rule if gate == "scalar" else plain_chunk_kda
+
+    def fn(q, k, v, g, beta):
+        return base(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=64)[0]
+
+    if how == "eager":
+        return fn
+    if how == "hc":
+        import hccompile.passes.delta_rule  # noqa: F401  (registers the pass; redundant once in PASS_MODULES)
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=how, fullgraph=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def kernel_rows(args, meta) -> list[dict]:
+    rows = []
+    dtype = getattr(torch, args.dtype)
+    have_fla, fla_note = True, ""
+    try:
+        import fla
+
+        fla_version = getattr(fla, "__version__", "?")
+        if fla_version != "0.6.0":
+            fla_note = f"FLA {fla_version} (the reference figures are for 0.6.0)"
+    except ImportError as e:
+        have_fla, fla_version, fla_note = False, None, f"FLA not installed ({e}); FLA rows skipped"
+        print(f"note: {fla_note}", flush=True)
+    plain_shapes = {s for s in args.plain_shapes.split(",") if s}
+    for shape_text in [s for s in args.shapes.split(",") if s]:
+        shape = parse_shape(shape_text)
+        label = f"B{shape['B']} T{shape['T']} H{shape['H']} D{shape['D']}"
+        for gate, op in (("scalar", "GDN"), ("channel", "KDA")):
+            if op.lower() not in args.ops:
+                continue
+            inputs = make_inputs(shape, gate, dtype)
+            variants = [("ours", ours(gate), "")]
+            if have_fla:
+                note = fla_note
+                if gate == "scalar":
+                    note = "; ".join(x for x in (fla_note, "forward exact; " + FLA_TIMING_ONLY) if x)
+                variants.append(("FLA", fla(gate), note))
+            if shape_text in plain_shapes:
+                for how in ("eager", "inductor", "hc"):
+                    variants.append((f"plain {how}", plain(gate, how), ""))
+            reference = None
+            for name, fn, note in variants:
+                row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
+                       "fla": fla_version, "note": note}
+                try:
+                    if name == "FLA" and gate == "scalar":
+                        locked = unlock_fla_gdn_backward()
+                        if not locked:
+                            row["note"] = fla_note  # no refusal in force on this machine: a normal run
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        out = fn(**inputs)
+                    torch.cuda.synchronize()
+                    row["first_call_s"] = time.perf_counter() - t0
+                    if reference is None:
+                        reference = out
+                    else:
+                        row["fwd_rel_err_vs_ours"] = rel_err(out, reference)
+                    row.update(run_variant(fn, inputs))
+                except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
+    return rows
+
+
+def compile_rows(args, meta) -> list[dict]:
+    """First call (forward+backward) minus a warm call, for a plain GDN layer compiled cold."""
+    from hccompile.nn.delta_net import GatedDeltaNet
+
+    import hccompile.passes.delta_rule  # noqa: F401  (registers the pass; redundant once in PASS_MODULES)
+
+    rows = []
+    dtype = getattr(torch, args.dtype)
+    for T in [int(t) for t in args.compile_lengths.split(",") if t]:
+        for backend in ("hc", "inductor"):
+            if backend == "inductor" and args.skip_inductor_compile:
+                continue
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            layer = GatedDeltaNet(hidden_size=args.compile_hidden, num_heads=args.compile_heads, head_dim=128,
+                                  mode="plain").to("cuda", dtype)
+            x = torch.randn(1, T, args.compile_hidden, device="cuda", dtype=dtype, requires_grad=True)
+            fn = torch.compile(layer, backend=backend, fullgraph=True)
+            row = {**meta, "bench": "compile", "model": f"GatedDeltaNet(hidden {args.compile_hidden}, "
+                   f"{args.compile_heads} heads of 128) plain, fwd+bwd", "backend": backend, "T": T,
+                   "dtype": args.dtype}
+            try:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(x).sum().backward()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                fn(x).sum().backward()
+                torch.cuda.synchronize()
+                warm = time.perf_counter() - t0
+                row.update(compile_s=first - warm, warm_step_ms=warm * 1e3)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    out = []
+    kernel = [r for r in rows if r["bench"] == "kernel"]
+    if kernel:
+        out += ["| op | shape | impl | fwd ms | fwd+bwd ms | fwd rel err vs ours | note |",
+                "|---|---|---|---|---|---|---|"]
+        for r in kernel:
+            fmt = (lambda x: f"{x:.3f}" if isinstance(x, float) else "—")
+            err = r.get("fwd_rel_err_vs_ours")
+            note = r.get("error") or r.get("note", "")
+            out.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'))} | "
+                       f"{fmt(r.get('fwd_bwd_ms'))} | {'' if err is None else f'{err:.1e}'} | {note} |")
+    comp = [r for r in rows if r["bench"] == "compile"]
+    if comp:
+        out += ["", "| model | backend | T | compile s | warm fwd+bwd ms |", "|---|---|---|---|---|"]
+        for r in comp:
+            if "error" in r:
+                out.append(f"| {r['model']} | {r['backend']} | {r['T']} | error: {r['error']} | |")
+            else:
+                out.append(f"| {r['model']} | {r['backend']} | {r['T']} | {r['compile_s']:.1f} | "
+                           f"{r['warm_step_ms']:.2f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated, e.g. B4T4096H16D128")
+    p.add_argument("--plain-shapes", default=DEFAULT_PLAIN_SHAPES,
+                   help="shapes at which the plain forms (eager, Inductor, hc) also run; '' for none")
+    p.add_argument("--ops", default="gdn,kda", help="gdn, kda or both")
+    p.add_argument("--what", default="kernels,compile", help="kernels, compile or both")
+    p.add_argument("--compile-lengths", default="2048,8192")
+    p.add_argument("--compile-hidden", type=int, default=1024)
+    p.add_argument("--compile-heads", type=int, default=8)
+    p.add_argument("--skip-inductor-compile", action="store_true",
+                   help="skip the Inductor compile of the plain layer (minutes at T=8192)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/delta_rule.py needs a CUDA GPU")
+    import triton
+
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__}
+    rows = []
+    if "kernels" in args.what:
+        rows += kernel_rows(args, meta)
+    if "compile" in args.what:
+        rows += compile_rows(args, meta)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print()
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

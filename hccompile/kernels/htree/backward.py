@@ -1,0 +1,259 @@
+"""Triton backward of htree attention: recompute the tree and the selections, then the gradients.
+
+Nothing per layer comes from the forward: the pooled tree is rebuilt, and each work item
+(batch, KV head, query position t) re-runs the forward's selection passes (the same helpers, tile
+sizes and warp counts as the forward, so the same top-k; see tiles.py). From the forward only o
+and the log-sum-exp lse [B, T, H] are read. The selection is a constant: gradients flow through
+the scores and values of the merged candidates, the RoPE and the mean pooling.
+
+For each merged candidate of a query head (P = exp(s - lse), D = <do, o> - dlse):
+
+    dP = <do, v_node>,   ds = P (dP - D)
+    dq       += scale ds R(n-1)^T R(p) k_node            (one writer per (t, h): no atomics)
+    dk_node  += scale ds R(p)^T R(n-1) q                  (float32 atomics, see below)
+    dv_node  += P do                                      (float32 atomics)
+
+Key and value gradients of the nodes go into float32 buffers over every layer [B, H_kv, nodes, D]
+with tl.atomic_add: which queries merge a node depends on every query's selection, so there is no
+K-stationary order to visit them without an inverted index. The G query heads of a KV head are
+reduced in registers first (one atomic per node row and item, not per head). Then the pooling is
+undone top-down in PyTorch: a child receives its parent's gradient divided by the parent's child
+count, plus its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._triton import dot as _dot
+from .._triton import interpreted, require_triton, tl, triton
+from . import tiles
+from .forward import launch_config
+from .reference import HTreeConfig
+from .tiles import (HTreePlan, build_pooled, candidate_tile, check_kernel_limits, load_values,
+                    make_plan, num_programs, rank_select, rope_table, select_layer, tile_scores)
+
+__all__ = ["htree_backward", "unpool_gradient"]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gradient_layer(layer, is_top, n, q1, q2, do, lse, delta, parents_ptr, flags_ptr, r,
+                        k_ptr, stride_kt, stride_kd, v_ptr, stride_vt, stride_vd,
+                        tree_k_ptr, tree_v_ptr, pooled_offset, dk_ptr, dv_ptr, all_offset,
+                        cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
+                        BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
+        """Gradients through the merged candidates of one layer; returns the updated dq halves."""
+        do_dot = do.to(DOT_DTYPE)
+        for p0 in range(0, n, BLOCK_C):
+            positions, valid, nodes, qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
+                p0, n, is_top, parents_ptr, r, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
+                pooled_offset, cos_ptr, sin_ptr, cols_k, KH, BLOCK_C, DOT_DTYPE)
+            scores = tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION, UPCAST_OPERANDS)
+            selected = tl.load(flags_ptr + positions, mask=valid & (layer > 0), other=0)
+            merge = valid & (selected == 0)
+            keep = row_ok[:, None] & merge[None, :]
+            probs = tl.where(keep, tl.exp(tl.where(keep, scores - lse[:, None], 0.0)), 0.0)
+            values = load_values(layer, nodes, merge, v_ptr, stride_vt, stride_vd, tree_v_ptr, pooled_offset, cols_v,
+                                 V, DOT_DTYPE)
+            dprobs = _dot(do_dot, tl.trans(values.to(DOT_DTYPE)), DOT_PRECISION, UPCAST_OPERANDS)
+            dscores = (probs * (dprobs - delta[:, None]) * scale).to(DOT_DTYPE)
+            # Query side, rotated back by the tile's query rotation.
+            dqr1 = _dot(dscores, kr1, DOT_PRECISION, UPCAST_OPERANDS)
+            dqr2 = _dot(dscores, kr2, DOT_PRECISION, UPCAST_OPERANDS)
+            dq1 += dqr1 * cos_q + dqr2 * sin_q
+            dq2 += dqr2 * cos_q - dqr1 * sin_q
+            # Key side, rotated back by each key's offset in the tile.
+            dscores_t = tl.trans(dscores)
+            dkr1 = _dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
+            dkr2 = _dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
+            dk1 = dkr1 * cos_k + dkr2 * sin_k
+            dk2 = dkr2 * cos_k - dkr1 * sin_k
+            dv = _dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
+            rows = (all_offset + nodes).to(tl.int64)
+            k_mask = merge[:, None] & (cols_k[None, :] < KH)
+            k_offsets = rows[:, None] * (2 * KH) + cols_k[None, :]
+            tl.atomic_add(dk_ptr + k_offsets, dk1, mask=k_mask)
+            tl.atomic_add(dk_ptr + KH + k_offsets, dk2, mask=k_mask)
+            v_mask = merge[:, None] & (cols_v[None, :] < V)
+            tl.atomic_add(dv_ptr + rows[:, None] * V + cols_v[None, :], dv, mask=v_mask)
+        return dq1, dq2
+
+    @triton.jit
+    def _htree_backward_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, tree_k_ptr, tree_v_ptr, layer_ptr,
+        cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, scores_ptr, keys_ptr, flags_ptr, parents_ptr, record_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_ob, stride_ot, stride_oh, stride_od,
+        stride_dob, stride_dot, stride_doh, stride_dod,
+        stride_dqb, stride_dqt, stride_dqh, stride_dqd,
+        B, T, H_KV, G, KH, V, num_layers, r, top_k, pooled_nodes, all_nodes, n_items, n_programs, scale,
+        HAS_DLSE: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr,
+        RECORD: tl.constexpr, G_PAD: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr,
+        BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        g_rows = tl.arange(0, G_PAD)
+        row_ok = g_rows < G
+        cols_k = tl.arange(0, KH_PAD)
+        cols_v = tl.arange(0, V_PAD)
+        scores_row = scores_ptr + pid.to(tl.int64) * G * SELECT_PAD
+        keys_row = keys_ptr + pid.to(tl.int64) * SELECT_PAD
+        flags_row = flags_ptr + pid.to(tl.int64) * SELECT_PAD
+        parents_row = parents_ptr + pid.to(tl.int64) * (2 * top_k)
+
+        for item in range(pid, n_items, n_programs):
+            t = item % T
+            h = (item // T) % H_KV
+            b = item // (T * H_KV)
+            heads = h * G + g_rows
+            q_rows = q_ptr + b.to(tl.int64) * stride_qb + t.to(tl.int64) * stride_qt
+            q_mask = row_ok[:, None] & (cols_k[None, :] < KH)
+            q_offsets = heads[:, None] * stride_qh + cols_k[None, :] * stride_qd
+            q1 = tl.load(q_rows + q_offsets, mask=q_mask, other=0.0).to(tl.float32)
+            q2 = tl.load(q_rows + KH * stride_qd + q_offsets, mask=q_mask, other=0.0).to(tl.float32)
+            v_mask = row_ok[:, None] & (cols_v[None, :] < V)
+            o_rows = o_ptr + b.to(tl.int64) * stride_ob + t.to(tl.int64) * stride_ot
+            out = tl.load(o_rows + heads[:, None] * stride_oh + cols_v[None, :] * stride_od, mask=v_mask,
+                          other=0.0).to(tl.float32)
+            do_rows = do_ptr + b.to(tl.int64) * stride_dob + t.to(tl.int64) * stride_dot
+            do = tl.load(do_rows + heads[:, None] * stride_doh + cols_v[None, :] * stride_dod, mask=v_mask,
+                         other=0.0).to(tl.float32)
+            lse_rows = (b.to(tl.int64) * T + t) * (H_KV * G) + heads
+            lse = tl.load(lse_ptr + lse_rows, mask=row_ok, other=0.0)
+            # d lse / d s = P: a gradient into lse only shifts D.
+            delta = tl.sum(do * out, axis=1)
+            if HAS_DLSE:
+                delta -= tl.load(dlse_ptr + lse_rows, mask=row_ok, other=0.0)
+            k_item = k_ptr + b.to(tl.int64) * stride_kb + h * stride_kh
+            v_item = v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh
+            tree_row = (b * H_KV + h).to(tl.int64) * pooled_nodes
+            tree_k_item = tree_k_ptr + tree_row * (2 * KH)
+            tree_v_item = tree_v_ptr + tree_row * V
+            grad_row = (b * H_KV + h).to(tl.int64) * all_nodes
+            dk_item = dk_ptr + grad_row * (2 * KH)
+            dv_item = dv_ptr + grad_row * V
+
+            dq1 = tl.zeros([G_PAD, KH_PAD], tl.float32)
+            dq2 = tl.zeros([G_PAD, KH_PAD], tl.float32)
+            n_parents = t * 0
+            for step in range(0, num_layers):
+                layer = num_layers - 1 - step
+                pooled_offset = tl.load(layer_ptr + layer * 4 + 1)
+                all_offset = tl.load(layer_ptr + layer * 4 + 2)
+                span = tl.load(layer_ptr + layer * 4 + 3).to(tl.int32)
+                rightmost = t // span
+                is_top = 1 - tl.minimum(step, 1)
+                n = tl.where(is_top != 0, rightmost + 1, (n_parents - 1) * r + rightmost % r + 1)
+                parents_prev = parents_row + ((step + 1) % 2) * top_k
+                parents_next = parents_row + (step % 2) * top_k
+                if layer > 0:
+                    record_row = record_ptr + (((layer * B + b).to(tl.int64) * T + t) * H_KV + h) * top_k
+                    select_layer(layer, is_top, n, top_k, q1, q2, parents_prev, parents_next, r,
+                                 k_item, stride_kt, stride_kd, tree_k_item, pooled_offset,
+                                 cos_ptr, sin_ptr, cols_k, KH, scale, row_ok, scores_row, keys_row, flags_row,
+                                 record_row, CAUSAL, PACKED, INDEX_BITS, RECORD, G_PAD, BLOCK_C, SELECT_PAD,
+                                 RANK_SELECT, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
+                dq1, dq2 = _gradient_layer(
+                    layer, is_top, n, q1, q2, do, lse, delta, parents_prev, flags_row, r,
+                    k_item, stride_kt, stride_kd, v_item, stride_vt, stride_vd,
+                    tree_k_item, tree_v_item, pooled_offset, dk_item, dv_item, all_offset,
+                    cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
+                    BLOCK_C, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
+                n_parents = tl.minimum(n, top_k)
+
+            dq_rows = dq_ptr + b.to(tl.int64) * stride_dqb + t.to(tl.int64) * stride_dqt
+            dq_offsets = heads[:, None] * stride_dqh + cols_k[None, :] * stride_dqd
+            tl.store(dq_rows + dq_offsets, dq1.to(dq_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(dq_rows + KH * stride_dqd + dq_offsets, dq2.to(dq_ptr.dtype.element_ty), mask=q_mask)
+            tl.debug_barrier()
+
+
+def unpool_gradient(grad: torch.Tensor, plan: HTreePlan, r: int) -> torch.Tensor:
+    """Gradients of every layer's nodes [B, H_kv, all_nodes, D] -> of the tokens [B, H_kv, T, D].
+
+    Top-down: a node's gradient reaches each of its c existing children divided by c.
+    """
+    sizes = plan.layer_sizes
+    offsets = [int(row[2]) for row in plan.layer_table.tolist()]
+    total = grad[:, :, offsets[-1] : offsets[-1] + sizes[-1]]
+    for layer in range(len(sizes) - 1, 0, -1):
+        below = sizes[layer - 1]
+        counts = (below - torch.arange(sizes[layer], device=grad.device) * r).clamp(max=r).to(grad.dtype)
+        spread = (total / counts[:, None]).repeat_interleave(r, dim=2)[:, :, :below]
+        total = grad[:, :, offsets[layer - 1] : offsets[layer - 1] + below] + spread
+    return total
+
+
+def _require_triton(device: torch.device) -> None:
+    require_triton(device, _htree_backward_kernel, "hccompile.kernels.htree.backward", "htree_attention_ref")
+
+
+def htree_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    cfg: HTreeConfig,
+    dlse: torch.Tensor | None = None,
+    *,
+    block_c: int | None = None,
+    record_selections: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv) in the inputs' dtypes, and with record_selections the selections the backward
+    recomputed ([L, B, T, H_kv, top_k], as htree_forward records them).
+
+    o, lse: the forward's outputs for these inputs and this cfg (same block_c); do [B, T, H, V];
+    dlse [B, T, H] optional gradient into lse.
+    """
+    check_kernel_limits(q, k, v, cfg)
+    _require_triton(q.device)
+    batch, time, heads, key_dim = q.shape
+    kv_heads, value_dim = k.shape[2], v.shape[3]
+    group = heads // kv_heads
+    dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    if batch * time * heads == 0:
+        return dq, torch.zeros_like(k), torch.zeros_like(v), None
+    plan = make_plan(time, group, key_dim, value_dim, cfg, q.device, block_c)
+    tree_k = build_pooled(k, plan, cfg.compression_rate)
+    tree_v = build_pooled(v, plan, cfg.compression_rate)
+    cos, sin = rope_table(plan, key_dim, cfg.rope_base, q.device)
+    dk_nodes = torch.zeros((batch, kv_heads, plan.all_nodes, key_dim), dtype=torch.float32, device=q.device)
+    dv_nodes = torch.zeros((batch, kv_heads, plan.all_nodes, value_dim), dtype=torch.float32, device=q.device)
+    items = batch * kv_heads * time
+    is_interpreted = interpreted(_htree_backward_kernel)
+    programs = num_programs(q.device, items, is_interpreted)
+    scores = torch.empty((programs, group, plan.select_pad), dtype=torch.float32, device=q.device)
+    keys = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
+    flags = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
+    parents = torch.empty((programs, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
+    num_layers = len(plan.layer_sizes)
+    record = None
+    if record_selections:
+        record = torch.full((num_layers, batch, time, kv_heads, cfg.top_k), -1, dtype=torch.int32,
+                            device=q.device)
+    lse = lse.float().contiguous()
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    _htree_backward_kernel[(programs,)](
+        q, k, v, o, lse, do, dlse if dlse is not None else lse, tree_k, tree_v, plan.layer_table,
+        cos, sin, dq, dk_nodes, dv_nodes, scores, keys, flags, parents, record if record is not None else keys,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
+        batch, time, kv_heads, group, key_dim // 2, value_dim, num_layers, cfg.compression_rate, cfg.top_k,
+        plan.pooled_nodes, plan.all_nodes, items, programs, cfg.scale,
+        HAS_DLSE=dlse is not None, CAUSAL=cfg.causal, PACKED=cfg.sort_mode == "packed",
+        INDEX_BITS=plan.index_bits, RECORD=record is not None, G_PAD=plan.g_pad, KH_PAD=plan.kh_pad,
+        V_PAD=plan.v_pad, BLOCK_C=plan.block_c, SELECT_PAD=plan.select_pad,
+        RANK_SELECT=rank_select(plan, is_interpreted),
+        num_warps=plan.num_warps, **launch_config(q),
+    )
+    dk = unpool_gradient(dk_nodes, plan, cfg.compression_rate).transpose(1, 2).to(k.dtype)
+    dv = unpool_gradient(dv_nodes, plan, cfg.compression_rate).transpose(1, 2).to(v.dtype)
+    return dq, dk, dv, record

@@ -1,0 +1,391 @@
+"""Triton pieces shared by the htree forward and backward kernels, and the host-side plan they run.
+
+Both kernels walk one (batch, KV head, query position) work item at a time through the tree, top
+layer first, over the candidate buffer of that layer in tiles of BLOCK_C buffer positions. The
+same helpers compute the scores, the per-head log-sum-exp, the shared-GQA importance and the
+top-k selection in both kernels, with the same tile sizes and warp counts, so that the backward
+recomputes exactly the selection the forward made (nothing per layer is stored between them).
+
+RoPE: the score of the candidate at buffer position p is scale * <R(n-1) q, R(p) k>. A tile
+starting at p0 rotates the query by n-1-p0 and each key by its offset p-p0 < BLOCK_C inside the
+tile, which gives the same dot product (rotations compose) while the key-side table stays one
+small [BLOCK_C, K/2] block. Rows of the cos/sin table are computed in float64 on the host.
+
+Selection: for a layer above the tokens, pass A computes each head's log-sum-exp over the
+candidates (the rightmost one left out when causal), pass B writes the importance of every
+candidate as an int32 sort key into the work item's scratch row, and the selection loads the
+whole row into registers and finds the top_k-th largest key by a 31-step bitwise search (radix
+select): the keys of non-negative floats order like their bit patterns. Keys equal to that
+threshold are ties, resolved towards the smaller buffer position (an exclusive prefix count),
+which is the stable descending sort of the reference. Exact mode: the key is the float32
+importance (the rightmost candidate +inf). Packed mode: the seed's key, the importance with its
+low INDEX_BITS bits replaced by ~position (the rightmost candidate 1e3); all keys then differ.
+The selected nodes are compacted, ascending, into the scratch parents row of the next layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._triton import dot as _dot
+from .._triton import tl, triton
+from .reference import HTreeConfig, htree_layer_sizes, packed_index_bits, rope_cos_sin
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "MAX_SELECT_WIDTH",
+    "SUPPORTED_DTYPES",
+    "HTreePlan",
+    "check_kernel_limits",
+    "make_plan",
+]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# The selection holds one layer's keys in registers: 16384 int32 over 8 warps is 64 per thread.
+MAX_SELECT_WIDTH = 16384
+# Tile of the candidate buffer, and warps per program. Chosen by ptxas register counts for sm_90
+# (bfloat16, K=V=128, 1024 candidates: 255 registers, ~120 bytes of spills forward, ~64 backward;
+# 64-wide tiles or 4 warps spill kilobytes), not yet by timings. The forward and the backward
+# must use the same values to select the same nodes.
+DEFAULT_BLOCK_C = 32
+DEFAULT_NUM_WARPS = 8
+# tl.dot needs every block dim to be at least 16.
+MIN_DOT_DIM = 16
+# Persistent grid: this many programs per SM (each owns a scratch row for the selection). At 8
+# warps and ~255 registers one fits; a second waits, which costs nothing as the work is dealt
+# out evenly, and runs alongside where registers allow.
+PROGRAMS_PER_SM = 2
+INTERPRETER_PROGRAMS = 4
+# Under the interpreter, widths up to this select by counting ranks (fewer, larger ops) instead
+# of the 31-step search the GPU runs; both select the same. Tests set it to 0 to run the search.
+INTERPRETER_RANK_SELECT_WIDTH = 256
+EXACT_FORCED_KEY = 0x7F800000  # bits of float32 +inf
+PACKED_FORCED_IMPORTANCE = 1000.0  # the seed's forced importance of the rightmost candidate
+if tl is not None:
+    _EXACT_FORCED_KEY = tl.constexpr(EXACT_FORCED_KEY)
+    _PACKED_FORCED_IMPORTANCE = tl.constexpr(PACKED_FORCED_IMPORTANCE)
+
+
+def _pow2(value: int, minimum: int = MIN_DOT_DIM) -> int:
+    return max(minimum, 1 << max(0, (int(value) - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class HTreePlan:
+    """Everything the launchers derive from the shapes and the configuration."""
+
+    layer_sizes: tuple[int, ...]
+    layer_table: torch.Tensor  # int64 [L, 4]: size, offset in the pooled buffer, offset over all layers, r^l
+    pooled_nodes: int  # rows of the pooled buffer (layers >= 1)
+    all_nodes: int  # rows over every layer, tokens included
+    select_width: int  # widest candidate buffer of a layer that selects (0: no such layer)
+    table_rows: int
+    g_pad: int
+    kh_pad: int
+    v_pad: int
+    select_pad: int
+    block_c: int
+    num_warps: int
+    index_bits: int
+
+
+def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeConfig, device,
+              block_c: int | None = None) -> HTreePlan:
+    block_c = DEFAULT_BLOCK_C if block_c is None else block_c
+    r = cfg.compression_rate
+    sizes = htree_layer_sizes(time, r, cfg.max_top_nodes)
+    num_layers = len(sizes)
+    rows, pooled, all_nodes, span = [], 0, 0, 1
+    for layer, size in enumerate(sizes):
+        rows.append((size, pooled if layer > 0 else 0, all_nodes, span))
+        if layer > 0:
+            pooled += size
+        all_nodes += size
+        span *= r
+    # Candidate widths: the top layer offers up to its node count, every other layer top_k * r.
+    widths = [sizes[-1] if layer == num_layers - 1 else cfg.top_k * r for layer in range(num_layers)]
+    select_width = max(widths[1:], default=0)
+    select_pad = _pow2(select_width) if select_width else MIN_DOT_DIM
+    return HTreePlan(
+        layer_sizes=tuple(sizes),
+        layer_table=torch.tensor(rows, dtype=torch.int64, device=device),
+        pooled_nodes=pooled,
+        all_nodes=all_nodes,
+        select_width=select_width,
+        table_rows=max(max(widths), block_c),
+        g_pad=_pow2(group),
+        kh_pad=_pow2(key_dim // 2),
+        v_pad=_pow2(value_dim),
+        select_pad=select_pad,
+        block_c=block_c,
+        num_warps=DEFAULT_NUM_WARPS,
+        index_bits=packed_index_bits(r, cfg.top_k, cfg.max_top_nodes),
+    )
+
+
+def check_kernel_limits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: HTreeConfig) -> None:
+    """Limits of the Triton kernels beyond the reference's (resolve_htree_config) checks."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype {tensor.dtype} is not supported by the htree kernels "
+                            f"(float16, bfloat16, float32)")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim K={q.shape[3]} exceeds the kernels' maximum {MAX_HEAD_DIM}")
+    if v.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"v: head dim V={v.shape[3]} exceeds the kernels' maximum {MAX_HEAD_DIM}")
+    if v.shape[3] < 1:
+        raise ValueError(f"v: head dim V must be at least 1, got {v.shape[3]}")
+    sizes = htree_layer_sizes(q.shape[1], cfg.compression_rate, cfg.max_top_nodes)
+    if len(sizes) > 1 and sizes[-1] > MAX_SELECT_WIDTH:
+        raise ValueError(f"max_top_nodes: the top layer has {sizes[-1]} nodes; the kernels select among "
+                         f"at most {MAX_SELECT_WIDTH} candidates (lower max_top_nodes)")
+    if len(sizes) > 2 and cfg.top_k * cfg.compression_rate > MAX_SELECT_WIDTH:
+        raise ValueError(f"top_k*compression_rate: {cfg.top_k * cfg.compression_rate} candidates per layer "
+                         f"exceed the kernels' maximum {MAX_SELECT_WIDTH}")
+    if q.shape[1] * max(1, q.shape[0]) * k.shape[2] >= 2**31:
+        raise ValueError(f"q: B*T*H_kv={q.shape[0] * q.shape[1] * k.shape[2]} work items exceed int32")
+
+
+def rope_table(plan: HTreePlan, key_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope_cos_sin(plan.table_rows, key_dim, base, torch.float32, device)
+    return cos.contiguous(), sin.contiguous()
+
+
+def build_pooled(x: torch.Tensor, plan: HTreePlan, r: int) -> torch.Tensor:
+    """Pooled layers 1..L-1 of x [B, T, H_kv, D] as one float32 buffer [B, H_kv, pooled_nodes, D].
+
+    A node is the mean of its existing children one layer down (a ragged tail's parent is the mean
+    of its children's means), computed in float32 as the reference does for half inputs.
+    """
+    batch, _, kv_heads, dim = x.shape
+    out = x.new_empty((batch, kv_heads, max(plan.pooled_nodes, 1), dim), dtype=torch.float32)
+    child = x.transpose(1, 2).float()
+    for layer in range(1, len(plan.layer_sizes)):
+        size, offset = plan.layer_sizes[layer], int(plan.layer_table[layer, 1])
+        pad = size * r - child.shape[2]
+        sums = torch.nn.functional.pad(child, (0, 0, 0, pad)).unflatten(2, (size, r)).sum(3)
+        counts = (child.shape[2] - torch.arange(size, device=x.device) * r).clamp(max=r).to(torch.float32)
+        child = sums / counts[:, None]
+        out[:, :, offset : offset + size] = child
+    return out
+
+
+def num_programs(device: torch.device, items: int, interpreted: bool) -> int:
+    if interpreted or device.type != "cuda":
+        return max(1, min(items, INTERPRETER_PROGRAMS))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(items, sms * PROGRAMS_PER_SM))
+
+
+def rank_select(plan: HTreePlan, is_interpreted: bool) -> bool:
+    return is_interpreted and plan.select_pad <= INTERPRETER_RANK_SELECT_WIDTH
+
+
+def dot_dtype(dtype: torch.dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+if triton is not None:
+
+    @triton.jit
+    def load_values(layer, nodes, mask_rows, v_ptr, stride_vt, stride_vd, tree_v_ptr, pooled_offset, cols_v, V,
+                    DOT_DTYPE: tl.constexpr):
+        """Values [BLOCK_C, V_PAD] of the given nodes, in the dot dtype (zeros where masked)."""
+        mask = mask_rows[:, None] & (cols_v[None, :] < V)
+        rows = nodes[:, None].to(tl.int64)
+        if layer == 0:
+            token_ptrs = v_ptr + rows * stride_vt + cols_v[None, :] * stride_vd
+            values = tl.load(token_ptrs, mask=mask, other=0.0).to(DOT_DTYPE)
+        else:
+            node_ptrs = tree_v_ptr + (pooled_offset + rows) * V + cols_v[None, :]
+            values = tl.load(node_ptrs, mask=mask, other=0.0).to(DOT_DTYPE)
+        return values
+
+    @triton.jit
+    def tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C: tl.constexpr):
+        """Buffer positions p0.., whether they are candidates, and their node indices.
+
+        Top layer: node = position. Lower layers: position j*r + c is child c of the j-th parent
+        selected one layer up (ascending in the scratch parents row).
+        """
+        positions = p0 + tl.arange(0, BLOCK_C)
+        valid = positions < n
+        parent = tl.load(parents_ptr + positions // r, mask=valid & (is_top == 0), other=0)
+        nodes = tl.where(is_top != 0, positions, parent * r + positions % r)
+        return positions, valid, nodes
+
+    @triton.jit
+    def candidate_tile(p0, n, is_top, parents_ptr, r, layer, q1, q2,
+                       k_ptr, stride_kt, stride_kd, tree_k_ptr, pooled_offset,
+                       cos_ptr, sin_ptr, cols_k, KH,
+                       BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        """One tile of the candidate buffer: positions p0.., whether they are candidates, their
+        node indices, and the rotated query and key halves ready for tl.dot (plus the rotations,
+        which the backward needs to rotate gradients back).
+
+        Layer 0 reads the token keys (input dtype, strided); pooled layers the float32 tree.
+        Written as one function because the interpreter pays for every nested call.
+        """
+        positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
+        mask = valid[:, None] & (cols_k[None, :] < KH)
+        rows = nodes[:, None].to(tl.int64)
+        # Names assigned in both branches must have one type: the pointers differ, so two names.
+        if layer == 0:
+            token_ptrs = k_ptr + rows * stride_kt + cols_k[None, :] * stride_kd
+            k1 = tl.load(token_ptrs, mask=mask, other=0.0).to(tl.float32)
+            k2 = tl.load(token_ptrs + KH * stride_kd, mask=mask, other=0.0).to(tl.float32)
+        else:
+            node_ptrs = tree_k_ptr + (pooled_offset + rows) * (2 * KH) + cols_k[None, :]
+            k1 = tl.load(node_ptrs, mask=mask, other=0.0)
+            k2 = tl.load(node_ptrs + KH, mask=mask, other=0.0)
+        # The query at n-1 and the key at p, both moved by -p0: the same dot product. The key
+        # side is the table's first BLOCK_C rows, reloaded per tile (cached) to spare registers.
+        k_rows = tl.arange(0, BLOCK_C)[:, None] * KH + cols_k[None, :]
+        k_mask = (tl.arange(0, BLOCK_C)[:, None] >= 0) & (cols_k[None, :] < KH)
+        cos_k = tl.load(cos_ptr + k_rows, mask=k_mask, other=0.0)
+        sin_k = tl.load(sin_ptr + k_rows, mask=k_mask, other=0.0)
+        q_row = (n - 1 - p0) * KH + cols_k
+        cos_q = tl.load(cos_ptr + q_row, mask=cols_k < KH, other=0.0)[None, :]
+        sin_q = tl.load(sin_ptr + q_row, mask=cols_k < KH, other=0.0)[None, :]
+        qr1 = (q1 * cos_q - q2 * sin_q).to(DOT_DTYPE)
+        qr2 = (q1 * sin_q + q2 * cos_q).to(DOT_DTYPE)
+        kr1 = (k1 * cos_k - k2 * sin_k).to(DOT_DTYPE)
+        kr2 = (k1 * sin_k + k2 * cos_k).to(DOT_DTYPE)
+        return positions, valid, nodes, qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k
+
+    @triton.jit
+    def tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
+        """scale * <R(n-1) q, R(p) k>: scores [G_PAD, BLOCK_C] in float32."""
+        scores = _dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST_OPERANDS)
+        scores += _dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST_OPERANDS)
+        return scores * scale
+
+    @triton.jit
+    def safe_max(m):
+        """A finite shift for exp(): rows with nothing yet (-inf) use 0."""
+        return tl.where(m == float("-inf"), 0.0, m)
+
+    @triton.jit
+    def score_layer(layer, is_top, n, q1, q2, parents_ptr, r,
+                    k_ptr, stride_kt, stride_kd, tree_k_ptr, pooled_offset,
+                    cos_ptr, sin_ptr, cols_k, KH, scale, row_ok, scores_ptr,
+                    CAUSAL: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
+        """Pass A: every candidate's scores into the scratch rows scores_ptr[g * SELECT_PAD + p]
+        (the importance and the merge read them back: each key tile is loaded once), and each
+        head's log-sum-exp over the candidates (causal: without the rightmost)."""
+        g_rows = tl.arange(0, G_PAD)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([G_PAD], tl.float32)
+        for p0 in range(0, n, BLOCK_C):
+            positions, valid, nodes, qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
+                p0, n, is_top, parents_ptr, r, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
+                pooled_offset, cos_ptr, sin_ptr, cols_k, KH, BLOCK_C, DOT_DTYPE)
+            scores = tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION, UPCAST_OPERANDS)
+            tl.store(scores_ptr + g_rows[:, None] * SELECT_PAD + positions[None, :], scores,
+                     mask=row_ok[:, None] & valid[None, :])
+            in_lse = valid
+            if CAUSAL:
+                in_lse = in_lse & (positions != n - 1)
+            scores = tl.where(in_lse[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            shift = safe_max(m_new)
+            total = total * tl.exp(m - shift) + tl.sum(tl.exp(scores - shift[:, None]), axis=1)
+            m = m_new
+        return tl.where(total > 0, m + tl.log(tl.maximum(total, 1e-30)), float("-inf"))
+
+    @triton.jit
+    def load_scores(scores_ptr, positions, valid, row_ok, G_PAD: tl.constexpr, SELECT_PAD: tl.constexpr):
+        """Scores [G_PAD, BLOCK_C] that pass A stored (zeros outside the heads and candidates)."""
+        g_rows = tl.arange(0, G_PAD)
+        return tl.load(scores_ptr + g_rows[:, None] * SELECT_PAD + positions[None, :],
+                       mask=row_ok[:, None] & valid[None, :], other=0.0)
+
+    @triton.jit
+    def store_keys(n, lse, row_ok, scores_ptr, keys_ptr,
+                   CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr, G_PAD: tl.constexpr,
+                   BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr):
+        """Pass B: the int32 sort key of every candidate's shared importance, into keys_ptr[p]."""
+        for p0 in range(0, n, BLOCK_C):
+            positions = p0 + tl.arange(0, BLOCK_C)
+            valid = positions < n
+            scores = load_scores(scores_ptr, positions, valid, row_ok, G_PAD, SELECT_PAD)
+            rightmost = positions == n - 1
+            in_lse = valid
+            if CAUSAL:
+                in_lse = in_lse & (positions != n - 1)
+            # Masked before exp(): a row whose lse is over nothing (-inf) would give +inf.
+            keep = row_ok[:, None] & in_lse[None, :]
+            shifted = tl.where(keep, scores - lse[:, None], float("-inf"))
+            importance = tl.sum(tl.exp(shifted), axis=0)
+            if PACKED:
+                importance = tl.where(rightmost, _PACKED_FORCED_IMPORTANCE, importance)
+                bits = importance.to(tl.int32, bitcast=True)
+                keys = (bits & ~((1 << INDEX_BITS) - 1)) | (~positions & ((1 << INDEX_BITS) - 1))
+            else:
+                keys = tl.where(rightmost, _EXACT_FORCED_KEY, importance.to(tl.int32, bitcast=True))
+            tl.store(keys_ptr + positions, keys, mask=valid)
+
+    @triton.jit
+    def select_top_k(n, is_top, top_k, keys_ptr, flags_ptr, parents_ptr, next_parents_ptr, r,
+                     record_ptr, RECORD: tl.constexpr, SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr):
+        """Top-k of the keys (ties to the smaller position): flags per position, and the selected
+        nodes ascending in next_parents_ptr[0 .. min(top_k, n)) (and record_ptr when RECORD).
+
+        RANK_SELECT (small widths under the interpreter, where every op is slow) counts, for each
+        candidate, the candidates that sort before it; it selects exactly what the search does.
+        """
+        positions = tl.arange(0, SELECT_PAD)
+        valid = positions < n
+        keys = tl.load(keys_ptr + positions, mask=valid, other=-1)
+        if RANK_SELECT:
+            before = (keys[None, :] > keys[:, None]) | (
+                (keys[None, :] == keys[:, None]) & (positions[None, :] < positions[:, None]))
+            selected = valid & (tl.sum(before.to(tl.int32), axis=1) < top_k)
+        else:
+            # Largest threshold with at least top_k keys >= it: the top_k-th largest key (0 when
+            # fewer than top_k candidates; invalid keys are -1 and never count).
+            threshold = n * 0
+            for bit in range(30, -1, -1):
+                trial = threshold | (1 << bit)
+                count = tl.sum((keys >= trial).to(tl.int32), axis=0)
+                threshold = tl.where(count >= top_k, trial, threshold)
+            above = keys > threshold
+            ties = (keys == threshold).to(tl.int32)
+            room = top_k - tl.sum(above.to(tl.int32), axis=0)
+            tie_rank = tl.cumsum(ties, axis=0) - ties
+            selected = above | ((ties != 0) & (tie_rank < room))
+        rank = tl.cumsum(selected.to(tl.int32), axis=0) - 1
+        parent = tl.load(parents_ptr + positions // r, mask=selected & (is_top == 0), other=0)
+        nodes = tl.where(is_top != 0, positions, parent * r + positions % r)
+        tl.store(next_parents_ptr + rank, nodes, mask=selected)
+        tl.store(flags_ptr + positions, selected.to(tl.int32), mask=valid)
+        if RECORD:
+            tl.store(record_ptr + rank, nodes, mask=selected)
+
+    @triton.jit
+    def select_layer(layer, is_top, n, top_k, q1, q2, parents_ptr, next_parents_ptr, r,
+                     k_ptr, stride_kt, stride_kd, tree_k_ptr, pooled_offset,
+                     cos_ptr, sin_ptr, cols_k, KH, scale, row_ok, scores_ptr, keys_ptr, flags_ptr, record_ptr,
+                     CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr,
+                     RECORD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr,
+                     RANK_SELECT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     UPCAST_OPERANDS: tl.constexpr):
+        """Passes A and B and the selection of one layer above the tokens. Barriers: the scratch
+        rows are written and read by different threads of the program."""
+        tl.debug_barrier()  # the layer above may still be reading the scores row
+        lse = score_layer(layer, is_top, n, q1, q2, parents_ptr, r, k_ptr, stride_kt, stride_kd, tree_k_ptr,
+                          pooled_offset, cos_ptr, sin_ptr, cols_k, KH, scale, row_ok, scores_ptr,
+                          CAUSAL, G_PAD, BLOCK_C, SELECT_PAD, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
+        tl.debug_barrier()
+        store_keys(n, lse, row_ok, scores_ptr, keys_ptr, CAUSAL, PACKED, INDEX_BITS, G_PAD, BLOCK_C, SELECT_PAD)
+        tl.debug_barrier()
+        select_top_k(n, is_top, top_k, keys_ptr, flags_ptr, parents_ptr, next_parents_ptr, r,
+                     record_ptr, RECORD, SELECT_PAD, RANK_SELECT)
+        tl.debug_barrier()
+
+else:
+    load_values = tile_nodes = candidate_tile = tile_scores = safe_max = None
+    score_layer = load_scores = store_keys = select_top_k = select_layer = None

@@ -1,0 +1,258 @@
+"""htree hierarchical sparse attention (seed 003) as custom ops.
+
+Layout is FLA's: q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V], H a multiple of H_kv
+(query head h uses KV head h // (H / H_kv)); output [B, T, H, V]. Semantics, options and the
+decisions on the points the seed leaves open are those of hccompile/kernels/htree/reference.py
+(docs/htree.md). One op per direction, so AOTAutograd puts the forward op in the forward graph
+and the backward op in the backward graph:
+
+    hccompile::htree_attention(Tensor q, Tensor k, Tensor v, int compression_rate, int top_k,
+        int max_top_nodes, float scale, float rope_base, bool causal, str sort_mode)
+        -> (Tensor o, Tensor lse)
+    hccompile::htree_attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
+        Tensor do, Tensor? dlse, int compression_rate, int top_k, int max_top_nodes, float scale,
+        float rope_base, bool causal, str sort_mode) -> (Tensor dq, Tensor dk, Tensor dv)
+
+o has v's dtype; lse [B, T, H] is the log of each output row's softmax normaliser, float32
+(float64 for float64 inputs); it is differentiable too (a gradient into it shifts the softmax
+gradient). The selection of nodes is a constant for autograd, as in the seed.
+
+On CUDA, and on CPU under TRITON_INTERPRET=1, the ops run the Triton kernels
+(kernels/htree/forward.py, backward.py) for float16, bfloat16 and float32 inputs; otherwise (CPU
+without the interpreter, or float64) the vectorised PyTorch reference, with the backward by
+autograd through it: same math, documented fallback. The kernels score in the input precision
+(bfloat16 dots, float32 accumulation) and may decide near-ties of the importance differently from
+the float32 reference; the backward always recomputes the forward's own selection.
+
+Usage::
+
+    import torch
+    from hccompile.lowering.htree import htree_attention
+
+    B, T, H, H_kv, D = 1, 300, 4, 2, 32
+    q = torch.randn(B, T, H, D, requires_grad=True)
+    k, v = (torch.randn(B, T, H_kv, D, requires_grad=True) for _ in range(2))
+    o = htree_attention(q, k, v, compression_rate=4, top_k=4)     # max_top_nodes = 16
+    o.sum().backward()
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..compat import autograd_recording as _autograd_recording
+from ..kernels._triton import triton_available
+from ..kernels.htree.backward import htree_backward
+from ..kernels.htree.forward import htree_forward
+from ..kernels.htree.reference import HTreeConfig, htree_attention_ref, resolve_htree_config
+from ..kernels.htree.tiles import MAX_HEAD_DIM, SUPPORTED_DTYPES
+
+__all__ = [
+    "htree_attention",
+    "htree_attention_backward_op",
+    "htree_attention_op",
+    "implementation",
+]
+
+DEFAULT_COMPRESSION_RATE = 16
+DEFAULT_TOP_K = 64
+
+
+# ----------------------------------------------------------------------------------------
+# Validation
+
+
+def _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode) -> HTreeConfig:
+    """The reference's validation (argument names and limits in every message). Reads shapes only,
+    so it also runs on fake tensors."""
+    return resolve_htree_config(q, k, v, compression_rate=compression_rate, top_k=top_k,
+                                max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base, causal=causal,
+                                sort_mode=sort_mode)
+
+
+def _check_dtypes(q, k, v, **others) -> None:
+    if q.dtype not in SUPPORTED_DTYPES + (torch.float64,):
+        raise TypeError(f"q: dtype {q.dtype} is not supported (float16, bfloat16, float32, float64)")
+    for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
+    for name, tensor in others.items():
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
+
+
+def _check_backward_inputs(q, v, o, lse, do, dlse) -> None:
+    batch, time, heads = q.shape[:3]
+    out_shape = (batch, time, heads, v.shape[3])
+    for name, tensor, shape in (("o", o, out_shape), ("do", do, out_shape), ("lse", lse, (batch, time, heads)),
+                                ("dlse", dlse, (batch, time, heads))):
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the expected {tuple(shape)}")
+    _check_dtypes(q, q, v, o=o, lse=lse, do=do, dlse=dlse)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _uses_triton(q: Tensor) -> bool:
+    return q.dtype in SUPPORTED_DTYPES and triton_available(q.device)
+
+
+def implementation(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Which implementation backs the ops for this device and dtype: 'triton', 'triton-interpreter'
+    or 'reference'."""
+    device = torch.device(device)
+    if dtype in SUPPORTED_DTYPES and triton_available(device):
+        return "triton" if device.type == "cuda" else "triton-interpreter"
+    return "reference"
+
+
+# ----------------------------------------------------------------------------------------
+# Forward op
+
+
+@torch.library.custom_op("hccompile::htree_attention", mutates_args=())
+def htree_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, compression_rate: int, top_k: int, max_top_nodes: int, scale: float,
+    rope_base: float, causal: bool, sort_mode: str,
+) -> tuple[Tensor, Tensor]:
+    cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+    _check_dtypes(q, k, v)
+    if _uses_triton(q):
+        o, lse, _ = htree_forward(q, k, v, cfg)
+    else:
+        with torch.no_grad():
+            o, lse = htree_attention_ref(q, k, v, compression_rate=compression_rate, top_k=top_k,
+                                         max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base,
+                                         causal=causal, sort_mode=sort_mode, return_lse=True)
+    return o.to(v.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous()
+
+
+@htree_attention_op.register_fake
+def _htree_attention_fake(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode):
+    _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+    _check_dtypes(q, k, v)
+    batch, time, heads, _ = q.shape
+    return v.new_empty((batch, time, heads, v.shape[3])), q.new_empty((batch, time, heads), dtype=_lse_dtype(q))
+
+
+# ----------------------------------------------------------------------------------------
+# Backward op
+
+
+def _reference_backward(q, k, v, do, dlse, options):
+    """(dq, dk, dv) by autograd through the reference (the fallback's backward)."""
+    with _autograd_recording():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o, lse = htree_attention_ref(*leaves, return_lse=True, **options)
+        outputs, cotangents = [o], [do.to(o.dtype)]
+        if dlse is not None:
+            outputs.append(lse)
+            cotangents.append(dlse.to(lse.dtype))
+        grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+
+
+@torch.library.custom_op("hccompile::htree_attention_backward", mutates_args=())
+def htree_attention_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, compression_rate: int,
+    top_k: int, max_top_nodes: int, scale: float, rope_base: float, causal: bool, sort_mode: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+    _check_dtypes(q, k, v)
+    _check_backward_inputs(q, v, o, lse, do, dlse)
+    # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
+    if _uses_triton(q):
+        dq, dk, dv, _ = htree_backward(q, k, v, o.to(v.dtype), lse, do.to(v.dtype), cfg, dlse)
+    else:
+        options = dict(compression_rate=compression_rate, top_k=top_k, max_top_nodes=max_top_nodes, scale=scale,
+                       rope_base=rope_base, causal=causal, sort_mode=sort_mode)
+        dq, dk, dv = _reference_backward(q, k, v, do, dlse, options)
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), (q, k, v)))
+
+
+@htree_attention_backward_op.register_fake
+def _htree_attention_backward_fake(q, k, v, o, lse, do, dlse, compression_rate, top_k, max_top_nodes, scale,
+                                   rope_base, causal, sort_mode):
+    _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+    _check_backward_inputs(q, v, o, lse, do, dlse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Autograd
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, *options = inputs
+    o, lse = output
+    # The backward recomputes the tree and the selections from q, k, v; o and lse are saved.
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.options = options
+
+
+def _backward(ctx, do: Tensor | None, dlse: Tensor | None):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = htree_attention_backward_op(q, k, v, o, lse, do.contiguous(),
+                                             None if dlse is None else dlse.contiguous(), *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+htree_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# Public function
+
+
+def htree_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    compression_rate: int = DEFAULT_COMPRESSION_RATE,
+    top_k: int = DEFAULT_TOP_K,
+    max_top_nodes: int | None = None,
+    scale: float | None = None,
+    rope_base: float = 10000.0,
+    causal: bool = False,
+    sort_mode: str = "exact",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """htree attention, FLA layout: q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V] -> [B, T, H, V].
+
+    q and k enter without RoPE (the op applies half-split RoPE at candidate-local positions).
+    max_top_nodes defaults to top_k * compression_rate; scale to K**-0.5. causal=False is the
+    seed's selection; causal=True leaves the rightmost candidate out of the importance's
+    log-sum-exp so that outputs at t depend on tokens <= t only. sort_mode: 'exact' (stable sort of
+    the importance) or 'packed' (the seed's float32 key with the position in its low bits).
+    return_lse: also return lse [B, T, H] (float32; float64 for float64 inputs).
+    Differentiable in q, k, v (the selection is a constant); works under
+    torch.compile(fullgraph=True).
+    """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace every check (math.isfinite on a float it treats as symbolic); the
+        # fake implementation runs them all on the traced shapes, and the real op again at run time.
+        if max_top_nodes is None and isinstance(top_k, int) and isinstance(compression_rate, int):
+            max_top_nodes = top_k * compression_rate
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        o, lse = htree_attention_op(q, k, v, compression_rate, top_k, max_top_nodes, float(scale), float(rope_base),
+                                    causal, sort_mode)
+    else:
+        cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+        _check_dtypes(q, k, v)
+        o, lse = htree_attention_op(q, k, v, cfg.compression_rate, cfg.top_k, cfg.max_top_nodes, cfg.scale,
+                                    cfg.rope_base, cfg.causal, cfg.sort_mode)
+    return (o, lse) if return_lse else o

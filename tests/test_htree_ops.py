@@ -1,0 +1,174 @@
+"""The htree custom ops (hccompile::htree_attention{,_backward}) and htree_attention: opcheck,
+outputs and gradients against float64 autograd through the reference, torch.compile(fullgraph)
+with backend="hc" and a dynamic T, input errors.
+
+"kernels" runs the Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1 set before Python starts);
+"reference" forces the documented plain-PyTorch fallback by setting TRITON_INTERPRET=0, which
+triton_available reads at call time. Shapes are tiny: the interpreter makes each call slow."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+from hccompile.kernels.htree.reference import htree_attention_ref, htree_selections
+from hccompile.lowering.htree import (htree_attention, htree_attention_backward_op, htree_attention_op,
+                                      implementation)
+from helpers import rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_CAN_RUN = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+TOLERANCE = 1e-5 if DEVICE == "cpu" else 1e-4  # fp32 against float64
+
+
+@pytest.fixture(params=["kernels", "reference"])
+def mode(request, monkeypatch):
+    if request.param == "kernels":
+        if not KERNELS_CAN_RUN:
+            pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
+    else:
+        if DEVICE != "cpu":
+            pytest.skip("the reference fallback is forced through TRITON_INTERPRET, a CPU-only switch")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expected = "reference" if request.param == "reference" else ("triton" if DEVICE == "cuda" else
+                                                                "triton-interpreter")
+    assert implementation(DEVICE) == expected
+    return request.param
+
+
+def make_inputs(B=1, T=12, H_kv=1, G=2, K=8, V=8, seed=0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = ((B, T, H_kv * G, K), (B, T, H_kv, K), (B, T, H_kv, V))
+    return [torch.randn(*shape, generator=generator).to(DEVICE, dtype) for shape in shapes]
+
+
+# r=2, top_k=2, max_top_nodes=3: T=7 has three layers (7, 4, 2).
+OPTIONS = dict(compression_rate=2, top_k=2, max_top_nodes=3, scale=0.4, rope_base=100.0)
+
+
+@pytest.mark.parametrize("causal,sort_mode", [(False, "exact"), (True, "packed")])
+def test_opcheck_forward_and_backward(mode, causal, sort_mode):
+    if mode == "kernels" and not causal and DEVICE == "cpu":
+        pytest.skip("one opcheck case under the interpreter: each makes dozens of slow calls")
+    # T=5, r=2, max_top_nodes=2: three layers (5, 3, 2).
+    q, k, v = make_inputs(T=5, seed=1)
+    options = (2, 2, 2, 0.4, 100.0, causal, sort_mode)
+    torch.library.opcheck(htree_attention_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(),
+                                               *options))
+    with torch.no_grad():
+        o, lse = htree_attention_op(q, k, v, *options)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    detached = [t.detach() for t in (q, k, v)]
+    torch.library.opcheck(htree_attention_backward_op, (*detached, o, lse, do, dlse, *options))
+    torch.library.opcheck(htree_attention_backward_op, (*detached, o, lse, do, None, *options),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+GRADIENT_CASES = {
+    # name: (make_inputs kwargs, options)
+    "gqa_seed": (dict(T=14, H_kv=2, G=2), dict(compression_rate=3, top_k=2)),
+    "causal_packed_k12_v6": (dict(T=17, G=3, K=12, V=6), dict(compression_rate=2, top_k=3, max_top_nodes=5,
+                                                              causal=True, sort_mode="packed")),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_CASES))
+def test_outputs_and_gradients_match_float64_reference(name, mode):
+    input_kwargs, options = GRADIENT_CASES[name]
+    leaves = [x.requires_grad_() for x in make_inputs(seed=2, **input_kwargs)]
+    o, lse = htree_attention(*leaves, return_lse=True, **options)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32 and o.is_contiguous()
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    # Same selection as the float64 reference (checked), so the reference is the exact target.
+    for got, want in zip(htree_selections(*[t.detach() for t in leaves[:2]], **options),
+                         htree_selections(*[t.detach() for t in as64[:2]], **options)):
+        assert got.selected is None or torch.equal(got.selected, want.selected)
+    o_ref, lse_ref = htree_attention_ref(*as64, return_lse=True, **options)
+    assert rel_err(o, o_ref) < TOLERANCE and rel_err(lse, lse_ref) < TOLERANCE
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    grads = torch.autograd.grad((o, lse), leaves, (do, dlse))
+    grads_ref = torch.autograd.grad((o_ref, lse_ref), as64, (do.double(), dlse.double()))
+    for leaf_name, grad, grad_ref in zip("qkv", grads, grads_ref):
+        assert grad.dtype == torch.float32
+        assert rel_err(grad, grad_ref) < TOLERANCE, leaf_name
+
+
+def test_float64_runs_the_reference_and_only_lse_may_be_used(mode):
+    assert implementation(DEVICE, torch.float64) == "reference"
+    q, k, v = (x.double().requires_grad_() for x in make_inputs(T=9, seed=3))
+    o, lse = htree_attention(q, k, v, return_lse=True, **OPTIONS)
+    assert o.dtype == torch.float64 and lse.dtype == torch.float64
+    torch.testing.assert_close(o, htree_attention_ref(q, k, v, **OPTIONS), rtol=0, atol=1e-12)
+    # Gradient through lse alone: the op's backward receives do=None.
+    grads = torch.autograd.grad(lse.sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
+    _, lse_ref = htree_attention_ref(q64, k64, v64, return_lse=True, **OPTIONS)
+    for grad, grad_ref in zip(grads[:2], torch.autograd.grad(lse_ref.sum(), (q64, k64))):
+        assert rel_err(grad, grad_ref) < 1e-10
+    assert grads[2].abs().max() == 0  # v does not reach the normaliser
+
+
+def test_compile_fullgraph_backend_hc_dynamic_time(mode):
+    # fullgraph=True: htree_attention is one op in the graph, no break; dynamic T compiles once.
+    def layer(q, k, v):
+        # Literal floats: Dynamo turns floats read from a global dict into graph inputs.
+        return htree_attention(q, k, v, compression_rate=2, top_k=2, max_top_nodes=3, scale=0.4,
+                               rope_base=100.0) * 2.0
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("hc")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    for T in (7, 10):
+        inputs = [x.requires_grad_() for x in make_inputs(T=T, seed=T)]
+        out, out_eager = compiled(*inputs), layer(*inputs)
+        assert rel_err(out, out_eager) < 1e-6
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, inputs, do)
+        grads_eager = torch.autograd.grad(out_eager, inputs, do)
+        for name, grad, grad_eager in zip("qkv", grads, grads_eager):
+            assert rel_err(grad, grad_eager) < 1e-6, name
+    assert counter.frame_count == 1
+
+
+def test_compile_graph_has_our_ops():
+    from helpers import Collect, fwd_bwd
+
+    be = Collect(force_disable_caches=True)
+    compiled = torch.compile(lambda q, k, v: htree_attention(q, k, v, **OPTIONS), backend=be, fullgraph=True)
+    out, grads = fwd_bwd(compiled, *make_inputs(T=9, seed=4))
+    assert be.ops("forward") == ["hccompile.htree_attention.default"]
+    assert be.ops("backward") == ["hccompile.htree_attention_backward.default"]
+
+
+def _bad_calls():
+    q, k, v = make_inputs(T=8, H_kv=2, G=2)
+
+    def zeros(*shape):
+        return torch.zeros(*shape, device=DEVICE)
+
+    return [
+        (lambda: htree_attention(q[0], k, v), r"q: expected a 4-D tensor"),
+        (lambda: htree_attention(q, k[:, :, :1].expand(-1, -1, 3, -1), v), r"k: query heads H=4 must be a multiple"),
+        (lambda: htree_attention(q, k, v[:, :5]), r"v: batch, time"),
+        (lambda: htree_attention(q[..., :7], k[..., :7], v), r"q: head dim K=7 must be even"),
+        (lambda: htree_attention(q, k.half(), v), r"k: dtype torch.float16 differs"),
+        (lambda: htree_attention(q, k, v, compression_rate=1), r"compression_rate: must be >= 2"),
+        (lambda: htree_attention(q, k, v, top_k=0), r"top_k: must be >= 1"),
+        (lambda: htree_attention(q, k, v, sort_mode="bitonic"), r"sort_mode: must be one of"),
+        (lambda: htree_attention(q, k, v, causal=1), r"causal: must be a bool"),
+        (lambda: htree_attention(q, k, v, scale=float("inf")), r"scale: must be a finite number"),
+        (lambda: htree_attention(q.int(), k.int(), v.int()), r"q: expected a floating-point tensor"),
+        (lambda: htree_attention(zeros(1, 8, 2, 300), zeros(1, 8, 2, 300), v),
+         r"head dim 300 exceeds the supported maximum 256"),
+        (lambda: htree_attention_backward_op(q, k, v, zeros(1, 8, 4, 3), zeros(1, 8, 4), zeros(1, 8, 4, 3), None,
+                                             2, 2, 4, 0.5, 1e4, False, "exact"),
+         r"o: shape \(1, 8, 4, 3\) differs from the expected \(1, 8, 4, 8\)"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_bad_inputs_raise_clear_errors(index):
+    call, message = _bad_calls()[index]
+    with pytest.raises((ValueError, TypeError), match=message):
+        call()
