@@ -97,7 +97,7 @@ def ours(gate: str):
     return lambda q, k, v, g, beta: hccompile.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
 
 
-def fla(gate: str):
+def fla_op(gate: str):
     if gate == "scalar":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
     else:
@@ -163,7 +163,7 @@ def kernel_rows(args, meta) -> list[dict]:
                 note = fla_note
                 if gate == "scalar":
                     note = "; ".join(x for x in (fla_note, "forward exact; " + FLA_TIMING_ONLY) if x)
-                variants.append(("FLA", fla(gate), note))
+                variants.append(("FLA", fla_op(gate), note))
             if shape_text in plain_shapes:
                 for how in ("eager", "inductor", "hc"):
                     variants.append((f"plain {how}", plain(gate, how), ""))
