@@ -2,7 +2,8 @@
 interpreter): outputs, final states and every gradient of the public functions under
 context_parallel equal the single-process run (tests/distributed/cp_worker.py has the cases: layouts,
 strategies, sequences crossing 0, 1 and several rank boundaries, uneven splits, fixed-length rows,
-initial state, KDA's in-kernel gate, a model compiled with backend="hc")."""
+initial state, KDA's in-kernel gate, a model compiled with backend="hc", and the GDN written in
+plain PyTorch, lowered by the delta-rule pass and run as CP with no model edits)."""
 from __future__ import annotations
 
 import pytest
