@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 # CPU suite: Triton kernels run in Triton's interpreter; tests marked `gpu` are skipped.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VENV)/bin/python -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(VENV)/bin/python -m pytest -q -m "not gpu" --durations=15 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -33,7 +33,9 @@ def _check(fn, inputs, pattern, op, compiler="aot_eager", tol=1e-5, **compile_kw
     ref, ref_grads = fwd_bwd(fn, *inputs)
     assert [m["pattern"] for m in be.matches] == [pattern], be.refusals
     assert [m["op"] for m in be.matches] == [op]
-    assert not be.refusals, be.refusals
+    # Only this pass's refusals count: the delta-rule pass, which runs first, may report the same
+    # state-carrying loop as not being its recurrence.
+    assert not [r for r in be.refusals if r.get("pass") == "linear_attn"], be.refusals
     assert rel_err(out, ref) < tol
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) < tol
