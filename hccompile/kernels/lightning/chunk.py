@@ -52,6 +52,8 @@ import torch
 
 from .decay_reference import check_cu_seqlens, check_decay_and_state
 from .reference import check_attention_shapes
+# The dtype, device and head-dim limits are the simple kernels' (same MAX_HEAD_DIM, same dtypes).
+from .simple import MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_kernel_inputs
 
 from .._triton import dot as _dot
 from .._triton import interpreted, load_tile as _load_tile, require_triton, tl, triton, triton_available
@@ -63,8 +65,6 @@ __all__ = [
     "triton_available",
 ]
 
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_BLOCK = 64
 # The forward holds one [CBLOCK, CBLOCK] score tile at a time; the backward's micro-chunk keeps
 # its shared memory small (seed 004: 64 KB at D=128 with these defaults, read off the compiled
@@ -366,25 +366,6 @@ if triton is not None:
                     c_i = (c_i * row_decay[:, None]).to(c_i.dtype)
                     state += _dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
 
-
-
-def _check_kernel_inputs(**named: torch.Tensor) -> None:
-    """dtype, device and head-dim limits shared by the launchers."""
-    first_name, first = next(iter(named.items()))
-    for name, tensor in named.items():
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name}: dtype {tensor.dtype} is not supported; expected one of float16, bfloat16, float32"
-            )
-        if tensor.dtype != first.dtype:
-            raise TypeError(f"{name}: dtype {tensor.dtype} differs from {first_name}'s dtype {first.dtype}")
-        if tensor.device != first.device:
-            raise ValueError(f"{name}: device {tensor.device} differs from {first_name}'s device {first.device}")
-        head_dim = tensor.shape[3]
-        if head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim {head_dim} exceeds the supported maximum {MAX_HEAD_DIM}")
-        if head_dim < 1:
-            raise ValueError(f"{name}: head dim must be at least 1, got {head_dim}")
 
 
 def _check_power_of_two(name: str, value: int) -> None:
