@@ -12,6 +12,7 @@ tables.
     python benchmarks/mhc.py --variants n4-inductor,n4-hc-off,n4-hc-layer,n4-hc-block
     python benchmarks/mhc.py --layers 4 --variants n4-hc-block-nofuse     # the unfused plan
     python benchmarks/mhc.py --kernels     # each fused kernel vs its reference under Inductor
+    python benchmarks/mhc.py --layers 4 --variants n1-inductor,n4-hc-block --profile  # per-kernel GPU time
 """
 from __future__ import annotations
 
@@ -95,6 +96,12 @@ def measure(variant: str, a) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     ms = statistics.median(times)
+    if a.profile:
+        from _profile import profile_step
+
+        table, summary = profile_step(step)
+        print(f"--- profile {variant}\n{table}", flush=True)
+        model.zero_grad(set_to_none=True)
     compiled = kind not in ("eager", "manager")
     return {"variant": variant, "n": n, "kind": kind, "fuse": fuse if kind.startswith("hc") else None,
             "step_ms": ms, "peak_gib": peak / 2**30,
@@ -141,6 +148,10 @@ def kernel_bench(a) -> None:
             fwd_ms = triton.testing.do_bench(lambda fn=fn: fn())
             both_ms = triton.testing.do_bench(fwd_bwd)
             gbs = tokens * bytes_per_token / fwd_ms / 1e6
+            if a.profile and label == "fused":
+                from _profile import profile_step
+
+                print(f"--- profile {name} fused fwd+bwd\n{profile_step(fwd_bwd, top=12)[0]}", flush=True)
             print(f"{name:10s} {label:9s} fwd {fwd_ms:7.3f} ms ({gbs:6.0f} GB/s)  fwd+bwd {both_ms:7.3f} ms",
                   flush=True)
 
@@ -148,6 +159,8 @@ def kernel_bench(a) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--kernels", action="store_true", help="time the fused kernels alone and stop")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each variant's per-kernel GPU time (torch.profiler) and GPU-busy share")
     p.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, from {ALL}")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=1024)

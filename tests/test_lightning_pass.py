@@ -347,8 +347,8 @@ class DecayBlockLoopBthd(torch.nn.Module):
 
 
 LOOPS = [(minimax_block_loop, "bhtd", "lightning_attn"),
-         (la2_bthd_no_decay, "bthd", "causal_linear_attn"),
-         (split_bhtd_no_decay, "bhtd", "causal_linear_attn"),
+         (la2_bthd_no_decay, "bthd", "lightning_attn"),
+         (split_bhtd_no_decay, "bhtd", "lightning_attn"),
          (DecayBlockLoopBthd(), "bthd", "lightning_attn")]
 
 
@@ -495,7 +495,7 @@ CUMULATIVE = [(cum_einsum_bhtd, "bhtd"), (cum_broadcast_bhtd, "bhtd"), (cum_broa
 
 @pytest.mark.parametrize("fn,layout", CUMULATIVE, ids=lambda x: _name(x) if callable(x) else x)
 def test_cumulative_form_lowered(fn, layout):
-    _check(fn, _inputs(T=17, K=8, V=8, layout=layout), "cumulative_linear_attn", "causal_linear_attn")
+    _check(fn, _inputs(T=17, K=8, V=8, layout=layout), "cumulative_linear_attn", "lightning_attn")
 
 
 def test_cumulative_dynamic_length_compiles_once():
@@ -548,14 +548,17 @@ def plain_tril(q, k, v):
 @pytest.mark.parametrize("form,fn,pattern", [("quadratic", plain_tril, "causal_linear_attn"),
                                              ("cumulative", cum_einsum_bhtd, "cumulative_linear_attn"),
                                              ("block_loop", split_bhtd_no_decay, "block_loop_linear_attn")])
-def test_no_decay_forms_can_be_routed_to_lightning(monkeypatch, form, fn, pattern):
-    monkeypatch.setitem(LA.OP_FOR_FORM, form, "lightning_attn")
-    _check(fn, _inputs(K=8, V=8), pattern, "lightning_attn")
+def test_no_decay_forms_can_be_routed_to_the_quadratic_op(monkeypatch, form, fn, pattern):
+    # No-decay forms go to lightning_attn by default (measured faster on the H100, BENCHMARKS.md);
+    # the quadratic-tile op stays selectable per form.
+    assert LA.OP_FOR_FORM[form] == "lightning_attn"
+    monkeypatch.setitem(LA.OP_FOR_FORM, form, "causal_linear_attn")
+    _check(fn, _inputs(K=8, V=8), pattern, "causal_linear_attn")
 
 
 def test_routing_table_is_checked():
     assert LA.lowering_op("quadratic", True) == "lightning_attn"
-    assert LA.lowering_op("cumulative", False) == "causal_linear_attn"
+    assert LA.lowering_op("cumulative", False) == "lightning_attn"
     with pytest.raises(ValueError, match="only lightning_attn takes a decay"):
         LA.OP_FOR_FORM["quadratic_decay"] = "causal_linear_attn"
         try:
@@ -589,7 +592,7 @@ def test_module_plain_forms_equal_the_op_and_are_lowered(form, decay):
     assert rel_err(plain(x), op(x)) < 1e-5
     pattern = {"quadratic": "decayed_linear_attn" if decay else "causal_linear_attn",
                "block": "block_loop_linear_attn"}[form]
-    _check(plain, [x], pattern, "lightning_attn" if decay else "causal_linear_attn")
+    _check(plain, [x], pattern, "lightning_attn")
 
 
 def test_module_in_model_and_report():
@@ -686,5 +689,5 @@ def test_gpu_cumulative_and_plain_fp32_inductor():
         out, grads = fwd_bwd(torch.compile(fn, backend=be, fullgraph=True), q, k, v)
         ref, ref_grads = fwd_bwd(fn, q.double(), k.double(), v.double())
         assert [m["pattern"] for m in be.matches] == [pattern], be.refusals
-        assert be.ops("forward") == ["hccompile.causal_linear_attn.default"]
+        assert be.ops("forward") == ["hccompile.lightning_attn.default"]
         assert rel_err(out, ref) < 1e-4 and all(rel_err(g, r) < 1e-4 for g, r in zip(grads, ref_grads))

@@ -13,7 +13,7 @@ mode="plain", form="block": lightning attention 2's reference loop over blocks o
 mode="op": `hccompile.lightning_attn` directly.
 
 With decay=False the buffer is all zeros and the plain forms write no decay at all (plain causal
-linear attention, which the pass lowers to hccompile::causal_linear_attn).
+linear attention, which the pass lowers to hccompile::lightning_attn with decay 0).
 """
 from __future__ import annotations
 

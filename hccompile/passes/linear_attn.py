@@ -55,11 +55,11 @@ _PASSTHROUGH = ("cast", "contiguous")
 # Decay forms can only go to lightning_attn. The integrator sets the no-decay entries after the
 # GPU benchmarks.
 OP_FOR_FORM: dict[str, str] = {
-    "quadratic": "causal_linear_attn",
+    "quadratic": "lightning_attn",
     "quadratic_decay": "lightning_attn",
-    "block_loop": "causal_linear_attn",
+    "block_loop": "lightning_attn",
     "block_loop_decay": "lightning_attn",
-    "cumulative": "causal_linear_attn",
+    "cumulative": "lightning_attn",
 }
 _OPS = ("causal_linear_attn", "lightning_attn")
 
