@@ -31,6 +31,7 @@ outputs always agree.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -53,6 +54,13 @@ IDENTITY_ORDER = (0, 1, 2, 3)
 
 def _uses_triton(t: Tensor) -> bool:
     return t.dtype in common.SUPPORTED_DTYPES and common.triton_available(t.device)
+
+
+def _require(t: Tensor, kernel, module: str) -> None:
+    """The interpreter's clear error (TRITON_INTERPRET set after import) on CPU; nothing to check
+    on CUDA, where _uses_triton already said yes."""
+    if t.device.type != "cuda":
+        common.require(t.device, kernel, module)
 
 
 def implementation(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
@@ -93,7 +101,8 @@ def mhc_post_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_r
     K_post.check_post_inputs(x, h_res, h_post, f)
     order = common.check_order(out_order, 4)
     if _uses_triton(x):
-        return K_post.mhc_post_fwd(x, h_res, h_post, f, transpose_res, order)
+        _require(x, K_post._mhc_post_fwd_kernel, K_post.__name__)
+        return K_post.launch_post_fwd(x, h_res, h_post, f, transpose_res, order)
     ct = _compute_dtype(x)
     out = R.mhc_post_ref(x.to(ct), h_res.to(ct), h_post.to(ct), f.to(ct), transpose_res)
     return _into(out, x.shape, x.dtype, x.device, order)
@@ -112,7 +121,8 @@ def mhc_post_backward_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, do
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     order = common.check_order(out_order, 4)
     if _uses_triton(x):
-        return K_post.mhc_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
+        _require(x, K_post._mhc_post_bwd_kernel, K_post.__name__)
+        return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
     ct = _compute_dtype(x)
     grads = R.mhc_post_bwd_ref(*(t.to(ct) for t in (x, h_res, h_post, f, dout)), transpose_res)
     return (_into(grads[0], x.shape, x.dtype, x.device, order),
@@ -159,7 +169,8 @@ def mhc_aggregate_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor
     K_agg.check_aggregate_inputs(x, h_pre)
     common.check_order(x_order, 4, "x_order")
     if _uses_triton(x):
-        return K_agg.mhc_aggregate_fwd(x, h_pre)
+        _require(x, K_agg._mhc_aggregate_fwd_kernel, K_agg.__name__)
+        return K_agg.launch_aggregate_fwd(x, h_pre)
     ct = _compute_dtype(x)
     T1, T2, _, C = x.shape
     return _into(R.mhc_aggregate_ref(x.to(ct), h_pre.to(ct)), (T1, T2, C), x.dtype, x.device)
@@ -179,7 +190,8 @@ def mhc_aggregate_backward_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Seq
     K_agg.check_aggregate_inputs(x, h_pre, dy)
     order = common.check_order(x_order, 4, "x_order")
     if _uses_triton(x):
-        return K_agg.mhc_aggregate_bwd(x, h_pre, dy, order)
+        _require(x, K_agg._mhc_aggregate_bwd_kernel, K_agg.__name__)
+        return K_agg.launch_aggregate_bwd(x, h_pre, dy, order)
     ct = _compute_dtype(x)
     dx, dh = R.mhc_aggregate_bwd_ref(x.to(ct), h_pre.to(ct), dy.to(ct))
     return (_into(dx, x.shape, x.dtype, x.device, order),
@@ -226,12 +238,22 @@ def spec_args(spec: MappingSpec) -> tuple:
 
 def _spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps, row_first,
           norm_eps) -> MappingSpec:
-    spec = MappingSpec(n=n, offsets=tuple(offsets), coefs=tuple(coefs), r_divides=r_divides,
-                       pre_affine=tuple(pre_affine), post_affine=tuple(post_affine), init=init,
+    """The MappingSpec of the ops' scalar arguments, built and validated once per distinct set
+    (every call of an op in a model passes the same ones)."""
+    return _cached_spec(n, tuple(offsets), tuple(coefs), r_divides, tuple(pre_affine),
+                        tuple(post_affine), init, init_eps, steps, row_first, norm_eps)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
+                 row_first, norm_eps) -> MappingSpec:
+    spec = MappingSpec(n=n, offsets=offsets, coefs=coefs, r_divides=r_divides,
+                       pre_affine=pre_affine, post_affine=post_affine, init=init,
                        init_eps=init_eps, steps=steps, row_first=row_first, norm_eps=norm_eps)
     if len(spec.coefs) != 3 or len(spec.pre_affine) != 2 or len(spec.post_affine) != 2 or \
             len(spec.offsets) != 3:
         raise ValueError("offsets and coefs take 3 values, pre_affine and post_affine 2")
+    spec.validate()
     return spec
 
 
@@ -252,10 +274,11 @@ def mhc_mapping_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tenso
     spec = _spec(n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
                  row_first, norm_eps)
     alphas, biases = (alpha_pre, alpha_post, alpha_res), (bias_pre, bias_post, bias_res)
-    K_map.check_mapping_inputs(proj, r, alphas, biases, spec)
+    K_map.check_mapping_inputs(proj, r, alphas, biases, spec, validate_spec=False)
     dtypes = (pre_dtype, post_dtype, res_dtype)
     if _uses_triton(proj):
-        return K_map.mhc_mapping_fwd(proj, r, alphas, biases, spec, dtypes)
+        _require(proj, K_map._mhc_mapping_fwd_kernel, K_map.__name__)
+        return K_map.launch_mapping_fwd(proj, r, alphas, biases, spec, dtypes)
     outs = _reference_mapping(proj, r, alphas, biases, spec)
     return tuple(_into(o, o.shape, dt, proj.device) for o, dt in zip(outs, dtypes))
 
@@ -285,11 +308,11 @@ def mhc_mapping_backward_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_po
                  row_first, norm_eps)
     alphas, biases = (alpha_pre, alpha_post, alpha_res), (bias_pre, bias_post, bias_res)
     grads = (dh_pre, dh_post, dh_res)
-    K_map.check_mapping_inputs(proj, r, alphas, biases, spec, grads)
+    K_map.check_mapping_inputs(proj, r, alphas, biases, spec, grads, validate_spec=False)
     if _uses_triton(proj):
-        dproj, dr, dalphas, dbiases = K_map.mhc_mapping_bwd(proj, r, alphas, biases, *grads, spec)
-        # the α and bias gradients are slices of one sum: outputs must not share storage
-        return (dproj, dr, *(g.clone() for g in dalphas), *(g.clone() for g in dbiases))
+        _require(proj, K_map._mhc_mapping_bwd_kernel, K_map.__name__)
+        dproj, dr, dalphas, dbiases = K_map.launch_mapping_bwd(proj, r, alphas, biases, *grads, spec)
+        return (dproj, dr, *dalphas, *dbiases)
     inputs = (proj, r, *alphas, *biases)
     with _autograd_recording():
         leaves = [t.detach().to(_compute_dtype(proj)).requires_grad_() for t in inputs]

@@ -139,6 +139,68 @@ def test_aggregate_kernel_matches_float64(case, poisoned):
     assert dx.permute(*order).is_contiguous()
 
 
+# The backward sweeps (post, aggregate) walk C in [tokens, BLOCK_C] tiles, the streams unrolled and
+# the n² + n sums over C in slots of one register tile: C over several tiles with a tail, token
+# counts off the token block, n from 1 to MAX_STREAMS (slot blocks of 2 to 512), token dims in any
+# memory order, a non-unit channel stride.
+SWEEP_CASES = [
+    # T1, T2, n, C, dtype, transpose_res, out_order, input layout
+    (3, 13, 5, 150, torch.float32, True, (2, 0, 1, 3), "tokens-swapped"),
+    (2, 11, 8, 200, torch.bfloat16, False, (0, 2, 1, 3), "strided"),
+    (1, 5, 16, 40, torch.float32, True, (0, 1, 2, 3), "dense"),
+    (4, 9, 1, 300, torch.float16, False, (0, 1, 2, 3), "tokens-swapped"),
+    (2, 17, 3, 64, torch.bfloat16, True, (1, 0, 2, 3), "dense"),
+]
+
+
+def _layout(t: torch.Tensor, kind: str, gen) -> torch.Tensor:
+    if kind == "strided":
+        return strided(t, gen)
+    if kind == "tokens-swapped":  # the same values, T1 and T2 swapped in memory
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    return t
+
+
+@requires_triton
+@pytest.mark.parametrize("case", SWEEP_CASES, ids=lambda c: f"T{c[0]}x{c[1]}-n{c[2]}-C{c[3]}-"
+                         f"{str(c[4])[6:]}-{'T' if c[5] else 'N'}-{''.join(map(str, c[6]))}-{c[7]}")
+def test_backward_sweeps_awkward_shapes(case, poisoned):
+    T1, T2, n, C, dtype, transpose_res, order, layout = case
+    gen = torch.Generator().manual_seed(11)
+    x, h_res, h_post, f, dout = (_layout(t, layout, gen) for t in
+                                 _post_inputs(T1, T2, n, C, dtype, False, seed=5))
+    if layout != "dense":
+        assert not x.is_contiguous()
+    d64 = [t.double() for t in (x, h_res, h_post, f, dout)]
+    grads = mhc_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
+    refs = mhc_post_bwd_ref(*d64, transpose_res)
+    for name, g, r, like in zip(("dx", "dh_res", "dh_post", "df"), grads, refs, (x, h_res, h_post, f)):
+        assert g.shape == like.shape and g.dtype == like.dtype, name
+        assert rel(g, r) < TOL[dtype], name
+    assert grads[0].permute(*order).is_contiguous()
+    out = mhc_post_fwd(x, h_res, h_post, f, transpose_res, order)
+    assert rel(out, mhc_post_ref(*d64[:4], transpose_res)) < TOL[dtype]
+
+    dy = dout[:, :, 0]
+    y = mhc_aggregate_fwd(x, h_post)
+    assert rel(y, mhc_aggregate_ref(d64[0], d64[2])) < TOL[dtype]
+    dx, dh = mhc_aggregate_bwd(x, h_post, dy, order)
+    rdx, rdh = mhc_aggregate_bwd_ref(d64[0], d64[2], dy.double())
+    assert rel(dx, rdx) < TOL[dtype] and rel(dh, rdh) < TOL[dtype]
+    assert dx.permute(*order).is_contiguous()
+
+
+@requires_triton
+def test_backward_sweep_blocks_keep_c_inside_a_warp():
+    """The sweep tiles: C over 8 lanes of 16-byte vectors (less for a small C), the rest of the
+    4 warps' lanes over tokens, slots for every sum over C."""
+    assert _common.sweep_blocks(1024, 2, 20) == (16, 64, 32, 4)     # bf16, n = 4: 16 tokens
+    assert _common.sweep_blocks(1024, 4, 20) == (16, 32, 32, 4)     # fp32
+    assert _common.sweep_blocks(37, 2, 272) == (16, 64, 512, 4)     # n = 16
+    bt, bc, _, warps = _common.sweep_blocks(1, 4, 2)
+    assert bc == 16 and bt * bc == warps * 32 * 4                   # every lane busy
+
+
 # ----------------------------------------------------------------------------------------
 # mapping
 
@@ -196,6 +258,70 @@ def test_mapping_kernel_matches_float64(case, poisoned):
                                   (proj, r, *alphas, *biases)):
         assert g.shape == like.shape and g.dtype == like.dtype, name
         assert rel(g, ref) < tol, name
+
+
+@requires_triton
+def test_mapping_parameter_gradients_mixed_dtypes_and_shapes(poisoned):
+    """α and biases in another dtype and shape than proj (float32 parameters of a bf16 model, α
+    of shape [1], bias_res as [n, n]): their gradients come back in those dtypes and shapes, in
+    separate storage, equal to float64 autograd."""
+    spec = MappingSpec(n=3, steps=5)
+    proj, r, alphas, biases = _mapping_inputs((5, 7), torch.bfloat16, spec, seed=8)
+    alphas = [alphas[0].float(), alphas[1].float().reshape(1), alphas[2].float()]
+    biases = [biases[0].float(), biases[1], biases[2].float().reshape(3, 3)]
+    outs = mhc_mapping_fwd(proj, r, alphas, biases, spec)
+    gen = torch.Generator().manual_seed(9)
+    grads = [randn(*o.shape, dtype=o.dtype, gen=gen) for o in outs]
+    _, ref_grads = _float64_mapping(proj, r, alphas, biases, spec, grads)
+    _, _, dalphas, dbiases = mhc_mapping_bwd(proj, r, alphas, biases, *grads, spec)
+    got = (*dalphas, *dbiases)
+    for g, ref, like in zip(got, ref_grads[2:], (*alphas, *biases)):
+        assert g.shape == like.shape and g.dtype == like.dtype
+        assert rel(g, ref) < TOL[torch.bfloat16]
+    assert len({g.untyped_storage().data_ptr() for g in got}) == 6
+
+
+@requires_triton
+def test_mapping_parameter_gradient_sum_over_many_rows(poisoned):
+    """The reduction of the per-program partial sums, over more rows than one block (a fixed
+    order: the same bits on every call)."""
+    from hccompile.kernels.mhc.mapping import sum_param_grads
+
+    n = 4
+    gen = torch.Generator().manual_seed(3)
+    partial = torch.randn(150, 3 + 2 * n + n * n, generator=gen).to(DEVICE)
+    alphas = [torch.zeros((), device=DEVICE), torch.zeros(1, device=DEVICE, dtype=torch.bfloat16),
+              torch.zeros((), device=DEVICE, dtype=torch.float16)]
+    biases = [torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE),
+              torch.zeros(n, n, device=DEVICE)]
+    dalphas, dbiases = sum_param_grads(partial, alphas, biases, n)
+    want = partial.double().sum(0)
+    for k, (g, like) in enumerate(zip(dalphas, alphas)):
+        assert g.shape == like.shape and g.dtype == like.dtype
+        assert rel(g.reshape(()), want[k]) < TOL[like.dtype]
+    starts = (3, 3 + n, 3 + 2 * n)
+    for g, s, like in zip(dbiases, starts, biases):
+        assert g.shape == like.shape
+        assert rel(g.flatten(), want[s:s + like.numel()]) < 2e-6
+    again = sum_param_grads(partial, alphas, biases, n)
+    assert all(torch.equal(a, b) for a, b in zip((*dalphas, *dbiases), (*again[0], *again[1])))
+    with pytest.raises(ValueError, match=r"partial: expected contiguous float32 \[rows, 27\]"):
+        sum_param_grads(partial[:, :20], alphas, biases, n)
+
+
+@requires_triton
+def test_mapping_op_spec_built_once_and_still_validated():
+    """The ops build their MappingSpec once per distinct set of scalars; a bad one still fails with
+    the field and the limit."""
+    spec = MappingSpec(n=3, steps=5)
+    args = L.spec_args(spec)
+    built = L._spec(*args)
+    assert L._spec(*args) is built
+    assert (built.n, built.steps, built.part_offsets()) == (3, 5, spec.part_offsets())
+    bad = MappingSpec(n=3, steps=300)
+    proj, r, alphas, biases = _mapping_inputs((2,), torch.float32, spec)
+    with pytest.raises(ValueError, match=r"steps: Sinkhorn normalisations must be an int in \[0, 256\]"):
+        L.mhc_mapping_op(proj, r, *alphas, *biases, *L.spec_args(bad), *(torch.float32,) * 3)
 
 
 @requires_triton
@@ -340,4 +466,10 @@ def test_kernels_compile_for_h100_without_spills():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.strip().splitlines()
-    assert len(lines) == 12 and all("STACK 0" in line for line in lines), run.stdout
+    # post, aggregate, mapping: forward and backward, the mapping backward in two launches;
+    # bfloat16 and float32
+    assert len(lines) == 14 and all("STACK 0" in line for line in lines), run.stdout
+    # the backward sweeps reduce over C inside a warp: at most the one barrier of the final store
+    for line in lines:
+        if line.startswith(("post_bwd ", "aggregate_bwd ")):
+            assert int(line.split(" BAR ")[1].split()[0]) <= 1, line

@@ -10,12 +10,14 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of a [tokens, streams, channels] tile per program (4 warps). These kernels are
 # memory-bound: the tile only has to keep enough bytes in flight, and every element costs
 # registers (value and 64-bit address). Compiled for sm_90 with ptxas: the post forward at
-# 2048 elements ([1, 4, 512]) takes 56 registers, at 4096 ([8, 4, 128]) 252; the post backward,
-# which also holds dout, dx and the dA accumulator, 88 at [1, 4, 512] but spills at [4, 4, 128].
+# 2048 elements ([1, 4, 512]) takes 56 registers, at 4096 ([8, 4, 128]) 252.
 TILE_ELEMENTS = 2048
-BWD_TILE_ELEMENTS = 1024
 MAX_BLOCK_C = 512
-BWD_MAX_BLOCK_C = 256
+# The backward sweeps (post and aggregate) reduce over C: C spans SWEEP_LANES lanes of a warp,
+# 16 bytes per lane, so every sum over C is one shuffle tree inside a warp; the other lanes and
+# the warps take tokens.
+SWEEP_LANES = 8
+SWEEP_WARPS = 4
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device, order=None) -> torch.Tensor:
@@ -53,6 +55,15 @@ def check_same_device(**named: torch.Tensor) -> None:
             raise ValueError(f"{name}: device {t.device} differs from {first_name}'s {first.device}")
 
 
+MAX_STREAMS = 16
+
+
+def check_streams(n) -> None:
+    """n within the kernels' limit (a symbolic n is checked when it is concrete)."""
+    if isinstance(n, int) and n > MAX_STREAMS:
+        raise ValueError(f"x: {n} streams exceed the kernels' maximum {MAX_STREAMS}")
+
+
 def block_n(n: int) -> int:
     return triton.next_power_of_2(n)
 
@@ -67,18 +78,36 @@ def block_t(per_token_elements: int, limit: int = 64, tile: int = TILE_ELEMENTS)
     return min(limit, 1 << (bt.bit_length() - 1))
 
 
-def stream_blocks(n: int, C: int, backward: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_C, BLOCK_T) for the post and aggregate kernels."""
+def stream_blocks(n: int, C: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_C, BLOCK_T) for the post forward ([tokens, streams, C] tiles)."""
     bn = block_n(n)
-    bc = block_c(C, BWD_MAX_BLOCK_C if backward else MAX_BLOCK_C)
+    bc = block_c(C)
     # Each token row of a tile carries its own 64-bit address arithmetic: many short rows (small C)
     # cost far more registers than a few long ones, hence the cap.
-    return bn, bc, block_t(bn * bc, limit=4, tile=BWD_TILE_ELEMENTS if backward else TILE_ELEMENTS)
+    return bn, bc, block_t(bn * bc, limit=4)
+
+
+def channel_blocks(C: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C) for kernels on [tokens, C] tiles with no sum over C (aggregate
+    forward): 16-byte vectors along C, TILE_ELEMENTS per tile."""
+    bc = block_c(C)
+    return block_t(bc, limit=64), bc
+
+
+def sweep_blocks(C: int, element_size: int, slots: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_C, BLOCK_P, num_warps) for the backward sweeps over C: BLOCK_C is
+    SWEEP_LANES lanes of 16-byte vectors (fewer for a small C), BLOCK_T fills the rest of the
+    warps' lanes, BLOCK_P holds `slots` sums over C per token."""
+    vec = max(1, 16 // element_size)
+    bc = max(16, min(SWEEP_LANES * vec, triton.next_power_of_2(max(1, C))))
+    rows_per_warp = max(1, 32 * vec // bc)
+    return rows_per_warp * SWEEP_WARPS, bc, triton.next_power_of_2(slots), SWEEP_WARPS
 
 
 def require(device: torch.device, kernel, module: str) -> None:
     require_triton(device, kernel, module, f"the reference in {module.rsplit('.', 1)[0]}.reference")
 
 
-__all__ = ["SUPPORTED_DTYPES", "block_c", "block_n", "block_t", "check_order", "check_same_device",
-           "check_tensor", "interpreted", "new_output", "require", "stream_blocks", "triton_available"]
+__all__ = ["MAX_STREAMS", "SUPPORTED_DTYPES", "block_c", "block_n", "block_t", "channel_blocks",
+           "check_order", "check_same_device", "check_streams", "check_tensor", "interpreted",
+           "new_output", "require", "stream_blocks", "sweep_blocks", "triton_available"]

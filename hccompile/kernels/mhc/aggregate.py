@@ -23,25 +23,25 @@ if triton is not None:
         sx1, sx2, sxn, sxc,
         sh1, sh2, shn,
         sy1, sy2, syc,
-        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """One program: BLOCK_T tokens × BLOCK_C channels."""
+        """One program: BLOCK_T tokens × BLOCK_C channels, the streams unrolled: the sum over
+        streams is register arithmetic on [BLOCK_T, BLOCK_C] tiles, never a cross-warp reduction."""
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        streams = tl.arange(0, BLOCK_N)
+        cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
         tok_ok = tok < T
         t1 = (tok // T2).to(tl.int64)
         t2 = (tok % T2).to(tl.int64)
-        tn_ok = tok_ok[:, None] & (streams < N)[None, :]
-        tc_ok = tok_ok[:, None] & (cols < C)[None, :]
-        h = tl.load(h_ptr + (t1 * sh1 + t2 * sh2)[:, None] + streams[None, :] * shn, mask=tn_ok,
-                    other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + (t1 * sx1 + t2 * sx2)[:, None, None] + streams[None, :, None] * sxn
-                    + cols[None, None, :] * sxc, mask=tn_ok[:, :, None] & tc_ok[:, None, :],
-                    other=0.0).to(tl.float32)
-        y = tl.sum(h[:, :, None] * x, axis=1)
-        tl.store(y_ptr + (t1 * sy1 + t2 * sy2)[:, None] + cols[None, :] * syc,
-                 y.to(y_ptr.dtype.element_ty), mask=tc_ok)
+        tc_ok = tok_ok[:, None] & (cols < C)
+        x_tok = (t1 * sx1 + t2 * sx2)[:, None] + cols * sxc
+        h_tok = t1 * sh1 + t2 * sh2
+        y = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for i in tl.static_range(N):
+            h_i = tl.load(h_ptr + h_tok + i * shn, mask=tok_ok, other=0.0).to(tl.float32)
+            x_i = tl.load(x_ptr + x_tok + i * sxn, mask=tc_ok, other=0.0).to(tl.float32)
+            y += h_i[:, None] * x_i
+        tl.store(y_ptr + (t1 * sy1 + t2 * sy2)[:, None] + cols * syc, y.to(y_ptr.dtype.element_ty),
+                 mask=tc_ok)
 
     @triton.jit
     def _mhc_aggregate_bwd_kernel(
@@ -52,32 +52,32 @@ if triton is not None:
         sdy1, sdy2, sdyc,
         sdx1, sdx2, sdxn, sdxc,
         sdh1, sdh2, sdhn,
-        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """One program: BLOCK_T tokens, sweeping C; dH_pre is a reduction over C in registers."""
+        """One program: BLOCK_T tokens, sweeping C in [BLOCK_T, BLOCK_C] tiles (C inside a warp,
+        as in the post backward); dH_pre[i] accumulates in slot i of a [BLOCK_T, BLOCK_P] tile."""
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        streams = tl.arange(0, BLOCK_N)
         tok_ok = tok < T
         t1 = (tok // T2).to(tl.int64)
         t2 = (tok % T2).to(tl.int64)
-        tn_ok = tok_ok[:, None] & (streams < N)[None, :]
-        h = tl.load(h_ptr + (t1 * sh1 + t2 * sh2)[:, None] + streams[None, :] * shn, mask=tn_ok,
-                    other=0.0).to(tl.float32)
-        dh = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        x_tok = (t1 * sx1 + t2 * sx2)[:, None]
+        dx_tok = (t1 * sdx1 + t2 * sdx2)[:, None]
+        dy_tok = (t1 * sdy1 + t2 * sdy2)[:, None]
+        h_tok = t1 * sh1 + t2 * sh2
+        slot = tl.arange(0, BLOCK_P)[None, :]
+        sums = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            tc_ok = tok_ok[:, None] & (cols < C)[None, :]
-            tnc_ok = tn_ok[:, :, None] & tc_ok[:, None, :]
-            dy = tl.load(dy_ptr + (t1 * sdy1 + t2 * sdy2)[:, None] + cols[None, :] * sdyc, mask=tc_ok,
-                         other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + (t1 * sx1 + t2 * sx2)[:, None, None] + streams[None, :, None] * sxn
-                        + cols[None, None, :] * sxc, mask=tnc_ok, other=0.0).to(tl.float32)
-            dh += tl.sum(x * dy[:, None, :], axis=2)
-            dx = h[:, :, None] * dy[:, None, :]
-            tl.store(dx_ptr + (t1 * sdx1 + t2 * sdx2)[:, None, None] + streams[None, :, None] * sdxn
-                     + cols[None, None, :] * sdxc, dx.to(dx_ptr.dtype.element_ty), mask=tnc_ok)
-        tl.store(dh_ptr + (t1 * sdh1 + t2 * sdh2)[:, None] + streams[None, :] * sdhn,
-                 dh.to(dh_ptr.dtype.element_ty), mask=tn_ok)
+            cols = (c0 + tl.arange(0, BLOCK_C))[None, :]
+            tc_ok = tok_ok[:, None] & (cols < C)
+            dy = tl.load(dy_ptr + dy_tok + cols * sdyc, mask=tc_ok, other=0.0).to(tl.float32)
+            for i in tl.static_range(N):
+                h_i = tl.load(h_ptr + h_tok + i * shn, mask=tok_ok, other=0.0).to(tl.float32)
+                x_i = tl.load(x_ptr + x_tok + i * sxn + cols * sxc, mask=tc_ok, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + dx_tok + i * sdxn + cols * sdxc,
+                         (h_i[:, None] * dy).to(dx_ptr.dtype.element_ty), mask=tc_ok)
+                sums = tl.where(slot == i, sums + tl.sum(x_i * dy, axis=1)[:, None], sums)
+        tl.store(dh_ptr + (t1 * sdh1 + t2 * sdh2)[:, None] + slot * sdhn, sums.to(dh_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & (slot < N))
 
 
 def check_aggregate_inputs(x, h_pre, dy=None) -> None:
@@ -93,11 +93,7 @@ def check_aggregate_inputs(x, h_pre, dy=None) -> None:
             raise ValueError(f"dy: shape {tuple(dy.shape)} must be [T1, T2, C] = {(T1, T2, C)}")
         named["dy"] = dy
     common.check_same_device(**named)
-    from .mapping import MAX_STREAMS
-
-    if isinstance(n, int) and n > MAX_STREAMS:
-        raise ValueError(f"x: {n} streams exceed the kernels' maximum {MAX_STREAMS}")
-
+    common.check_streams(n)
 
 
 def mhc_aggregate_fwd(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
@@ -106,14 +102,19 @@ def mhc_aggregate_fwd(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     common.require(x.device, _mhc_aggregate_fwd_kernel, __name__)
     if x.dtype == torch.float64:
         raise TypeError("x: float64 runs the reference (mhc_aggregate_ref), not the kernel")
+    return launch_aggregate_fwd(x, h_pre)
+
+
+def launch_aggregate_fwd(x, h_pre) -> torch.Tensor:
+    """mhc_aggregate_fwd without the checks (the ops check once, then call this)."""
     T1, T2, n, C = x.shape
     y = common.new_output((T1, T2, C), x.dtype, x.device)
     if T1 * T2 == 0 or C == 0:
         return y
-    bn, bc, bt = common.stream_blocks(n, C)
+    bt, bc = common.channel_blocks(C)
     _mhc_aggregate_fwd_kernel[(triton.cdiv(T1 * T2, bt), triton.cdiv(C, bc))](
         x, h_pre, y, T1 * T2, T2, C, *x.stride(), *h_pre.stride(), *y.stride(),
-        N=n, BLOCK_N=bn, BLOCK_T=bt, BLOCK_C=bc,
+        N=n, BLOCK_T=bt, BLOCK_C=bc,
     )
     return y
 
@@ -126,6 +127,11 @@ def mhc_aggregate_bwd(x: torch.Tensor, h_pre: torch.Tensor, dy: torch.Tensor, x_
     order = common.check_order(x_order, 4, "x_order")
     if x.dtype == torch.float64:
         raise TypeError("x: float64 runs the reference (mhc_aggregate_bwd_ref), not the kernel")
+    return launch_aggregate_bwd(x, h_pre, dy, order)
+
+
+def launch_aggregate_bwd(x, h_pre, dy, order):
+    """mhc_aggregate_bwd without the checks (the ops check once, then call this)."""
     T1, T2, n, C = x.shape
     dx = common.new_output(tuple(x.shape), x.dtype, x.device, order)
     dh = common.new_output(tuple(h_pre.shape), h_pre.dtype, x.device)
@@ -133,10 +139,10 @@ def mhc_aggregate_bwd(x: torch.Tensor, h_pre: torch.Tensor, dy: torch.Tensor, x_
         return dx, dh
     if C == 0:
         return dx, dh.zero_()
-    bn, bc, bt = common.stream_blocks(n, C, backward=True)
+    bt, bc, bp, warps = common.sweep_blocks(C, x.element_size(), n)
     _mhc_aggregate_bwd_kernel[(triton.cdiv(T1 * T2, bt),)](
         x, h_pre, dy, dx, dh, T1 * T2, T2, C,
         *x.stride(), *h_pre.stride(), *dy.stride(), *dx.stride(), *dh.stride(),
-        N=n, BLOCK_N=bn, BLOCK_T=bt, BLOCK_C=bc,
+        N=n, BLOCK_P=bp, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps,
     )
     return dx, dh

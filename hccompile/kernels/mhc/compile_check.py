@@ -1,49 +1,129 @@
 """Compile the mHC kernels for a GPU target without a GPU (Triton -> PTX -> ptxas cubin) and read
-their register and stack use with cuobjdump; both tools ship with Triton's NVIDIA backend.
+their register, stack and shared-memory use with cuobjdump; both tools ship with Triton's NVIDIA
+backend.
 
 The interpreter runs the kernels' Python, not the GPU compiler: this catches what only the GPU
-compiler rejects, and register spills, on a CPU machine. It needs kernels defined without
-TRITON_INTERPRET, so run it in a process without that variable:
+compiler rejects, and register spills, on a CPU machine. The kernels are compiled as a real launch
+specialises them: each launcher runs on small CPU tensors of the benchmark's per-token shape with
+its kernels replaced by recorders, and every recorded launch is compiled with the signature Triton's
+JIT would give it (integer arguments equal to 1 become constants, 16-divisible ones and aligned
+pointers get divisibility hints), so unit strides vectorise as on the GPU. It needs kernels defined
+without TRITON_INTERPRET, so run it in a process without that variable:
 
-    python -m hccompile.kernels.mhc.compile_check            # prints one line per kernel
+    python -m hccompile.kernels.mhc.compile_check            # prints one line per kernel launch
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
+
+import torch
 
 from .._triton import triton
 
 ARCH = 90  # H100
 
-_FLOATS = ("coef_pre", "coef_post", "coef_res", "pre_scale", "pre_shift", "post_scale", "post_shift",
-           "init_eps", "norm_eps")
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((self.kernel, grid, args, kwargs))
+        return launch
 
 
-def resource_usage(kernel, constexprs: dict, pointer_dtype: str = "bf16", num_warps: int = 4,
-                   arch: int = ARCH) -> dict[str, int]:
-    """{'REG': registers per thread, 'STACK': bytes of stack (spills), ...} of one specialisation."""
-    from triton.backends.compiler import GPUTarget
+@contextlib.contextmanager
+def _recording(calls: list):
+    from . import _common as common
+    from . import aggregate, mapping, post
+
+    patched = []
+    for module in (post, aggregate, mapping):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"):
+                patched.append((module, name, value))
+                setattr(module, name, _Recorder(value, calls))
+    require = common.require
+    common.require = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        common.require = require
+        for module, name, value in patched:
+            setattr(module, name, value)
+
+
+def recorded_launches(n: int = 4, C: int = 1024, steps: int = 40, dtype=torch.bfloat16,
+                      tokens: tuple[int, int] = (2, 64)):
+    """[(name, kernel, args, kwargs)] of every kernel launch of the post, aggregate and mapping
+    launchers (forward and backward) at n streams, C channels, `dtype`; `tokens` = (T1, T2), small:
+    the per-token strides, hence the specialisation, do not depend on the token count."""
+    from . import aggregate, mapping, post
+    from .reference import MappingSpec
+
+    T1, T2 = tokens
+    x = torch.randn(T1, T2, n, C, dtype=dtype)
+    h_res, h = torch.rand(T1, T2, n, n, dtype=dtype), torch.rand(T1, T2, n, dtype=dtype)
+    f = torch.randn(T1, T2, C, dtype=dtype)
+    spec = MappingSpec(n=n, steps=steps)
+    proj, r = torch.randn(T1, T2, spec.width, dtype=dtype), torch.rand(T1, T2, 1, dtype=dtype) + 1
+    alphas = [torch.ones((), dtype=dtype) for _ in range(3)]
+    biases = [torch.zeros(w, dtype=dtype) for w in (n, n, n * n)]
+    runs = [
+        ("post_fwd", lambda: post.mhc_post_fwd(x, h_res, h, f, True)),
+        ("post_bwd", lambda: post.mhc_post_bwd(x, h_res, h, f, x, True)),
+        ("aggregate_fwd", lambda: aggregate.mhc_aggregate_fwd(x, h)),
+        ("aggregate_bwd", lambda: aggregate.mhc_aggregate_bwd(x, h, f)),
+        ("mapping_fwd", lambda: mapping.mhc_mapping_fwd(proj, r, alphas, biases, spec)),
+        ("mapping_bwd", lambda: mapping.mhc_mapping_bwd(proj, r, alphas, biases, h, h, h_res, spec)),
+    ]
+    out = []
+    for name, run in runs:
+        calls: list = []
+        with _recording(calls):
+            run()
+        for i, (kernel, _grid, args, kwargs) in enumerate(calls):
+            out.append((name if i == 0 else f"{name}.{i}", kernel, args, kwargs))
+    return out
+
+
+def compile_launch(kernel, args, kwargs, arch: int = ARCH):
+    """The compiled kernel (CompiledKernel: .asm['ttgir'|'ptx'|'cubin'], .metadata) of one launch
+    as Triton's JIT would specialise it."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
-    names = kernel.arg_names
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name == "partial_ptr":
-            signature[name] = "*fp32"
-        elif name.endswith("_ptr"):
-            signature[name] = f"*{pointer_dtype}"
-        elif name in _FLOATS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    constexprs, signature, attrs = {}, {}, {}
+    values = dict(zip(kernel.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k not in options})
+    for idx, param in enumerate(kernel.params):
+        name, value = param.name, values[param.name]
+        if param.is_constexpr:
+            signature[name], constexprs[(idx,)] = "constexpr", value
+            continue
+        ty, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[name] = ty
+        if ty == "constexpr":
+            constexprs[(idx,)] = value
+        elif attr:
+            attrs[(idx,)] = BaseBackend.parse_attr(attr)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def resources(compiled) -> dict[str, int]:
+    """{'REG': registers per thread, 'STACK': bytes of stack (spills), 'SHARED': ..., plus PTX
+    counts: 'BAR' barriers, 'SHFL' warp shuffles, 'CVT' layout conversions in the TTGIR}."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
@@ -52,29 +132,12 @@ def resource_usage(kernel, constexprs: dict, pointer_dtype: str = "bf16", num_wa
         text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True,
                               check=True).stdout
     line = next(l for l in text.splitlines() if "REG:" in l)
-    return {k: int(v) for k, v in (item.split(":") for item in line.split()) if v.isdigit()}
-
-
-def benchmark_configs(n: int = 4, C: int = 1024, steps: int = 40):
-    """(name, kernel, constexprs) as the launchers specialise them for n streams and C channels."""
-    from . import _common as common
-    from . import aggregate, mapping, post
-
-    out = []
-    for name, kernel, backward in (("post_fwd", post._mhc_post_fwd_kernel, False),
-                                   ("post_bwd", post._mhc_post_bwd_kernel, True),
-                                   ("aggregate_fwd", aggregate._mhc_aggregate_fwd_kernel, False),
-                                   ("aggregate_bwd", aggregate._mhc_aggregate_bwd_kernel, True)):
-        bn, bc, bt = common.stream_blocks(n, C, backward)
-        out.append((name, kernel, dict(N=n, BLOCK_N=bn, BLOCK_T=bt, BLOCK_C=bc)))
-    bn = common.block_n(n)
-    flags = dict(N=n, BLOCK_N=bn, STEPS=steps, ROW_FIRST=True, SOFTMAX_INIT=False, R_DIVIDES=True)
-    out.append(("mapping_fwd", mapping._mhc_mapping_fwd_kernel,
-                dict(flags, BLOCK_T=common.block_t(4 * bn * bn, limit=32))))
-    bk = triton.next_power_of_2(max(1, steps // 2))
-    out.append(("mapping_bwd", mapping._mhc_mapping_bwd_kernel,
-                dict(flags, BLOCK_T=common.block_t(2 * bk * bn + 6 * bn * bn, limit=32), BLOCK_K=bk)))
-    return out
+    usage = {k: int(v) for k, v in (item.split(":") for item in line.split()) if v.isdigit()}
+    ptx = compiled.asm["ptx"]
+    usage["BAR"] = len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx))
+    usage["SHFL"] = len(re.findall(r"\bshfl\.sync", ptx))
+    usage["CVT"] = compiled.asm["ttgir"].count("ttg.convert_layout")
+    return usage
 
 
 def main() -> int:
@@ -82,11 +145,14 @@ def main() -> int:
         print("unset TRITON_INTERPRET: the interpreter does not compile kernels", file=sys.stderr)
         return 2
     worst = 0
-    for dtype in ("bf16", "fp32"):
-        for name, kernel, constexprs in benchmark_configs():
-            usage = resource_usage(kernel, constexprs, dtype)
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, kernel, args, kwargs in recorded_launches(dtype=dtype):
+            usage = resources(compile_launch(kernel, args, kwargs))
             worst = max(worst, usage.get("STACK", 0))
-            print(f"{name:14s} {dtype} {constexprs} REG {usage['REG']} STACK {usage.get('STACK', 0)}")
+            consts = {k: v for k, v in kwargs.items()}
+            print(f"{name:16s} {str(dtype)[6:]:8s} {consts} REG {usage['REG']} STACK {usage.get('STACK', 0)}"
+                  f" SHARED {usage.get('SHARED', 0)} BAR {usage['BAR']} SHFL {usage['SHFL']}"
+                  f" CVT {usage['CVT']}")
     return 0 if worst == 0 else 1
 
 

@@ -16,13 +16,15 @@ h_res [..., n, n], in the dtypes asked for.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _common as common
 from .._triton import tl, triton
 from .reference import MappingSpec
 
-MAX_STREAMS = 16
+MAX_STREAMS = common.MAX_STREAMS
 MAX_SINKHORN_STEPS = 256
 
 if triton is not None:
@@ -224,11 +226,44 @@ if triton is not None:
         tl.store(dr_ptr + tok64, dr.to(dr_ptr.dtype.element_ty), mask=tok_ok)
 
 
-def check_mapping_inputs(proj, r, alphas, biases, spec: MappingSpec, grads=None) -> None:
-    """Shape contract of the mapping (symbolic-size safe: equality checks only)."""
+if triton is not None:
+
+    @triton.jit
+    def _mhc_mapping_param_grads_kernel(
+        partial_ptr, rows, da_pre_ptr, da_post_ptr, da_res_ptr, db_pre_ptr, db_post_ptr, db_res_ptr,
+        N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        """The backward's per-program partial sums [rows, 3 + 2n + n²] summed over rows (in a fixed
+        order: deterministic) and written straight into the six parameter gradients, each in its
+        own dtype: no separate reduction, casts or copies."""
+        width = 3 + 2 * N + N * N
+        col = tl.arange(0, BLOCK_W)
+        acc = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
+        for r0 in range(0, rows, BLOCK_R):
+            row = r0 + tl.arange(0, BLOCK_R)
+            acc += tl.load(partial_ptr + row[:, None] * width + col[None, :],
+                           mask=(row < rows)[:, None] & (col < width)[None, :], other=0.0)
+        total = tl.sum(acc, axis=0)
+        zero = col * 0
+        tl.store(da_pre_ptr + zero, total.to(da_pre_ptr.dtype.element_ty), mask=col == 0)
+        tl.store(da_post_ptr + zero, total.to(da_post_ptr.dtype.element_ty), mask=col == 1)
+        tl.store(da_res_ptr + zero, total.to(da_res_ptr.dtype.element_ty), mask=col == 2)
+        k = col - 3
+        tl.store(db_pre_ptr + k, total.to(db_pre_ptr.dtype.element_ty), mask=(k >= 0) & (k < N))
+        k = col - 3 - N
+        tl.store(db_post_ptr + k, total.to(db_post_ptr.dtype.element_ty), mask=(k >= 0) & (k < N))
+        k = col - 3 - 2 * N
+        tl.store(db_res_ptr + k, total.to(db_res_ptr.dtype.element_ty), mask=(k >= 0) & (k < N * N))
+
+
+def check_mapping_inputs(proj, r, alphas, biases, spec: MappingSpec, grads=None,
+                         validate_spec: bool = True) -> None:
+    """Shape contract of the mapping (symbolic-size safe: equality checks only); validate_spec=False
+    for a spec already validated (the ops cache theirs)."""
     if not isinstance(spec, MappingSpec):
         raise TypeError(f"spec: expected a MappingSpec, got {type(spec).__name__}")
-    spec.validate()
+    if validate_spec:
+        spec.validate()
     n = spec.n
     if not isinstance(proj, torch.Tensor) or proj.dim() < 1:
         raise ValueError("proj: expected a tensor [..., n²+2n]")
@@ -271,6 +306,16 @@ def _kernel_args(proj, r, alphas, biases, spec):
     return proj2, r1, a, b
 
 
+@functools.lru_cache(maxsize=256)
+def _scalars(spec: MappingSpec, backward: bool = False) -> tuple:
+    """The kernels' scalar arguments of `spec` (floats as floats, so that an int-valued field never
+    changes the kernels' specialisation), built once per spec."""
+    pre, post = [float(v) for v in spec.pre_affine], [float(v) for v in spec.post_affine]
+    affine = (pre[0], post[0]) if backward else (*pre, *post)
+    return (*(int(o) for o in spec.part_offsets()), *(float(c) for c in spec.coefs), *affine,
+            float(spec.init_eps), float(spec.norm_eps))
+
+
 def _no_float64(proj, where):
     if proj.dtype == torch.float64:
         raise TypeError(f"proj: float64 runs the reference ({where}), not the kernel")
@@ -283,6 +328,11 @@ def mhc_mapping_fwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, spec: M
     check_mapping_inputs(proj, r, alphas, biases, spec)
     common.require(proj.device, _mhc_mapping_fwd_kernel, __name__)
     _no_float64(proj, "mhc_mapping_ref")
+    return launch_mapping_fwd(proj, r, alphas, biases, spec, out_dtypes)
+
+
+def launch_mapping_fwd(proj, r, alphas, biases, spec: MappingSpec, out_dtypes=None):
+    """mhc_mapping_fwd without the checks (the ops check once, then call this)."""
     n = spec.n
     lead = tuple(proj.shape[:-1])
     dt = tuple(out_dtypes) if out_dtypes is not None else (proj.dtype,) * 3
@@ -298,9 +348,7 @@ def mhc_mapping_fwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, spec: M
     _mhc_mapping_fwd_kernel[(triton.cdiv(T, bt),)](
         proj2, r1, *a, *b, h_pre, h_post, h_res,
         T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
-        *spec.part_offsets(), *map(float, spec.coefs),
-        *map(float, spec.pre_affine), *map(float, spec.post_affine),
-        float(spec.init_eps), float(spec.norm_eps),
+        *_scalars(spec),
         N=n, BLOCK_N=bn, BLOCK_T=bt, STEPS=spec.steps, ROW_FIRST=spec.row_first,
         SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides,
     )
@@ -310,10 +358,15 @@ def mhc_mapping_fwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, spec: M
 def mhc_mapping_bwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, dh_pre: torch.Tensor,
                     dh_post: torch.Tensor, dh_res: torch.Tensor, spec: MappingSpec):
     """(dproj, dr, (dα_pre, dα_post, dα_res), (dbias_pre, dbias_post, dbias_res)), each shaped and
-    typed like its input."""
+    typed like its input, none sharing storage."""
     check_mapping_inputs(proj, r, alphas, biases, spec, (dh_pre, dh_post, dh_res))
     common.require(proj.device, _mhc_mapping_bwd_kernel, __name__)
     _no_float64(proj, "autograd through mhc_mapping_ref")
+    return launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec)
+
+
+def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: MappingSpec):
+    """mhc_mapping_bwd without the checks (the ops check once, then call this)."""
     n = spec.n
     proj2, r1, a, b = _kernel_args(proj, r, alphas, biases, spec)
     T = proj2.shape[0]
@@ -323,7 +376,9 @@ def mhc_mapping_bwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, dh_pre:
     bk = triton.next_power_of_2(max(1, spec.steps // 2))
     bt = common.block_t(2 * bk * bn + 6 * bn * bn, limit=32)
     grid = triton.cdiv(T, bt)
-    partial = common.new_output((grid, 3 + 2 * n + n * n), torch.float32, proj.device)
+    width = 3 + 2 * n + n * n
+    # one row per program: every row is written, so no zero fill (T = 0: one all-zero row)
+    partial = common.new_output((max(grid, 1), width), torch.float32, proj.device)
     if T > 0:
         g_pre, g_post = dh_pre.reshape(T, n), dh_post.reshape(T, n)
         g_res = dh_res.reshape(T, n, n)
@@ -331,17 +386,31 @@ def mhc_mapping_bwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, dh_pre:
             proj2, r1, *a, *b, g_pre, g_post, g_res, dproj, dr.view(-1), partial,
             T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
             *g_pre.stride(), *g_post.stride(), *g_res.stride(),
-            *spec.part_offsets(), *map(float, spec.coefs),
-            float(spec.pre_affine[0]), float(spec.post_affine[0]),
-            float(spec.init_eps), float(spec.norm_eps),
+            *_scalars(spec, backward=True),
             N=n, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, STEPS=spec.steps, ROW_FIRST=spec.row_first,
             SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides,
         )
-    sums = partial.sum(0)
+    else:
+        partial.zero_()
     # the kernel's α sums already carry coef (they are Σ dz·coef·p·ρ)
-    dalphas = tuple(sums[k].to(alphas[k].dtype).reshape(alphas[k].shape) for k in range(3))
-    widths = (n, n, n * n)
-    starts = (3, 3 + n, 3 + 2 * n)
-    dbiases = tuple(sums[s:s + w].to(bias.dtype).reshape(bias.shape)
-                    for s, w, bias in zip(starts, widths, biases))
+    dalphas, dbiases = sum_param_grads(partial, alphas, biases, n)
     return dproj, dr, dalphas, dbiases
+
+
+def sum_param_grads(partial: torch.Tensor, alphas, biases, n: int):
+    """((dα_pre, dα_post, dα_res), (dbias_pre, dbias_post, dbias_res)) from the backward's partial
+    sums [rows, 3 + 2n + n²] (contiguous float32), each shaped and typed like its parameter."""
+    width = 3 + 2 * n + n * n
+    if partial.dim() != 2 or partial.shape[1] != width or not partial.is_contiguous() or \
+            partial.dtype != torch.float32:
+        raise ValueError(f"partial: expected contiguous float32 [rows, {width}], got "
+                         f"{partial.dtype} {tuple(partial.shape)}")
+    device = partial.device
+    dalphas = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in alphas)
+    dbiases = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in biases)
+    block_w = triton.next_power_of_2(width)
+    _mhc_mapping_param_grads_kernel[(1,)](
+        partial, partial.shape[0], *dalphas, *dbiases,
+        N=n, BLOCK_R=max(1, min(64, 4096 // block_w)), BLOCK_W=block_w,
+    )
+    return dalphas, dbiases

@@ -70,50 +70,62 @@ if triton is not None:
         sda1, sda2, sdai, sdaj,
         sdp1, sdp2, sdpn,
         sdf1, sdf2, sdfc,
-        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """One program: BLOCK_T tokens, sweeping C; dA and dH_post stay in registers until the end."""
+        """One program: BLOCK_T tokens, sweeping C in [BLOCK_T, BLOCK_C] tiles, one per stream.
+
+        Every tile is 2-D with C inside a warp (the launcher keeps BLOCK_C at 8 lanes' worth of
+        16-byte vectors), so the sums over streams are register arithmetic over the unrolled
+        streams and each sum over C is one warp shuffle tree, never shared memory or a barrier.
+        The n² + n sums over C (dA, dH_post) land in the slots of one [BLOCK_T, BLOCK_P] register
+        accumulator: dA[i, j] in slot i·N + j, dH_post[i] in slot N² + i."""
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        streams = tl.arange(0, BLOCK_N)
         tok_ok = tok < T
+        # int64: token offsets of tensors over 2**31 elements
         t1 = (tok // T2).to(tl.int64)
         t2 = (tok % T2).to(tl.int64)
-        tn_ok = tok_ok[:, None] & (streams < N)[None, :]
-
-        hp = tl.load(hp_ptr + (t1 * sp1 + t2 * sp2)[:, None] + streams[None, :] * spn, mask=tn_ok,
-                     other=0.0).to(tl.float32)
-        a_tok = (t1 * sa1 + t2 * sa2)[:, None] + streams[None, :] * sai
-        dhp = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        da = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_N], dtype=tl.float32)
-        col_of_da = tl.arange(0, BLOCK_N)[None, None, :]
+        x_tok = (t1 * sx1 + t2 * sx2)[:, None]
+        a_tok = t1 * sa1 + t2 * sa2
+        hp_tok = t1 * sp1 + t2 * sp2
+        f_tok = (t1 * sf1 + t2 * sf2)[:, None]
+        d_tok = (t1 * sd1 + t2 * sd2)[:, None]
+        dx_tok = (t1 * sdx1 + t2 * sdx2)[:, None]
+        df_tok = (t1 * sdf1 + t2 * sdf2)[:, None]
+        slot = tl.arange(0, BLOCK_P)[None, :]
+        sums = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            tc_ok = tok_ok[:, None] & (cols < C)[None, :]
-            tnc_ok = tn_ok[:, :, None] & tc_ok[:, None, :]
-            dout = tl.load(dout_ptr + (t1 * sd1 + t2 * sd2)[:, None, None] + streams[None, :, None] * sdn
-                           + cols[None, None, :] * sdc, mask=tnc_ok, other=0.0).to(tl.float32)
-            f = tl.load(f_ptr + (t1 * sf1 + t2 * sf2)[:, None] + cols[None, :] * sfc, mask=tc_ok,
-                        other=0.0).to(tl.float32)
-            df = tl.sum(hp[:, :, None] * dout, axis=1)
-            tl.store(df_ptr + (t1 * sdf1 + t2 * sdf2)[:, None] + cols[None, :] * sdfc,
-                     df.to(df_ptr.dtype.element_ty), mask=tc_ok)
-            dhp += tl.sum(dout * f[:, None, :], axis=2)
-            x_tok = (t1 * sx1 + t2 * sx2)[:, None] + cols[None, :] * sxc
-            dx_tok = (t1 * sdx1 + t2 * sdx2)[:, None] + cols[None, :] * sdxc
+            cols = (c0 + tl.arange(0, BLOCK_C))[None, :]
+            tc_ok = tok_ok[:, None] & (cols < C)
+            f = tl.load(f_ptr + f_tok + cols * sfc, mask=tc_ok, other=0.0).to(tl.float32)
+            df = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for i in tl.static_range(N):
+                dout_i = tl.load(dout_ptr + d_tok + i * sdn + cols * sdc, mask=tc_ok,
+                                 other=0.0).to(tl.float32)
+                hp_i = tl.load(hp_ptr + hp_tok + i * spn, mask=tok_ok, other=0.0).to(tl.float32)
+                df += hp_i[:, None] * dout_i
+                sums = tl.where(slot == N * N + i, sums + tl.sum(dout_i * f, axis=1)[:, None], sums)
+            tl.store(df_ptr + df_tok + cols * sdfc, df.to(df_ptr.dtype.element_ty), mask=tc_ok)
             for j in tl.static_range(N):
-                a_col = tl.load(a_ptr + a_tok + j * saj, mask=tn_ok, other=0.0).to(tl.float32)
-                x_j = tl.load(x_ptr + x_tok + j * sxn, mask=tc_ok, other=0.0).to(tl.float32)
-                dx_j = tl.sum(a_col[:, :, None] * dout, axis=1)
-                tl.store(dx_ptr + dx_tok + j * sdxn, dx_j.to(dx_ptr.dtype.element_ty), mask=tc_ok)
-                da_col = tl.sum(dout * x_j[:, None, :], axis=2)                 # dA[:, :, j]
-                da += tl.where(col_of_da == j, da_col[:, :, None], 0.0)
+                x_j = tl.load(x_ptr + x_tok + j * sxn + cols * sxc, mask=tc_ok, other=0.0).to(tl.float32)
+                dx_j = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+                for i in tl.static_range(N):
+                    # dout_i again: an L1 hit, cheaper than keeping n tiles live across the j loop
+                    dout_i = tl.load(dout_ptr + d_tok + i * sdn + cols * sdc, mask=tc_ok,
+                                     other=0.0).to(tl.float32)
+                    a_ij = tl.load(a_ptr + a_tok + i * sai + j * saj, mask=tok_ok, other=0.0)
+                    dx_j += a_ij.to(tl.float32)[:, None] * dout_i
+                    sums = tl.where(slot == i * N + j, sums + tl.sum(dout_i * x_j, axis=1)[:, None],
+                                    sums)
+                tl.store(dx_ptr + dx_tok + j * sdxn + cols * sdxc, dx_j.to(dx_ptr.dtype.element_ty),
+                         mask=tc_ok)
 
-        da_ptrs = (da_ptr + (t1 * sda1 + t2 * sda2)[:, None, None] + streams[None, :, None] * sdai
-                   + tl.arange(0, BLOCK_N)[None, None, :] * sdaj)
-        da_ok = tn_ok[:, :, None] & (tl.arange(0, BLOCK_N) < N)[None, None, :]
-        tl.store(da_ptrs, da.to(da_ptr.dtype.element_ty), mask=da_ok)
-        tl.store(dhp_ptr + (t1 * sdp1 + t2 * sdp2)[:, None] + streams[None, :] * sdpn,
-                 dhp.to(dhp_ptr.dtype.element_ty), mask=tn_ok)
+        row = slot // N
+        da_ptrs = da_ptr + (t1 * sda1 + t2 * sda2)[:, None] + row * sdai + (slot - row * N) * sdaj
+        tl.store(da_ptrs, sums.to(da_ptr.dtype.element_ty), mask=tok_ok[:, None] & (slot < N * N))
+        hp_slot = slot - N * N
+        tl.store(dhp_ptr + (t1 * sdp1 + t2 * sdp2)[:, None] + hp_slot * sdpn,
+                 sums.to(dhp_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & (hp_slot >= 0) & (hp_slot < N))
 
 
 def check_post_inputs(x, h_res, h_post, f, dout=None) -> None:
@@ -138,16 +150,12 @@ def check_post_inputs(x, h_res, h_post, f, dout=None) -> None:
             raise ValueError(f"dout: shape {tuple(dout.shape)} must equal x's {tuple(x.shape)}")
         named["dout"] = dout
     common.check_same_device(**named)
-    from .mapping import MAX_STREAMS
-
-    if isinstance(n, int) and n > MAX_STREAMS:
-        raise ValueError(f"x: {n} streams exceed the kernels' maximum {MAX_STREAMS}")
+    common.check_streams(n)
 
 
 def _mixing_strides(h: torch.Tensor, transpose_res: bool) -> tuple[int, int, int, int]:
     s1, s2, si, sj = h.stride()
     return (s1, s2, sj, si) if transpose_res else (s1, s2, si, sj)
-
 
 
 def mhc_post_fwd(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, f: torch.Tensor,
@@ -158,6 +166,11 @@ def mhc_post_fwd(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, f: 
     order = common.check_order(out_order, 4)
     if x.dtype == torch.float64:
         raise TypeError("x: float64 runs the reference (mhc_post_ref), not the kernel")
+    return launch_post_fwd(x, h_res, h_post, f, transpose_res, order)
+
+
+def launch_post_fwd(x, h_res, h_post, f, transpose_res: bool, order) -> torch.Tensor:
+    """mhc_post_fwd without the checks (the ops check once, then call this)."""
     out = common.new_output(tuple(x.shape), x.dtype, x.device, order)
     T1, T2, n, C = x.shape
     if T1 * T2 == 0 or C == 0:
@@ -182,6 +195,11 @@ def mhc_post_bwd(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, f: 
     order = common.check_order(out_order, 4)
     if x.dtype == torch.float64:
         raise TypeError("x: float64 runs the reference (mhc_post_bwd_ref), not the kernel")
+    return launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
+
+
+def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order):
+    """mhc_post_bwd without the checks (the ops check once, then call this)."""
     dx = common.new_output(tuple(x.shape), x.dtype, x.device, order)
     dh_res = common.new_output(tuple(h_res.shape), h_res.dtype, x.device)
     dh_post = common.new_output(tuple(h_post.shape), h_post.dtype, x.device)
@@ -191,12 +209,12 @@ def mhc_post_bwd(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, f: 
         return dx, dh_res, dh_post, df
     if C == 0:
         return dx, dh_res.zero_(), dh_post.zero_(), df
-    bn, bc, bt = common.stream_blocks(n, C, backward=True)
+    bt, bc, bp, warps = common.sweep_blocks(C, x.element_size(), n * n + n)
     _mhc_post_bwd_kernel[(triton.cdiv(T1 * T2, bt),)](
         x, h_res, h_post, f, dout, dx, dh_res, dh_post, df, T1 * T2, T2, C,
         *x.stride(), *_mixing_strides(h_res, transpose_res), *h_post.stride(), *f.stride(),
         *dout.stride(), *dx.stride(), *_mixing_strides(dh_res, transpose_res), *dh_post.stride(),
         *df.stride(),
-        N=n, BLOCK_N=bn, BLOCK_T=bt, BLOCK_C=bc,
+        N=n, BLOCK_P=bp, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps,
     )
     return dx, dh_res, dh_post, df
