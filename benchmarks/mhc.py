@@ -29,7 +29,10 @@ import torch  # noqa: E402
 
 KINDS = ["eager", "manager", "inductor", "hc-off", "hc-layer", "hc-block"]
 ALL = [f"n{n}-{k}" for n in (1, 4) for k in KINDS] + ["n4-hc-block-nofuse"]
-DEFAULT = [v for v in ALL if v != "n4-hc-block-nofuse"]
+DEFAULT = list(ALL[:-1])
+# "-cg": the compiled variants with CUDA graphs (Inductor's triton.cudagraphs), which removes the
+# per-kernel host cost (Python op wrappers, launches) from the step.
+ALL += [f"n{n}-{k}-cg" for n in (1, 4) for k in ("inductor", "hc-block")]
 
 
 def build(n: int, a) -> torch.nn.Module:
@@ -40,29 +43,33 @@ def build(n: int, a) -> torch.nn.Module:
                   sinkhorn_iters=a.sinkhorn_iters).to(a.device, getattr(torch, a.dtype))
 
 
-def parse(variant: str) -> tuple[int, str, bool]:
-    """'n4-hc-block-nofuse' -> (4, 'hc-block', False)."""
+def parse(variant: str) -> tuple[int, str, bool, bool]:
+    """'n4-hc-block-nofuse' -> (4, 'hc-block', False, False); 'n4-hc-block-cg' -> (4, 'hc-block', True, True)."""
     n_part, rest = variant.split("-", 1)
+    graphs = rest.endswith("-cg")
+    rest = rest.removesuffix("-cg")
     fuse = not rest.endswith("-nofuse")
-    return int(n_part[1:]), rest.removesuffix("-nofuse"), fuse
+    return int(n_part[1:]), rest.removesuffix("-nofuse"), fuse, graphs
 
 
 def step_fn(variant: str, model):
-    _, kind, fuse = parse(variant)
+    _, kind, fuse, graphs = parse(variant)
     if kind == "eager":
         return lambda x: model(x)
     if kind == "manager":  # n=1 has no hyper-connection: the manager leaves it a plain model
         return lambda x: model(x, recompute="block")
     if kind == "inductor":
-        return torch.compile(model, backend="inductor")
+        return torch.compile(model, backend="inductor", options={"triton.cudagraphs": True} if graphs else None)
     options = {"hc_recompute": kind.split("-")[1]}
+    if graphs:
+        options["triton.cudagraphs"] = True
     if not fuse:
         options["disable_passes"] = ["hc_fuse"]
     return torch.compile(model, backend="hc", options=options)
 
 
 def measure(variant: str, a) -> dict:
-    n, kind, fuse = parse(variant)
+    n, kind, fuse, graphs = parse(variant)
     model = build(n, a)
     fn = step_fn(variant, model)
     x = torch.randn(a.batch, a.seq, a.dim, device=a.device, dtype=getattr(torch, a.dtype))
@@ -104,6 +111,7 @@ def measure(variant: str, a) -> dict:
         model.zero_grad(set_to_none=True)
     compiled = kind not in ("eager", "manager")
     return {"variant": variant, "n": n, "kind": kind, "fuse": fuse if kind.startswith("hc") else None,
+            "cudagraphs": graphs,
             "step_ms": ms, "peak_gib": peak / 2**30,
             "compile_s": max(0.0, first - ms / 1e3) if compiled else 0.0}
 
