@@ -279,3 +279,108 @@ def test_triton_available_reads_environment_at_call_time(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not triton_available("cpu")
     assert not triton_available("meta")
+
+
+# ----------------------------------------------------------------------------------------
+# The triangular solve (wy_solve) at every chunk size, on partial chunks and hard inputs.
+
+from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
+
+
+def aligned_keys_case(sizes, gate, options, seed):
+    """A build_case whose keys share one direction (pairwise cosines near 1) and whose beta is
+    near 1, with weak decay: I + diag(beta) Kdot is then far from the identity (condition
+    numbers up to ~100 at chunk 64), so a sloppy or incomplete inverse shows."""
+    inputs, kwargs = build_case(sizes, gate, {**options, "decay": 0.1}, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1000)
+    k = inputs["k"]
+    common = torch.randn(k.shape[-1], generator=generator, dtype=torch.float64)
+    noise = torch.randn(k.shape, generator=generator, dtype=torch.float64)
+    inputs["k"] = torch.nn.functional.normalize(common + 0.05 * noise, dim=-1)
+    inputs["beta"] = 0.97 + 0.03 * torch.rand(inputs["beta"].shape, generator=generator, dtype=torch.float64)
+    return inputs, kwargs
+
+
+# gate, chunk size, T (never a multiple of the chunk), cu_seqlens or None
+WY_SOLVE_CASES = [
+    ("none", 16, 41, None),
+    ("scalar", 16, 41, None),
+    ("channel", 16, 41, None),
+    ("none", 32, 45, None),
+    ("scalar", 32, 45, None),
+    ("channel", 32, 45, None),
+    ("none", 64, 70, None),
+    ("scalar", 64, 70, None),
+    ("channel", 64, 70, None),
+    ("scalar", 64, 90, (0, 37, 38, 90)),
+    ("channel", 32, 90, (0, 37, 38, 90)),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("gate, chunk, time, cu", WY_SOLVE_CASES,
+                         ids=[f"{g}-BT{c}-T{t}{'-varlen' if cu else ''}" for g, c, t, cu in WY_SOLVE_CASES])
+def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
+    """A, W of the forward's wy_solve against float64 from the kernels' own Kdot, chunk by chunk."""
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32) if cu is not None else None
+    options = {"cu_seqlens": cu_seqlens} if cu is not None else {}
+    inputs, kwargs = aligned_keys_case((1, time, 1, 2, 32, 16), gate, options, seed=time + chunk)
+    inputs = kernel_inputs(inputs, torch.float32)
+    q, k, v, beta, g = (inputs[n] for n in ("q", "k", "v", "beta", "g"))
+    problem = chunk_kernels._validate(q, k, v, beta, g, gate, None, cu_seqlens, None, None, None, chunk)
+    plan = chunk_kernels._make_plan(problem, chunk, cu_seqlens, q)
+    # NaN poison: every element of a chunk's A rows (zeros above the diagonal included) must be written.
+    fwd = chunk_kernels._forward(plan, q, k, v, beta, g, 1.0, None, None, None, False, None, None, None)
+    inverse = fwd.inverse  # allocated with torch.empty: refill and rerun to poison it
+    inverse.fill_(float("nan"))
+    table, seqlens = plan.chunk_args()
+    chunk_kernels._wy_solve_kernel[(plan.num_chunks, problem.value_heads)](
+        fwd.k, v, beta, fwd.cum if fwd.cum is not None else plan.dummy, fwd.kdot, inverse, fwd.w,
+        torch.empty_like(fwd.u), *fwd.k.stride(), *v.stride(), *beta.stride(), table, seqlens,
+        problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
+        problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, chunk_kernels.SUB_CHUNK),
+        BK=chunk_kernels._block(problem.key_dim), BV=chunk_kernels._block(problem.value_dim),
+        DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen,
+    )
+    worst_inverse = worst_w = 0.0
+    for batch, bos, eos in problem.sequences:
+        for first in range(bos, eos, chunk):
+            n = min(chunk, eos - first)
+            rows = slice(first, first + n)
+            for head in range(problem.value_heads):
+                kdot = fwd.kdot[batch, rows, head, :n].double().tril(-1)
+                b = beta[batch, rows, head].double()
+                expected = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + b[:, None] * kdot)
+                got = inverse[batch, rows, head, :]
+                assert torch.isfinite(got).all(), "unwritten elements of A"
+                worst_inverse = max(worst_inverse, relative_rms_error(got[:, :n], expected))
+                assert torch.equal(got.triu(1), torch.zeros_like(got)), "A not zero above the diagonal"
+                decay = torch.ones(n, 1, dtype=torch.float64)
+                if fwd.cum is not None:
+                    decay = fwd.cum[batch, rows, head].double().exp()
+                keys = fwd.k[batch, rows, head // problem.group_size].double()
+                w_expected = expected @ (b[:, None] * keys * decay)
+                worst_w = max(worst_w, relative_rms_error(fwd.w[batch, rows, head], w_expected))
+    assert worst_inverse < 1e-6, f"A: relative RMS error {worst_inverse:.2e}"
+    assert worst_w < 1e-5, f"W: relative RMS error {worst_w:.2e}"
+
+
+# gate, chunk size, sizes (batch, T, H, HV, K, V) with T not a multiple of the chunk, dtype
+CHUNK_SIZE_CASES = [
+    ("scalar", 16, (1, 41, 1, 2, 32, 32), torch.float32),
+    ("scalar", 32, (1, 45, 1, 1, 32, 16), torch.float32),
+    ("scalar", 64, (1, 70, 1, 1, 16, 32), torch.float32),
+    ("channel", 16, (1, 41, 1, 1, 32, 16), torch.float32),
+    ("channel", 32, (1, 45, 1, 2, 16, 32), torch.float32),
+    ("channel", 64, (1, 70, 1, 1, 32, 16), torch.float32),
+    ("scalar", 64, (1, 70, 1, 1, 32, 32), torch.bfloat16),
+    ("channel", 32, (1, 45, 1, 1, 32, 32), torch.float16),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("gate, chunk, sizes, dtype", CHUNK_SIZE_CASES,
+                         ids=[f"{g}-BT{c}-T{s[1]}-{str(d)[6:]}" for g, c, s, d in CHUNK_SIZE_CASES])
+def test_kernels_match_float64_recurrence_on_aligned_keys(gate, chunk, sizes, dtype):
+    inputs, kwargs = aligned_keys_case(sizes, gate, {"initial_state": True}, seed=sizes[1] + chunk)
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)

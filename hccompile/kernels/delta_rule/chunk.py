@@ -114,15 +114,6 @@ if triton is not None:
             width = K
         return (batch * T * HV + head) * width
 
-    @triton.jit
-    def _column(matrix, index, axis_ids):
-        """matrix[:, index] as a vector (Triton tiles cannot be indexed by a runtime value)."""
-        return tl.sum(tl.where(axis_ids[None, :] == index, matrix, 0.0), axis=1)
-
-    @triton.jit
-    def _row(matrix, index, axis_ids):
-        return tl.sum(tl.where(axis_ids[:, None] == index, matrix, 0.0), axis=0)
-
     # ------------------------------------------------------------------------------------
     # 1. gate_cumsum
 
@@ -259,32 +250,49 @@ if triton is not None:
     # 3. wy_solve
 
     @triton.jit
-    def _unit_lower_inverse(lower, local, BT: tl.constexpr, BC: tl.constexpr):
-        """(I + lower)^-1 for a strictly lower-triangular [BT, BT] tile.
+    def _substitution_step(inverse, kdot_ptr, beta_ptr, stride_bt, start, first, length, row_stride, r,
+                           BC: tl.constexpr):
+        """Row r of (I + L_bb)^-1, for the [BC, BC] diagonal block of L = diag(beta) Kdot whose first row is `first`.
 
-        The BC x BC diagonal blocks are inverted together by forward substitution (row i
-        of every block per step: row i of (I + L)^-1 is e_i - sum_{j<i} L_ij row_j, and the
-        rows j < i are final by then). With D^-1 that block-diagonal inverse and N = D^-1 L_off
-        (L_off: the blocks below the diagonal, so N^(BT/BC) = 0), the inverse is the finite
-        series sum_m (-N)^m D^-1, summed Horner-style with BT/BC - 1 matrix products.
-        Exact fp32 products even for half inputs: every later product goes through this inverse.
+        Forward substitution: row r of the inverse is e_r - sum_{j<r} L_rj row_j, and rows j < r
+        are final once steps 1..r-1 ran on `inverse` (which starts as the identity). Row r of L is
+        read from kdot (a cached [BC] load), so a step costs one [BC, BC] multiply-reduce.
+        Elementwise fp32: every later product goes through this inverse. Rows past `length` stay
+        unit rows.
         """
-        same_block = (local[:, None] // BC) == (local[None, :] // BC)
-        diagonal_part = tl.where(same_block, lower, 0.0)
-        inverse = tl.where(local[:, None] == local[None, :], 1.0, 0.0)
-        position = local % BC
-        for i in range(1, BC):
-            rows_now = position == i
-            l_rows = tl.where(rows_now[:, None], diagonal_part, 0.0)
-            new_rows = -tl.dot(l_rows, inverse, input_precision="ieee")
-            inverse = tl.where(rows_now[:, None], new_rows + tl.where(local[:, None] == local[None, :], 1.0, 0.0),
-                               inverse)
-        if BT > BC:
-            block_inverse = inverse
-            coupling = tl.dot(block_inverse, tl.where(same_block, 0.0, lower), input_precision="ieee")
-            for _ in range(1, BT // BC):
-                inverse = block_inverse - tl.dot(coupling, inverse, input_precision="ieee")
-        return inverse
+        sub = tl.arange(0, BC)
+        t = first + r
+        row_valid = t < length
+        token = start + t
+        l_row = tl.load(kdot_ptr + token * row_stride + first + sub, mask=row_valid & (sub < r), other=0.0)
+        beta_t = tl.load(beta_ptr + token * stride_bt, mask=row_valid, other=0.0).to(tl.float32)
+        new_row = -beta_t * tl.sum(l_row[:, None] * inverse, axis=0)
+        return tl.where(sub[:, None] == r, inverse + new_row[None, :], inverse)
+
+    @triton.jit
+    def _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, block_i, block_j,
+                     BT: tl.constexpr, BC: tl.constexpr):
+        """The [BC, BC] block (block_i > block_j) of L = diag(beta) Kdot, zero in rows past `length`."""
+        rows = block_i * BC + tl.arange(0, BC)
+        cols = block_j * BC + tl.arange(0, BC)
+        valid = rows < length
+        beta = tl.load(beta_ptr + (start + rows) * stride_bt, mask=valid, other=0.0).to(tl.float32)
+        return _load_rows(kdot_ptr, start + rows, cols, row_stride, 1, valid, BT) * beta[:, None]
+
+    @triton.jit
+    def _store_block(a_ptr, block, start, length, row_stride, block_i, block_j, BT: tl.constexpr,
+                     BC: tl.constexpr):
+        rows = block_i * BC + tl.arange(0, BC)
+        cols = block_j * BC + tl.arange(0, BC)
+        _store_rows(a_ptr, block, start + rows, cols, row_stride, 1, rows < length, BT)
+
+    @triton.jit
+    def _off_diagonal_block(a_ii, coupled):
+        """A_ij = -A_ii sum_{j<=m<i} L_im A_mj, given that sum: row block i of (I + L) A = 0 off the diagonal.
+
+        Exact fp32 products of [BC, BC] tiles (cheap at this size); the inverse feeds every later product.
+        """
+        return -tl.dot(a_ii, coupled, input_precision="ieee")
 
     @triton.jit
     def _wy_solve_kernel(
@@ -302,7 +310,14 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """A = (I + diag(beta) Kdot)^-1 by forward substitution; W = A diag(beta)(K e^G); U~ = A diag(beta) V."""
+        """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V.
+
+        The NS = BT / BC <= 4 diagonal [BC, BC] blocks are inverted by forward substitution,
+        the blocks below them by the block recurrence of _off_diagonal_block ([BC, BC] products
+        only), and every block is stored to `a_ptr`. The program then reads its whole [BT, BT]
+        A back (the barrier makes its own stores visible) for the tensor-core W and U~ products.
+        """
+        tl.static_assert(BT // BC <= 4, "wy_solve handles at most four sub-chunks per chunk")
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
@@ -311,17 +326,67 @@ if triton is not None:
         v_ptr += batch * stride_vb + head * stride_vh
         beta_ptr += batch * stride_bb + head * stride_bh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        square_offset = (batch * T) * HV * BT + head * BT
+        kdot_ptr += square_offset
+        a_ptr += square_offset
+        row_stride = HV * BT
+        NS: tl.constexpr = BT // BC
+
+        # The diagonal blocks' substitutions are independent chains: one loop runs them side by side.
+        sub = tl.arange(0, BC)
+        a00 = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
+        a11 = a00
+        a22 = a00
+        a33 = a00
+        for r in range(1, BC):
+            a00 = _substitution_step(a00, kdot_ptr, beta_ptr, stride_bt, start, 0, length, row_stride, r, BC)
+            if NS >= 2:
+                a11 = _substitution_step(a11, kdot_ptr, beta_ptr, stride_bt, start, BC, length, row_stride, r, BC)
+            if NS >= 4:
+                a22 = _substitution_step(a22, kdot_ptr, beta_ptr, stride_bt, start, 2 * BC, length, row_stride, r,
+                                         BC)
+                a33 = _substitution_step(a33, kdot_ptr, beta_ptr, stride_bt, start, 3 * BC, length, row_stride, r,
+                                         BC)
+        _store_block(a_ptr, a00, start, length, row_stride, 0, 0, BT, BC)
+        if NS >= 2:
+            l10 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 1, 0, BT, BC)
+            a10 = _off_diagonal_block(a11, tl.dot(l10, a00, input_precision="ieee"))
+            _store_block(a_ptr, a11, start, length, row_stride, 1, 1, BT, BC)
+            _store_block(a_ptr, a10, start, length, row_stride, 1, 0, BT, BC)
+        if NS >= 4:
+            l20 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 0, BT, BC)
+            l21 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 1, BT, BC)
+            l30 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 0, BT, BC)
+            l31 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 1, BT, BC)
+            l32 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 2, BT, BC)
+            a21 = _off_diagonal_block(a22, tl.dot(l21, a11, input_precision="ieee"))
+            a32 = _off_diagonal_block(a33, tl.dot(l32, a22, input_precision="ieee"))
+            a20 = _off_diagonal_block(a22, tl.dot(l20, a00, input_precision="ieee")
+                                      + tl.dot(l21, a10, input_precision="ieee"))
+            a31 = _off_diagonal_block(a33, tl.dot(l31, a11, input_precision="ieee")
+                                      + tl.dot(l32, a21, input_precision="ieee"))
+            a30 = _off_diagonal_block(a33, tl.dot(l30, a00, input_precision="ieee")
+                                      + tl.dot(l31, a10, input_precision="ieee")
+                                      + tl.dot(l32, a20, input_precision="ieee"))
+            _store_block(a_ptr, a22, start, length, row_stride, 2, 2, BT, BC)
+            _store_block(a_ptr, a33, start, length, row_stride, 3, 3, BT, BC)
+            _store_block(a_ptr, a21, start, length, row_stride, 2, 1, BT, BC)
+            _store_block(a_ptr, a32, start, length, row_stride, 3, 2, BT, BC)
+            _store_block(a_ptr, a20, start, length, row_stride, 2, 0, BT, BC)
+            _store_block(a_ptr, a31, start, length, row_stride, 3, 1, BT, BC)
+            _store_block(a_ptr, a30, start, length, row_stride, 3, 0, BT, BC)
+        # The blocks above the diagonal are zero; written so that A is complete in memory.
+        zero_block = tl.zeros([BC, BC], dtype=tl.float32)
+        for block_i in tl.static_range(NS):
+            for block_j in tl.static_range(block_i + 1, NS):
+                _store_block(a_ptr, zero_block, start, length, row_stride, block_i, block_j, BT, BC)
+        tl.debug_barrier()
 
         local = tl.arange(0, BT)
         valid = local < length
         tokens = start + local
+        inverse = _load_rows(a_ptr, tokens, local, row_stride, 1, valid, BT)
         beta = tl.load(beta_ptr + tokens * stride_bt, mask=valid, other=0.0).to(tl.float32)
-        square_offset = (batch * T) * HV * BT + head * BT
-        kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
-        lower = tl.where(local[:, None] > local[None, :], beta[:, None] * kdot, 0.0)
-        inverse = _unit_lower_inverse(lower, local, BT, BC)
-        _store_rows(a_ptr + square_offset, inverse, tokens, local, HV * BT, 1, valid, BT)
-
         if GATE == 1:
             gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))
         for k0 in range(0, K, BK):
@@ -626,53 +691,71 @@ if triton is not None:
             inverse_t_du = tl.dot(tl.trans(inverse), du, input_precision=DOT_PRECISION)
             _store_rows(dv_ptr, inverse_t_du * beta[:, None], tokens, vc, stride_dvt, stride_dvv, valid, V)
             dbeta += tl.sum(v_tile * inverse_t_du, axis=1)
+        # Stored now rather than at the end: one [BT, BT] tile fewer held through the key loop.
+        d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
+        _store_rows(dscores_ptr + square_offset, d_scores, tokens, local, HV * BT, 1, valid, BT)
 
         dg_scalar = tl.zeros([BT], dtype=tl.float32)
+        # Per key tile, three passes over the value tiles, one accumulator each (dW, dQ's state
+        # term, dK's end-state term), each used up before the next: fewer [BT, BK] tiles live at
+        # once than in one pass, for two more reads of the (cached) h tiles.
         for k0 in range(0, K, BK):
             kc = k0 + tl.arange(0, BK)
-            dw = tl.zeros([BT, BK], dtype=tl.float32)
-            dq_state = tl.zeros([BT, BK], dtype=tl.float32)
-            dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
-            dg_whole = tl.zeros([BK], dtype=tl.float32)
-            for v0 in range(0, V, BV):
-                vc = v0 + tl.arange(0, BV)
-                state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
-                dstate = _load_rows(dh_ptr, kc, vc, V, 1, kc < K, V)
-                u = _load_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
-                du = _load_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
-                do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
-                dw -= tl.dot(du, tl.trans(state), input_precision=DOT_PRECISION)
-                dq_state += tl.dot(do_tile, tl.trans(state), input_precision=DOT_PRECISION)
-                dk_to_end += tl.dot(u, tl.trans(dstate), input_precision=DOT_PRECISION)
-                dg_whole += tl.sum(state * dstate, axis=1)
             k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
             if GATE == 2:
-                g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
-                gamma = tl.exp(g)
+                gamma = tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
             elif GATE == 1:
                 gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
             else:
                 gamma = tl.full([BT, 1], 1.0, dtype=tl.float32)
+            # Through W = A diag(beta)(K e^G) and U = U~ - W h.
+            dw = tl.zeros([BT, BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                du = _load_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                dw -= tl.dot(du, tl.trans(state), input_precision=DOT_PRECISION)
             d_inverse += tl.dot(dw, tl.trans(k_tile * gamma * beta[:, None]), input_precision=DOT_PRECISION)
             inverse_t_dw = tl.dot(tl.trans(inverse), dw, input_precision=DOT_PRECISION)
-            dk = inverse_t_dw * gamma * beta[:, None]
             dbeta += tl.sum(inverse_t_dw * gamma * k_tile, axis=1)
+            dk = inverse_t_dw * gamma * beta[:, None]
+            # dG_t = k_t dk_t + q_t dq_t, less the end-state term of dk (whose G dependence is
+            # through G_last - G_t), plus that term's G_last part on the chunk's last row.
+            dg = k_tile * dk
+            # Through O's (Q e^G) h.
+            dq_state = tl.zeros([BT, BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+                dq_state += tl.dot(do_tile, tl.trans(state), input_precision=DOT_PRECISION)
             dq = scale * gamma * dq_state
+            _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
+            # Through S_end = e^G_last S + (K e^(G_last - G))^T U.
+            dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
+            dg_whole = tl.zeros([BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                dstate = _load_rows(dh_ptr, kc, vc, V, 1, kc < K, V)
+                u = _load_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                dk_to_end += tl.dot(u, tl.trans(dstate), input_precision=DOT_PRECISION)
+                if GATE != 0:
+                    state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                    dg_whole += tl.sum(state * dstate, axis=1)
             if GATE != 0:
+                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                dg += q_tile * dq
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
-                k_to_end_grad = k_tile * to_end * dk_to_end
-                dg = k_tile * dk + q_tile * dq - k_to_end_grad
+                dk_to_end *= to_end
+                k_to_end_grad = k_tile * dk_to_end
+                dg -= k_to_end_grad
                 dg_last = tl.sum(k_to_end_grad, axis=0) + whole * dg_whole
                 dg += tl.where(local[:, None] == length - 1, dg_last[None, :], 0.0)
                 if GATE == 2:
                     _store_rows(dg_ptr, dg, tokens, kc, HV * K, 1, valid, K)
                 else:
                     dg_scalar += tl.sum(dg, axis=1)
-            else:
-                to_end = tl.full([BT, 1], 1.0, dtype=tl.float32)
-            dk += to_end * dk_to_end
-            _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
+            dk += dk_to_end
             _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
         if GATE == 1:
             tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
@@ -687,11 +770,140 @@ if triton is not None:
         tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
                  dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
         _store_rows(dkdot_ptr + square_offset, d_lower * beta[:, None], tokens, local, HV * BT, 1, valid, BT)
-        d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
-        _store_rows(dscores_ptr + square_offset, d_scores, tokens, local, HV * BT, 1, valid, BT)
 
     # ------------------------------------------------------------------------------------
     # Backward 3. decayed_scores_backward
+
+    @triton.jit
+    def _whole_chunk_scores_backward(
+        q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
+        stride_qt, stride_qk, stride_kt, stride_kk,
+        start, length, key_offset, HV, K,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """No gate or a scalar one: the decays of Kdot and P are one [BT, BT] tile, applied to
+        dKdot and dP once; each key tile then takes four products (rows: dP K, dKdot K;
+        columns: dKdot^T K + dP^T Q)."""
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        dkdot = _load_rows(dkdot_ptr, tokens, local, HV * BT, 1, valid, BT)
+        dscores = _load_rows(dscores_ptr, tokens, local, HV * BT, 1, valid, BT)
+        if GATE == 1:
+            g = tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0)
+            visible = (local[:, None] >= local[None, :]) & valid[:, None] & valid[None, :]
+            decay = tl.exp(tl.where(visible, g[:, None] - g[None, :], float("-inf")))
+            dkdot *= decay
+            dscores *= decay
+        dg_scalar = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            # dq first, then dk: fewer [BT, BK] tiles live at once.
+            dq_pair = tl.dot(dscores, k_tile, input_precision=DOT_PRECISION)
+            if GATE == 1:
+                dg_scalar += tl.sum(q_tile * dq_pair, axis=1)
+            dq = _load_rows(dq_ptr + key_offset, tokens, kc, HV * K, 1, valid, K) + dq_pair
+            _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
+            dk_rows = tl.dot(dkdot, k_tile, input_precision=DOT_PRECISION)
+            dk_cols = tl.dot(tl.trans(dkdot), k_tile, input_precision=DOT_PRECISION)
+            dk_cols += tl.dot(tl.trans(dscores), q_tile, input_precision=DOT_PRECISION)
+            if GATE == 1:
+                dg_scalar += tl.sum(k_tile * (dk_rows - dk_cols), axis=1)
+            dk = _load_rows(dk_ptr + key_offset, tokens, kc, HV * K, 1, valid, K) + dk_rows + dk_cols
+            _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
+        if GATE == 1:
+            dg_ptrs = dg_ptr + tokens * HV
+            tl.store(dg_ptrs, tl.load(dg_ptrs, mask=valid, other=0.0) + dg_scalar, mask=valid)
+
+    @triton.jit
+    def _sub_chunk_scores_backward(
+        q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
+        stride_qt, stride_qk, stride_kt, stride_kk,
+        start, length, key_offset, block_b, HV, K,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+        BK: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Per-channel gates, rows of sub-chunk b: the factored off-diagonal blocks as products,
+        the diagonal block (b, b) exactly, one column s per step.
+
+        A diagonal step serves both roles of column s: e^(G_t - G_s) for the rows t >= s of the
+        block gives the row terms dP[t,s] k_s and dKdot[t,s] k_s, and, summed over t, the
+        column term dk_s += sum_t (dKdot[t,s] k_t + dP[t,s] q_t) e^(G_t - G_s).
+        """
+        NS: tl.constexpr = BT // BC
+        sub = tl.arange(0, BC)
+        rows_b = block_b * BC + sub
+        valid_b = rows_b < length
+        tokens_b = start + rows_b
+        first_b = start + block_b * BC
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            q_b = _load_rows(q_ptr, tokens_b, kc, stride_qt, stride_qk, valid_b, K)
+            k_b = _load_rows(k_ptr, tokens_b, kc, stride_kt, stride_kk, valid_b, K)
+            g_b = _load_rows(cum_ptr, tokens_b, kc, HV * K, 1, valid_b, K)
+            # Row role, blocks (b, j < b), factored through the first row r of sub-chunk b:
+            # e^(G_t - G_s) = e^(G_t - G_r) e^(G_r - G_s), both <= 1; the first factor is common.
+            g_r = _load_vector(cum_ptr, first_b, kc, HV * K, 1, block_b * BC < length, K)
+            dq_pair = tl.zeros([BC, BK], dtype=tl.float32)
+            dk_rows = tl.zeros([BC, BK], dtype=tl.float32)
+            for block_j in range(0, block_b):
+                cols = block_j * BC + sub
+                # Sub-chunks before b are whole.
+                k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, cols < length, K)
+                g_j = _load_rows(cum_ptr, start + cols, kc, HV * K, 1, cols < length, K)
+                k_j_decayed = k_j * tl.exp(g_r[None, :] - g_j)
+                dkdot = _load_rows(dkdot_ptr, tokens_b, cols, HV * BT, 1, valid_b, BT)
+                dscores = _load_rows(dscores_ptr, tokens_b, cols, HV * BT, 1, valid_b, BT)
+                dq_pair += tl.dot(dscores, k_j_decayed, input_precision=DOT_PRECISION)
+                dk_rows += tl.dot(dkdot, k_j_decayed, input_precision=DOT_PRECISION)
+            row_decay = tl.exp(tl.where(valid_b[:, None], g_b - g_r[None, :], 0.0))
+            dq_pair *= row_decay
+            dk_rows *= row_decay
+            # Column role, blocks (i > b, b), factored through the first row of sub-chunk i.
+            dk_cols = tl.zeros([BC, BK], dtype=tl.float32)
+            for block_i in range(block_b + 1, NS):
+                if block_i * BC < length:
+                    rows_i = block_i * BC + sub
+                    valid_i = rows_i < length
+                    q_i = _load_rows(q_ptr, start + rows_i, kc, stride_qt, stride_qk, valid_i, K)
+                    k_i = _load_rows(k_ptr, start + rows_i, kc, stride_kt, stride_kk, valid_i, K)
+                    g_i = _load_rows(cum_ptr, start + rows_i, kc, HV * K, 1, valid_i, K)
+                    g_ri = _load_vector(cum_ptr, start + block_i * BC, kc, HV * K, 1, block_i * BC < length, K)
+                    row_decay_i = tl.exp(tl.where(valid_i[:, None], g_i - g_ri[None, :], 0.0))
+                    dkdot = _load_rows(dkdot_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
+                    dscores = _load_rows(dscores_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
+                    pulled = tl.dot(tl.trans(dkdot), k_i * row_decay_i, input_precision=DOT_PRECISION)
+                    pulled += tl.dot(tl.trans(dscores), q_i * row_decay_i, input_precision=DOT_PRECISION)
+                    col_decay = tl.exp(tl.where(valid_b[:, None], g_ri[None, :] - g_b, 0.0))
+                    dk_cols += col_decay * pulled
+            # Diagonal block (b, b).
+            for c in range(BC):
+                s = block_b * BC + c
+                s_valid = s < length
+                k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
+                g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
+                visible = (rows_b >= s) & valid_b
+                decay = tl.exp(tl.where(visible[:, None], g_b - g_s[None, :], float("-inf")))
+                dkdot_s = tl.load(dkdot_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
+                dscores_s = tl.load(dscores_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
+                dq_pair += dscores_s[:, None] * (k_s[None, :] * decay)
+                dk_rows += dkdot_s[:, None] * (k_s[None, :] * decay)
+                pulled_s = tl.sum((dkdot_s[:, None] * k_b + dscores_s[:, None] * q_b) * decay, axis=0)
+                dk_cols += tl.where(sub[:, None] == c, pulled_s[None, :], 0.0)
+            dq = _load_rows(dq_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dq_pair
+            dk = _load_rows(dk_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dk_rows + dk_cols
+            _store_rows(dq_ptr + key_offset, dq, tokens_b, kc, HV * K, 1, valid_b, K)
+            _store_rows(dk_ptr + key_offset, dk, tokens_b, kc, HV * K, 1, valid_b, K)
+            dg = _load_rows(dg_ptr, tokens_b, kc, HV * K, 1, valid_b, K)
+            dg += q_b * dq_pair + k_b * (dk_rows - dk_cols)
+            _store_rows(dg_ptr, dg, tokens_b, kc, HV * K, 1, valid_b, K)
 
     @triton.jit
     def _decayed_scores_backward_kernel(
@@ -711,12 +923,12 @@ if triton is not None:
 
         Kdot[t,s] and P[t,s] pair row t with column s through e^(G_t - G_s), so sub-chunk b
         collects its row role (blocks (b, j <= b)) and its column role (blocks (i >= b, b)),
-        and dG_t = q_t dq_t + k_t dk_t(rows) - k_t dk_t(columns) per channel.
+        and dG_t = q_t dq_t + k_t dk_t(rows) - k_t dk_t(columns) per channel. Without
+        per-channel gates the sub-chunk is the whole chunk (BC == BT).
         """
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         block_b = tl.program_id(2)
-        NS: tl.constexpr = BT // BC
         batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
@@ -728,112 +940,20 @@ if triton is not None:
         dkdot_ptr += square_ptr_offset
         dscores_ptr += square_ptr_offset
         key_offset = (batch * T) * HV * K + head * K
-
-        sub = tl.arange(0, BC)
-        rows_b = block_b * BC + sub
-        valid_b = rows_b < length
         if block_b * BC < length:
-            if GATE == 1:
-                g_b_scalar = tl.load(cum_ptr + (start + rows_b) * HV, mask=valid_b, other=0.0)
-            dg_scalar = tl.zeros([BC], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kc = k0 + tl.arange(0, BK)
-                q_b = _load_rows(q_ptr, start + rows_b, kc, stride_qt, stride_qk, valid_b, K)
-                k_b = _load_rows(k_ptr, start + rows_b, kc, stride_kt, stride_kk, valid_b, K)
-                if GATE == 2:
-                    g_b = _load_rows(cum_ptr, start + rows_b, kc, HV * K, 1, valid_b, K)
-                dq_pair = tl.zeros([BC, BK], dtype=tl.float32)
-                dk_rows = tl.zeros([BC, BK], dtype=tl.float32)
-                dk_cols = tl.zeros([BC, BK], dtype=tl.float32)
-                # Row role: blocks (b, j) with j <= b.
-                for block_j in range(0, block_b + 1):
-                    cols = block_j * BC + sub
-                    col_valid = cols < length
-                    k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
-                    dkdot = _load_rows(dkdot_ptr, start + rows_b, cols, HV * BT, 1, valid_b, BT)
-                    dscores = _load_rows(dscores_ptr, start + rows_b, cols, HV * BT, 1, valid_b, BT)
-                    if GATE == 2:
-                        if block_j < block_b:
-                            g_j = _load_rows(cum_ptr, start + cols, kc, HV * K, 1, col_valid, K)
-                            g_r = _load_vector(cum_ptr, start + block_b * BC, kc, HV * K, 1, block_b * BC < length, K)
-                            row_decay = tl.exp(tl.where(valid_b[:, None], g_b - g_r[None, :], 0.0))
-                            k_j_decayed = k_j * tl.exp(tl.where(col_valid[:, None], g_r[None, :] - g_j, 0.0))
-                            dq_pair += row_decay * tl.dot(dscores, k_j_decayed, input_precision=DOT_PRECISION)
-                            dk_rows += row_decay * tl.dot(dkdot, k_j_decayed, input_precision=DOT_PRECISION)
-                        else:
-                            for c in range(BC):
-                                s = block_j * BC + c
-                                s_valid = s < length
-                                k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
-                                g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
-                                visible = (rows_b >= s) & valid_b
-                                decay = tl.exp(tl.where(visible[:, None], g_b - g_s[None, :], float("-inf")))
-                                weighted = k_s[None, :] * decay
-                                dq_pair += _column(dscores, c, sub)[:, None] * weighted
-                                dk_rows += _column(dkdot, c, sub)[:, None] * weighted
-                    else:
-                        if GATE == 1:
-                            g_j = tl.load(cum_ptr + (start + cols) * HV, mask=col_valid, other=0.0)
-                            visible = (rows_b[:, None] >= cols[None, :]) & valid_b[:, None] & col_valid[None, :]
-                            decay = tl.exp(tl.where(visible, g_b_scalar[:, None] - g_j[None, :], float("-inf")))
-                            dscores *= decay
-                            dkdot *= decay
-                        dq_pair += tl.dot(dscores, k_j, input_precision=DOT_PRECISION)
-                        dk_rows += tl.dot(dkdot, k_j, input_precision=DOT_PRECISION)
-                # Column role: blocks (i, b) with i >= b.
-                for block_i in range(block_b, NS):
-                    rows_i = block_i * BC + sub
-                    valid_i = rows_i < length
-                    if block_i * BC < length:
-                        q_i = _load_rows(q_ptr, start + rows_i, kc, stride_qt, stride_qk, valid_i, K)
-                        k_i = _load_rows(k_ptr, start + rows_i, kc, stride_kt, stride_kk, valid_i, K)
-                        dkdot = _load_rows(dkdot_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
-                        dscores = _load_rows(dscores_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
-                        if GATE == 2:
-                            if block_i > block_b:
-                                g_i = _load_rows(cum_ptr, start + rows_i, kc, HV * K, 1, valid_i, K)
-                                g_r = _load_vector(cum_ptr, start + block_i * BC, kc, HV * K, 1,
-                                                   block_i * BC < length, K)
-                                row_decay = tl.exp(tl.where(valid_i[:, None], g_i - g_r[None, :], 0.0))
-                                col_decay = tl.exp(tl.where(valid_b[:, None], g_r[None, :] - g_b, 0.0))
-                                pulled = tl.dot(tl.trans(dkdot), k_i * row_decay, input_precision=DOT_PRECISION)
-                                pulled += tl.dot(tl.trans(dscores), q_i * row_decay, input_precision=DOT_PRECISION)
-                                dk_cols += col_decay * pulled
-                            else:
-                                for r in range(BC):
-                                    t = block_b * BC + r
-                                    t_valid = t < length
-                                    k_t = _load_vector(k_ptr, start + t, kc, stride_kt, stride_kk, t_valid, K)
-                                    q_t = _load_vector(q_ptr, start + t, kc, stride_qt, stride_qk, t_valid, K)
-                                    g_t = _load_vector(cum_ptr, start + t, kc, HV * K, 1, t_valid, K)
-                                    visible = (rows_b <= t) & t_valid
-                                    decay = tl.exp(tl.where(visible[:, None], g_t[None, :] - g_b, float("-inf")))
-                                    pulled = _row(dkdot, r, sub)[:, None] * k_t[None, :]
-                                    pulled += _row(dscores, r, sub)[:, None] * q_t[None, :]
-                                    dk_cols += pulled * decay
-                        else:
-                            if GATE == 1:
-                                g_i = tl.load(cum_ptr + (start + rows_i) * HV, mask=valid_i, other=0.0)
-                                visible = (rows_i[:, None] >= rows_b[None, :]) & valid_i[:, None] & valid_b[None, :]
-                                decay = tl.exp(tl.where(visible, g_i[:, None] - g_b_scalar[None, :], float("-inf")))
-                                dscores *= decay
-                                dkdot *= decay
-                            dk_cols += tl.dot(tl.trans(dkdot), k_i, input_precision=DOT_PRECISION)
-                            dk_cols += tl.dot(tl.trans(dscores), q_i, input_precision=DOT_PRECISION)
-                dq = _load_rows(dq_ptr + key_offset, start + rows_b, kc, HV * K, 1, valid_b, K) + dq_pair
-                dk = _load_rows(dk_ptr + key_offset, start + rows_b, kc, HV * K, 1, valid_b, K) + dk_rows + dk_cols
-                _store_rows(dq_ptr + key_offset, dq, start + rows_b, kc, HV * K, 1, valid_b, K)
-                _store_rows(dk_ptr + key_offset, dk, start + rows_b, kc, HV * K, 1, valid_b, K)
-                if GATE != 0:
-                    dg_pair = q_b * dq_pair + k_b * (dk_rows - dk_cols)
-                    if GATE == 2:
-                        dg = _load_rows(dg_ptr, start + rows_b, kc, HV * K, 1, valid_b, K) + dg_pair
-                        _store_rows(dg_ptr, dg, start + rows_b, kc, HV * K, 1, valid_b, K)
-                    else:
-                        dg_scalar += tl.sum(dg_pair, axis=1)
-            if GATE == 1:
-                dg_ptrs = dg_ptr + (start + rows_b) * HV
-                tl.store(dg_ptrs, tl.load(dg_ptrs, mask=valid_b, other=0.0) + dg_scalar, mask=valid_b)
+            if GATE == 2:
+                _sub_chunk_scores_backward(
+                    q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
+                    stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, block_b, HV, K,
+                    BT, BC, BK, DOT_PRECISION,
+                )
+            else:
+                tl.static_assert(BC == BT, "without per-channel gates the sub-chunk is the whole chunk")
+                _whole_chunk_scores_backward(
+                    q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
+                    stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, HV, K,
+                    GATE, BT, BK, DOT_PRECISION,
+                )
 
     # ------------------------------------------------------------------------------------
     # In-kernel l2norm of q and k
@@ -937,6 +1057,18 @@ def _state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, in
 
 # Same reason: three stages of the wy_backward tiles took up to 208 KiB at sm_90.
 WY_BACKWARD_STAGES = 2
+# wy_backward holds A, dA and [BT, BK] accumulators next to the tiles it reads: compiled for
+# sm_90 (Triton 3.8, BT = BK = BV = 64, bf16 inputs with l2norm), 4 warps spilled 1.2-1.5 KiB per
+# thread, 8 warps 112-232 bytes (128 KiB shared memory either way).
+WY_BACKWARD_WARPS = 8
+
+
+def _scores_backward_options(gate: str) -> dict[str, int]:
+    """num_warps of decayed_scores_backward. Without per-channel gates a program holds the whole
+    chunk's [BT, BT] dKdot and dP next to four [BT, BK] products: at BT = BK = 64 (sm_90, Triton 3.8)
+    4 warps spilled 264 bytes per thread, 8 warps none. Per-channel gates work on [BC, BK] tiles
+    and did not spill at 4 warps."""
+    return {"num_warps": 4 if gate == "channel" else 8}
 
 
 @dataclass
@@ -1278,14 +1410,14 @@ def chunk_delta_rule_bwd(
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
             *dbeta.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES, **common,
+            BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES, num_warps=WY_BACKWARD_WARPS, **common,
         )
         sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
         _decayed_scores_backward_kernel[(plan.num_chunks, value_heads, chunk // sub_chunk)](
             fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
             *fwd.q.stride(), *fwd.k.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim,
-            BC=sub_chunk, BK=block_k, **common,
+            BC=sub_chunk, BK=block_k, **_scores_backward_options(problem.gate), **common,
         )
     else:
         dq_heads.zero_()

@@ -56,6 +56,7 @@ from .chunk import (
     STATE_TILE_ELEMENTS,
     SUB_CHUNK,
     WY_BACKWARD_STAGES,
+    WY_BACKWARD_WARPS,
     _block,
     _check_kernel_inputs,
     _decayed_scores_backward_kernel,
@@ -66,6 +67,7 @@ from .chunk import (
     _l2norm_forward,
     _output_kernel,
     _Plan,
+    _scores_backward_options,
     _state_backward_kernel,
     _state_forward_kernel,
     _state_launch_options,
@@ -831,14 +833,15 @@ class CPBackward(CPForward):
             *intra.q.stride(), *intra.k.stride(), *local.v.stride(), *local.beta.stride(), *self.do.stride(),
             *self.dv.stride(), *self.dbeta.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-            problem.value_dim, local.scale, BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES, **common,
+            problem.value_dim, local.scale, BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES,
+            num_warps=WY_BACKWARD_WARPS, **common,
         )
         sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
         _decayed_scores_backward_kernel[(last - first, problem.value_heads, chunk // sub_chunk)](
             intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads, self.dk_heads, self.dcum,
             *intra.q.stride(), *intra.k.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-            BC=sub_chunk, BK=block_k, **common,
+            BC=sub_chunk, BK=block_k, **_scores_backward_options(problem.gate), **common,
         )
 
     def _sweep_backward(self, incoming, outgoing) -> None:
