@@ -53,8 +53,8 @@ def test_model_compiled_on_cuda_bf16_matches_eager():
         ref, (rx,) = fwd_bwd(m32, x.float())
         m.to(torch.bfloat16)
         assert len(be.matches) == 2, be.refusals
-        assert be.ops("forward").count("hccompile.causal_linear_attn.default") == 2
-        assert be.ops("backward").count("hccompile.causal_linear_attn_backward.default") == 2
+        assert be.ops("forward").count("hccompile.lightning_attn.default") == 2
+        assert be.ops("backward").count("hccompile.lightning_attn_backward.default") == 2
         assert rel_err(out, ref) < 2e-2 and rel_err(gx, rx) < 5e-2
 
 
