@@ -37,15 +37,15 @@ def test_dump_directory_contents(tmp_path):
     before = (g / "dynamo.linear_attn.dynamo.before.py").read_text()
     after = (g / "dynamo.linear_attn.dynamo.after.py").read_text()
     assert "tril" in before and "hccompile.causal_linear_attn" not in before
-    assert "hccompile.causal_linear_attn" in after
-    assert "causal_linear_attn_backward" in (g / "aot_backward.py").read_text()
+    assert "hccompile.lightning_attn" in after
+    assert "lightning_attn_backward" in (g / "aot_backward.py").read_text()
 
     report = json.loads((g / "report.json").read_text())
     la = [p for p in report["passes"] if p["name"] == "linear_attn"][0]
     assert la["changed"] and len(la["matches"]) == 1 and len(la["refusals"]) == 1
     assert "softmax" in la["refusals"][0]["reason"]
-    assert report["lowered_ops"]["forward"] == ["hccompile.causal_linear_attn.default"]
-    assert report["lowered_ops"]["backward"] == ["hccompile.causal_linear_attn_backward.default"]
+    assert report["lowered_ops"]["forward"] == ["hccompile.lightning_attn.default"]
+    assert report["lowered_ops"]["backward"] == ["hccompile.lightning_attn_backward.default"]
     assert report["timings_s"]["inductor forward"] > 0
     md = (g / "report.md").read_text()
     assert "## Matched" in md and "## Refused" in md and "softmax" in md
@@ -68,7 +68,7 @@ def test_explain_returns_report_without_dump_dir(tmp_path, monkeypatch):
     assert [m["pattern"] for m in report.matches] == ["causal_linear_attn"]
     assert any("softmax" in r["reason"] for r in report.refusals)
     g = report.graphs[0]
-    assert g.lowered_ops.get("backward") == ["hccompile.causal_linear_attn_backward.default"] or \
+    assert g.lowered_ops.get("backward") == ["hccompile.lightning_attn_backward.default"] or \
         "backward" in g.cache_hits
     assert "## Matched" in str(report)
     assert list(tmp_path.iterdir()) == []  # nothing written

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from helpers import Collect, fwd_bwd, rel_err
 
-OP = "hccompile.causal_linear_attn.default"
-OP_BWD = "hccompile.causal_linear_attn_backward.default"
+OP = "hccompile.lightning_attn.default"
+OP_BWD = "hccompile.lightning_attn_backward.default"
 
 
 def _mask(T, device):
@@ -80,7 +80,7 @@ def test_form_is_lowered_and_matches_eager(fn):
     out, grads = fwd_bwd(compiled, q, k, v)
     ref, ref_grads = fwd_bwd(fn, q, k, v)
     assert [m["pattern"] for m in be.matches] == ["causal_linear_attn"], be.refusals
-    assert [m["op"] for m in be.matches] == ["causal_linear_attn"]
+    assert [m["op"] for m in be.matches] == ["lightning_attn"]
     assert be.ops("dynamo") == [] and not be.refusals
     assert rel_err(out, ref) < 1e-5
     for g, r in zip(grads, ref_grads):
