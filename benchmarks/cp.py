@@ -210,11 +210,16 @@ def main() -> None:
         pass
     rows = []
 
-    def record(**row):
+    out = Path(args.out)
+
+    def record(**row):  # appended as measured: a run cut by a time limit keeps its rows
         row = {**meta, **row}
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
 
     for op in args.ops.split(","):
         for layout in args.layouts.split(","):
@@ -282,11 +287,6 @@ def main() -> None:
                 record(variant="fla", error=f"skipped: {fla_note}", **common)
 
     if rank == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
         table = markdown(rows)
         out.with_suffix(".md").write_text(table)
         print(table)

@@ -132,6 +132,17 @@ def plain(gate: str, how: str):
     return torch.compile(fn, backend=how, fullgraph=True)
 
 
+def emit(rows: list, row: dict, out: str | None) -> None:
+    """Keeps, prints and appends a row as soon as it is measured, so a run cut by a time limit
+    keeps what it measured."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -188,8 +199,7 @@ def kernel_rows(args, meta) -> list[dict]:
                     row.update(run_variant(fn, inputs))
                 except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                emit(rows, row, args.out)
                 torch.cuda.empty_cache()
     return rows
 
@@ -228,8 +238,7 @@ def compile_rows(args, meta) -> list[dict]:
                 row.update(compile_s=first - warm, warm_step_ms=warm * 1e3)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(rows, row, args.out)
     return rows
 
 
@@ -283,11 +292,6 @@ def main() -> None:
         rows += kernel_rows(args, meta)
     if "compile" in args.what:
         rows += compile_rows(args, meta)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
     print()
     print(markdown(rows))
 
