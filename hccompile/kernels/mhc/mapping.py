@@ -121,6 +121,26 @@ if triton is not None:
                  m.to(h_res_ptr.dtype.element_ty), mask=ok2)
 
     @triton.jit
+    def _sigmoid_map_backward(proj_ptr, tok64, tok_off, i, n_ok, ok, spk, offset, alpha_ptr, coef, rho,
+                              bias_ptr, bias_stride, bias_cols, dh_ptr, sdh_t, sdh_n, scale,
+                              dproj_ptr, row, alpha_slot, bias_slot, N: tl.constexpr):
+        """Backward of one σ map (H_pre or H_post: z = α·coef·p·ρ + b, h = scale·σ(z) + shift):
+        writes its columns of dproj, its α and bias partial sums into the program's `row`, and
+        returns Σ_i dz·α·cp per token (the part of dr before dρ/dr)."""
+        z, cp = _logits(proj_ptr, tok_off, i[None, :], ok, spk, offset, alpha_ptr, coef,
+                        rho[:, None], bias_ptr, bias_stride, bias_cols)
+        sig = tl.sigmoid(z)
+        dh = tl.load(dh_ptr + (tok64 * sdh_t)[:, None] + i[None, :] * sdh_n, mask=ok,
+                     other=0.0).to(tl.float32)
+        dz = tl.where(ok, dh * scale * sig * (1.0 - sig), 0.0)
+        alpha = tl.load(alpha_ptr).to(tl.float32)
+        tl.store(dproj_ptr + (tok64 * (2 * N + N * N))[:, None] + offset + i[None, :],
+                 (dz * coef * alpha * rho[:, None]).to(dproj_ptr.dtype.element_ty), mask=ok)
+        tl.store(row + alpha_slot, tl.sum(tl.sum(dz * cp * rho[:, None], axis=1), axis=0))
+        tl.store(row + bias_slot + i, tl.sum(dz, axis=0), mask=n_ok)
+        return tl.sum(dz * alpha * cp, axis=1)
+
+    @triton.jit
     def _mhc_mapping_bwd_kernel(
         proj_ptr, r_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
         dh_pre_ptr, dh_post_ptr, dh_res_ptr,
@@ -153,31 +173,12 @@ if triton is not None:
         bias_cols1 = tl.where(n_ok, i, -1)[None, :]
         dr = tl.zeros([BLOCK_T], dtype=tl.float32)
 
-        z, cp = _logits(proj_ptr, tok_off1, i[None, :], ok1, spk, off_pre, a_pre_ptr, coef_pre,
-                        rho[:, None], b_pre_ptr, sb_pre, bias_cols1)
-        sig = tl.sigmoid(z)
-        dh = tl.load(dh_pre_ptr + (tok64 * sdpre_t)[:, None] + i[None, :] * sdpre_n, mask=ok1,
-                     other=0.0).to(tl.float32)
-        dz = tl.where(ok1, dh * pre_scale * sig * (1.0 - sig), 0.0)
-        alpha = tl.load(a_pre_ptr).to(tl.float32)
-        tl.store(dproj_ptr + (tok64 * (2 * N + N * N))[:, None] + off_pre + i[None, :],
-                 (dz * coef_pre * alpha * rho[:, None]).to(dproj_ptr.dtype.element_ty), mask=ok1)
-        dr += tl.sum(dz * alpha * cp, axis=1) * drho_dr
-        tl.store(row + 0, tl.sum(tl.sum(dz * cp * rho[:, None], axis=1), axis=0))
-        tl.store(row + 3 + i, tl.sum(dz, axis=0), mask=n_ok)
-
-        z, cp = _logits(proj_ptr, tok_off1, i[None, :], ok1, spk, off_post, a_post_ptr, coef_post,
-                        rho[:, None], b_post_ptr, sb_post, bias_cols1)
-        sig = tl.sigmoid(z)
-        dh = tl.load(dh_post_ptr + (tok64 * sdpost_t)[:, None] + i[None, :] * sdpost_n, mask=ok1,
-                     other=0.0).to(tl.float32)
-        dz = tl.where(ok1, dh * post_scale * sig * (1.0 - sig), 0.0)
-        alpha = tl.load(a_post_ptr).to(tl.float32)
-        tl.store(dproj_ptr + (tok64 * (2 * N + N * N))[:, None] + off_post + i[None, :],
-                 (dz * coef_post * alpha * rho[:, None]).to(dproj_ptr.dtype.element_ty), mask=ok1)
-        dr += tl.sum(dz * alpha * cp, axis=1) * drho_dr
-        tl.store(row + 1, tl.sum(tl.sum(dz * cp * rho[:, None], axis=1), axis=0))
-        tl.store(row + 3 + N + i, tl.sum(dz, axis=0), mask=n_ok)
+        dr += _sigmoid_map_backward(proj_ptr, tok64, tok_off1, i, n_ok, ok1, spk, off_pre, a_pre_ptr, coef_pre,
+                                    rho, b_pre_ptr, sb_pre, bias_cols1, dh_pre_ptr, sdpre_t, sdpre_n, pre_scale,
+                                    dproj_ptr, row, 0, 3, N) * drho_dr
+        dr += _sigmoid_map_backward(proj_ptr, tok64, tok_off1, i, n_ok, ok1, spk, off_post, a_post_ptr, coef_post,
+                                    rho, b_post_ptr, sb_post, bias_cols1, dh_post_ptr, sdpost_t, sdpost_n,
+                                    post_scale, dproj_ptr, row, 1, 3 + N, N) * drho_dr
 
         # H_res: recompute the Sinkhorn forward, keeping each normalisation's divisors
         flat = i[:, None] * N + i[None, :]
