@@ -33,6 +33,11 @@ FLA_TIMING_ONLY = ("timing only: FLA refuses this backward on Hopper with Triton
                    "gradients); refusal bypassed via fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1=True")
 
 
+OURS_BF16 = "ours, bf16 intermediates"
+BF16_NOTE = ("opt-in (HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES=1): w, u, h in bf16 and bf16 products as FLA; "
+             "off by default because aligned keys exceed FLA's tolerances (see chunk.BF16_INTERMEDIATES)")
+
+
 def parse_shape(text: str) -> dict:
     out, key, num = {}, "", ""
     for ch in text.strip() + "#":
@@ -149,8 +154,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kernel_rows(args, meta) -> list[dict]:
+    from hccompile.kernels.delta_rule import chunk
+
     rows = []
     dtype = getattr(torch, args.dtype)
+    bf16_default = chunk.BF16_INTERMEDIATES
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -170,6 +178,8 @@ def kernel_rows(args, meta) -> list[dict]:
                 continue
             inputs = make_inputs(shape, gate, dtype)
             variants = [("ours", ours(gate), "")]
+            if dtype == torch.bfloat16:
+                variants.append((OURS_BF16, ours(gate), BF16_NOTE))
             if have_fla:
                 note = fla_note
                 if gate == "scalar":
@@ -182,6 +192,7 @@ def kernel_rows(args, meta) -> list[dict]:
             for name, fn, note in variants:
                 row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
                        "fla": fla_version, "note": note}
+                chunk.BF16_INTERMEDIATES = name == OURS_BF16
                 try:
                     if name == "FLA" and gate == "scalar":
                         locked = unlock_fla_gdn_backward()
@@ -199,6 +210,7 @@ def kernel_rows(args, meta) -> list[dict]:
                     row.update(run_variant(fn, inputs))
                 except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
+                chunk.BF16_INTERMEDIATES = bf16_default
                 emit(rows, row, args.out)
                 torch.cuda.empty_cache()
     return rows

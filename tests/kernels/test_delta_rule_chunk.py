@@ -384,3 +384,48 @@ CHUNK_SIZE_CASES = [
 def test_kernels_match_float64_recurrence_on_aligned_keys(gate, chunk, sizes, dtype):
     inputs, kwargs = aligned_keys_case(sizes, gate, {"initial_state": True}, seed=sizes[1] + chunk)
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+
+
+# ----------------------------------------------------------------------------------------
+# Half-precision intermediates (chunk.py's _Plan.intermediate_dtype), also through CP's kernels.
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+def test_intermediates_take_the_planned_dtype(dtype):
+    inputs, kwargs = build_case((1, 40, 1, 2, 32, 16), "scalar", {"l2norm": True}, seed=5)
+    inputs = kernel_inputs(inputs, dtype)
+    q, k, v, beta, g = (inputs[n] for n in ("q", "k", "v", "beta", "g"))
+    problem = chunk_kernels._validate(q, k, v, beta, g, "scalar", None, None, None, None, None, 32)
+    plan = chunk_kernels._make_plan(problem, 32, None, q)
+    half = dtype == torch.float16 or (dtype == torch.bfloat16 and chunk_kernels.BF16_INTERMEDIATES)
+    assert plan.intermediate_dtype == (dtype if half else torch.float32)
+    fwd = chunk_kernels._forward(plan, q, k, v, beta, g, 1.0, None, None, None, True, None, None, None)
+    for name in ("q", "k", "w", "u", "h"):
+        assert getattr(fwd, name).dtype == plan.intermediate_dtype, name
+    for name in ("kdot", "scores", "inverse", "cum"):
+        assert getattr(fwd, name).dtype == torch.float32, name
+
+
+@requires_triton
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_cp_summaries_with_half_intermediates_match_fp32(gate):
+    """CP's summary kernels on fp16 inputs (fp16 intermediates and products) against the same
+    kernels on the fp32 values of those inputs."""
+    from hccompile.kernels.delta_rule import cp
+
+    inputs, kwargs = build_case((1, 45, 1, 2, 32, 32), gate, {"l2norm": True}, seed=7)
+    cu = [0, 21, 45]
+    do = torch.randn(1, 45, 2, 32, generator=torch.Generator().manual_seed(8))
+    results = {}
+    for dtype in (torch.float16, torch.float32):
+        cast = kernel_inputs(inputs, dtype)
+        args = dict(q=cast["q"], k=cast["k"], v=cast["v"], beta=cast["beta"], g=cast["g"], gate=gate, cu_seqlens=cu,
+                    use_qk_l2norm_in_kernel=True, chunk_size=16)
+        forward = cp.summary_forward(**args)
+        backward = cp.summary_backward(**args, do=do.to(device=DEVICE, dtype=dtype))
+        results[dtype] = (forward, backward)
+    for part, (half, full) in zip(("[H | M]", "[dH | M^T]"), zip(results[torch.float16], results[torch.float32])):
+        assert half.dtype == torch.float32
+        error = relative_rms_error(half, full)
+        assert error < TOLERANCES[torch.float16][0], f"{part}: relative RMS error {error:.2e}"

@@ -11,8 +11,16 @@ for the math they implement):
 
 The backward pass recomputes them, then runs state_backward (sequential, reverse),
 wy_backward, decayed_scores_backward and gate_cumsum in reverse; a small kernel does the
-optional l2norm of q and k both ways. Every intermediate is fp32, including the per-chunk
-states h [chunks, HV, K, V].
+optional l2norm of q and k both ways.
+
+Precision. Running states, accumulators, gates and the [BT, BT] scores and inverse are fp32.
+With half intermediates (_Plan.intermediate_dtype: fp16 inputs; bf16 ones on opt-in, see
+BF16_INTERMEDIATES) the intermediates that feed tensor-core products are stored in the input dtype
+(l2normed q and k, W, U~, U, the chunk states h, and the backward's dh and dU), and every product
+over K, V or the chunk takes half operands with fp32 accumulation (_dot rounds fp32 register
+tiles, e.g. the running state, right before the product), as FLA does. Otherwise intermediates
+are fp32 and products exact (fp32 inputs) or tf32 (bf16 inputs). Each kernel takes its operand
+dtype from the stored intermediate it reads (`dot_dtype`), so launchers only pick buffer dtypes.
 
 Gates are natural-log decays, assumed <= 0 as FLA does. Every decay factor in the kernels
 is e^x with x <= 0: pairwise decays come from differences G_t - G_s (s <= t), never from
@@ -21,13 +29,14 @@ e^G_t / e^G_s, so a strongly decaying chunk underflows to 0 instead of overflowi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from .reference import DeltaRuleProblem, check_delta_rule_inputs, kda_gate
 
-from .._triton import interpreted, require_triton, tl, triton, triton_available
+from .._triton import dot, interpreted, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -38,6 +47,15 @@ __all__ = [
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Half-precision intermediates (_Plan.intermediate_dtype). fp16 ones keep 10 mantissa bits, as
+# many as the tf32 products they replace: every test case, the ill-conditioned aligned-keys ones
+# included, stays within FLA's limits (worst 1.6e-3 relative RMS). bf16 ones (FLA's choice) keep
+# 7: on random inputs o/state/grads stay near 4e-3, but on aligned keys (condition numbers ~100)
+# the roundings of U~, U, h, dU and of the products' operands add up to 8e-3 (o) and 1.2e-2
+# (state, dv) with round-to-nearest casts, over FLA's 5e-3 / 8e-3, and neither fp32 storage with
+# bf16 products nor the reverse gets under them. So bf16 inputs keep fp32 intermediates and tf32
+# products unless HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES=1 (read at import) opts in.
+BF16_INTERMEDIATES = os.environ.get("HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES") == "1"
 CHUNK_SIZES = (16, 32, 64)
 DEFAULT_CHUNK_SIZE = 64
 # Per-channel decays cannot be factored over a whole chunk without overflow, so the
@@ -50,6 +68,12 @@ MIN_DOT_DIM = 16
 # the whole key dim and at most STATE_TILE_ELEMENTS of the state per program.
 MAX_TILE = 64
 STATE_TILE_ELEMENTS = 64 * 64
+# state_forward with half intermediates holds half [BT, K] tiles: compiled for sm_90 (Triton 3.8,
+# fp16, l2norm), BV = 64 at K = 128 took 188-236 registers, no spills, 88-121 KiB shared memory
+# with two stages (none, scalar, channel gates); state_backward at BV = 64 spilled 56-168 bytes
+# (scalar, channel) where BV = 32 spilled none, so it keeps STATE_TILE_ELEMENTS. At K = 256,
+# BV = 32: state_forward 162-252 registers, no spills, 52 KiB.
+HALF_STATE_FORWARD_TILE_ELEMENTS = 128 * 64
 GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
 # Gate activations of gate_cumsum: none, KDA's softplus form, KDA's lower-bound form.
 ACTIVATION_NONE, ACTIVATION_SOFTPLUS, ACTIVATION_SIGMOID = 0, 1, 2
@@ -58,6 +82,16 @@ ACTIVATION_NONE, ACTIVATION_SOFTPLUS, ACTIVATION_SIGMOID = 0, 1, 2
 
 
 if triton is not None:
+
+    # Triton's interpreter multiplies half operands wrongly (see _triton.dot); it decides at
+    # kernel definition time, as this does.
+    UPCAST_DOT_OPERANDS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+    @triton.jit
+    def _dot(a, b, dtype, DOT_PRECISION: tl.constexpr):
+        """a @ b accumulated in fp32, operands rounded to `dtype`: the dtype of the stored
+        intermediates (half for half inputs: tensor-core rate; fp32 with ieee otherwise)."""
+        return dot(a.to(dtype), b.to(dtype), DOT_PRECISION, UPCAST_DOT_OPERANDS)
 
     @triton.jit
     def _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN: tl.constexpr):
@@ -93,6 +127,13 @@ if triton is not None:
         ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :] * stride_col
         mask = row_mask[:, None] & (cols[None, :] < n_cols)
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _load_stored_rows(ptr, rows, cols, stride_row, stride_col, row_mask, n_cols):
+        """ptr[rows, cols] in the stored dtype (for tiles that only feed _dot), zero outside."""
+        ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :] * stride_col
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
     def _store_rows(ptr, value, rows, cols, stride_row, stride_col, row_mask, n_cols):
@@ -177,6 +218,7 @@ if triton is not None:
         BK: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        HALF_DOTS: tl.constexpr,
     ):
         """One [BC, BC] block (row sub-chunk i, column sub-chunk j) of Kdot (s < t) and P (s <= t).
 
@@ -199,14 +241,17 @@ if triton is not None:
         cols = block_j * BC + sub
         row_valid = rows < length
         col_valid = cols < length
+        # No stored intermediate here to take the products' dtype from: HALF_DOTS says whether they
+        # are half (then q and k are in the intermediates' dtype).
+        dot_dtype = k_ptr.dtype.element_ty if HALF_DOTS else tl.float32
         kdot = tl.zeros([BC, BC], dtype=tl.float32)
         scores = tl.zeros([BC, BC], dtype=tl.float32)
         if (block_j <= block_i) & (block_i * BC < length):
             for k0 in range(0, K, BK):
                 kc = k0 + tl.arange(0, BK)
-                q_i = _load_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
-                k_i = _load_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
                 if GATE == 2:
+                    q_i = _load_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
+                    k_i = _load_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
                     g_i = _load_rows(cum_ptr, start + rows, kc, HV * K, 1, row_valid, K)
                     if block_i > block_j:
                         # Factored through the first row r of sub-chunk i: both factors <= 1.
@@ -216,8 +261,8 @@ if triton is not None:
                         row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_r[None, :], 0.0))
                         col_decay = tl.exp(tl.where(col_valid[:, None], g_r[None, :] - g_j, 0.0))
                         k_j_decayed = tl.trans(k_j * col_decay)
-                        kdot += tl.dot(k_i * row_decay, k_j_decayed, input_precision=DOT_PRECISION)
-                        scores += tl.dot(q_i * row_decay, k_j_decayed, input_precision=DOT_PRECISION)
+                        kdot += _dot(k_i * row_decay, k_j_decayed, dot_dtype, DOT_PRECISION)
+                        scores += _dot(q_i * row_decay, k_j_decayed, dot_dtype, DOT_PRECISION)
                     else:
                         for c in range(BC):
                             s = block_j * BC + c
@@ -230,9 +275,11 @@ if triton is not None:
                             kdot += tl.where(sub[None, :] == c, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
                             scores += tl.where(sub[None, :] == c, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
                 else:
-                    k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
-                    kdot += tl.dot(k_i, tl.trans(k_j), input_precision=DOT_PRECISION)
-                    scores += tl.dot(q_i, tl.trans(k_j), input_precision=DOT_PRECISION)
+                    q_i = _load_stored_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
+                    k_i = _load_stored_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
+                    k_j = _load_stored_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
+                    kdot += _dot(k_i, tl.trans(k_j), dot_dtype, DOT_PRECISION)
+                    scores += _dot(q_i, tl.trans(k_j), dot_dtype, DOT_PRECISION)
             if GATE == 1:
                 g_i = tl.load(cum_ptr + (start + rows) * HV, mask=row_valid, other=0.0)
                 g_j = tl.load(cum_ptr + (start + cols) * HV, mask=col_valid, other=0.0)
@@ -385,7 +432,8 @@ if triton is not None:
         local = tl.arange(0, BT)
         valid = local < length
         tokens = start + local
-        inverse = _load_rows(a_ptr, tokens, local, row_stride, 1, valid, BT)
+        dot_dtype = w_ptr.dtype.element_ty
+        inverse = _load_rows(a_ptr, tokens, local, row_stride, 1, valid, BT).to(dot_dtype)
         beta = tl.load(beta_ptr + tokens * stride_bt, mask=valid, other=0.0).to(tl.float32)
         if GATE == 1:
             gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))
@@ -396,12 +444,12 @@ if triton is not None:
                 k_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
             elif GATE == 1:
                 k_tile *= gamma[:, None]
-            w = tl.dot(inverse, k_tile, input_precision=DOT_PRECISION)
+            w = _dot(inverse, k_tile, dot_dtype, DOT_PRECISION)
             _store_rows(w_ptr + (batch * T) * HV * K + head * K, w, tokens, kc, HV * K, 1, valid, K)
         for v0 in range(0, V, BV):
             vc = v0 + tl.arange(0, BV)
             v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V) * beta[:, None]
-            u = tl.dot(inverse, v_tile, input_precision=DOT_PRECISION)
+            u = _dot(inverse, v_tile, dot_dtype, DOT_PRECISION)
             _store_rows(u_ptr + (batch * T) * HV * V + head * V, u, tokens, vc, HV * V, 1, valid, V)
 
     # ------------------------------------------------------------------------------------
@@ -441,8 +489,9 @@ if triton is not None:
     ):
         """Walks one sequence's chunks for one value head and value tile.
 
-        Stores every chunk's starting state h (fp32 [chunks, HV, K, V]) and its corrected
-        values U = U~ - W h; S_end = e^G_last S + (K e^(G_last - G))^T U.
+        Stores every chunk's starting state h ([chunks, HV, K, V]) and its corrected values
+        U = U~ - W h; S_end = e^G_last S + (K e^(G_last - G))^T U. The state is fp32; h, U and
+        the products' operands are in the intermediates' dtype (h's).
         """
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -459,6 +508,7 @@ if triton is not None:
         u_tilde_ptr += (batch * T) * HV * V + head * V
         u_ptr += (batch * T) * HV * V + head * V
 
+        dot_dtype = h_ptr.dtype.element_ty
         kc = tl.arange(0, BKF)
         vc = pid_v * BV + tl.arange(0, BV)
         local = tl.arange(0, BT)
@@ -474,16 +524,18 @@ if triton is not None:
             valid = local < length
             h_chunk_ptr = h_ptr + ((first_chunk + chunk) * HV + head) * K * V
             _store_rows(h_chunk_ptr, state, kc, vc, V, 1, kc < K, V)
-            w = _load_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
             u = _load_rows(u_tilde_ptr, tokens, vc, HV * V, 1, valid, V)
-            u -= tl.dot(w, state, input_precision=DOT_PRECISION)
+            u -= _dot(w, state, dot_dtype, DOT_PRECISION)
             _store_rows(u_ptr, u, tokens, vc, HV * V, 1, valid, V)
-            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
             if GATE != 0:
+                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
                 k_tile *= to_end
                 state *= whole[:, None]
-            state += tl.dot(tl.trans(k_tile), u, input_precision=DOT_PRECISION)
+            else:
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            state += _dot(tl.trans(k_tile), u, dot_dtype, DOT_PRECISION)
         if STORE_FINAL_STATE:
             _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv,
                         kc < K, V)
@@ -514,6 +566,7 @@ if triton is not None:
         q_ptr += batch * stride_qb + key_head * stride_qh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
         h_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+        dot_dtype = h_ptr.dtype.element_ty
 
         local = tl.arange(0, BT)
         valid = local < length
@@ -522,17 +575,19 @@ if triton is not None:
         acc = tl.zeros([BT, BV], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kc = k0 + tl.arange(0, BK)
-            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
             if GATE == 2:
+                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
                 q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
-            state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
-            acc += tl.dot(q_tile, state, input_precision=DOT_PRECISION)
+            else:
+                q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            state = _load_stored_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+            acc += _dot(q_tile, state, dot_dtype, DOT_PRECISION)
         if GATE == 1:
             acc *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
         scores = _load_rows(scores_ptr + (batch * T) * HV * BT + head * BT, tokens, local, HV * BT, 1, valid, BT)
         scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-        u = _load_rows(u_ptr + (batch * T) * HV * V + head * V, tokens, vc, HV * V, 1, valid, V)
-        acc += tl.dot(scores, u, input_precision=DOT_PRECISION)
+        u = _load_stored_rows(u_ptr + (batch * T) * HV * V + head * V, tokens, vc, HV * V, 1, valid, V)
+        acc += _dot(scores, u, dot_dtype, DOT_PRECISION)
         _store_rows(o_ptr + batch * stride_ob + head * stride_oh, acc * scale, tokens, vc, stride_ot, stride_ov,
                     valid, V)
 
@@ -563,6 +618,7 @@ if triton is not None:
         With dS the gradient of a chunk's end state: stores dS per chunk (dh), the full
         gradient of the corrected values dU = scale P^T dO + (K e^(G_last - G)) dS, and
         passes dS_start = scale (Q e^G)^T dO + e^G_last dS - W^T dU to the chunk before.
+        dS is fp32; dh, dU and the products' operands are in the intermediates' dtype (w's).
         """
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -581,6 +637,7 @@ if triton is not None:
         scores_ptr += (batch * T) * HV * BT + head * BT
         du_ptr += (batch * T) * HV * V + head * V
 
+        dot_dtype = w_ptr.dtype.element_ty
         kc = tl.arange(0, BKF)
         vc = pid_v * BV + tl.arange(0, BV)
         local = tl.arange(0, BT)
@@ -597,26 +654,29 @@ if triton is not None:
             tokens = start + local
             valid = local < length
             _store_rows(dh_ptr + ((first_chunk + chunk) * HV + head) * K * V, dstate, kc, vc, V, 1, kc < K, V)
-            do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
             scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
             scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-            du = scale * tl.dot(tl.trans(scores), do_tile, input_precision=DOT_PRECISION)
-            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
             if GATE != 0:
+                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
                 k_tile *= to_end
                 if GATE == 2:
                     q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
                 else:
                     q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
-            du += tl.dot(k_tile, dstate, input_precision=DOT_PRECISION)
+            else:
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            du += _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
             _store_rows(du_ptr, du, tokens, vc, HV * V, 1, valid, V)
-            w = _load_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
             if GATE != 0:
                 dstate *= whole[:, None]
-            dstate += scale * tl.dot(tl.trans(q_tile), do_tile, input_precision=DOT_PRECISION)
-            dstate -= tl.dot(tl.trans(w), du, input_precision=DOT_PRECISION)
+            dstate += scale * _dot(tl.trans(q_tile), do_tile, dot_dtype, DOT_PRECISION)
+            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)
         if STORE_INITIAL_STATE_GRAD:
             _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
                         kc < K, V)
@@ -675,20 +735,22 @@ if triton is not None:
         last = start + length - 1
         beta = tl.load(beta_ptr + batch * stride_bb + head * stride_bh + tokens * stride_bt, mask=valid,
                        other=0.0).to(tl.float32)
+        dot_dtype = h_ptr.dtype.element_ty
+        # In the products' dtype through the loops; fp32 again for dL at the end.
         inverse = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
-        inverse = tl.where(local[:, None] >= local[None, :], inverse, 0.0)
+        inverse = tl.where(local[:, None] >= local[None, :], inverse, 0.0).to(dot_dtype)
         d_inverse = tl.zeros([BT, BT], dtype=tl.float32)
         d_scores = tl.zeros([BT, BT], dtype=tl.float32)
         dbeta = tl.zeros([BT], dtype=tl.float32)
         for v0 in range(0, V, BV):
             vc = v0 + tl.arange(0, BV)
-            u = _load_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
-            du = _load_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
-            do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            u = _load_stored_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+            du = _load_stored_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
             v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V)
-            d_scores += tl.dot(do_tile, tl.trans(u), input_precision=DOT_PRECISION)
-            d_inverse += tl.dot(du, tl.trans(v_tile * beta[:, None]), input_precision=DOT_PRECISION)
-            inverse_t_du = tl.dot(tl.trans(inverse), du, input_precision=DOT_PRECISION)
+            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)
+            d_inverse += _dot(du, tl.trans(v_tile * beta[:, None]), dot_dtype, DOT_PRECISION)
+            inverse_t_du = _dot(tl.trans(inverse), du, dot_dtype, DOT_PRECISION)
             _store_rows(dv_ptr, inverse_t_du * beta[:, None], tokens, vc, stride_dvt, stride_dvv, valid, V)
             dbeta += tl.sum(v_tile * inverse_t_du, axis=1)
         # Stored now rather than at the end: one [BT, BT] tile fewer held through the key loop.
@@ -712,11 +774,11 @@ if triton is not None:
             dw = tl.zeros([BT, BK], dtype=tl.float32)
             for v0 in range(0, V, BV):
                 vc = v0 + tl.arange(0, BV)
-                state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
-                du = _load_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
-                dw -= tl.dot(du, tl.trans(state), input_precision=DOT_PRECISION)
-            d_inverse += tl.dot(dw, tl.trans(k_tile * gamma * beta[:, None]), input_precision=DOT_PRECISION)
-            inverse_t_dw = tl.dot(tl.trans(inverse), dw, input_precision=DOT_PRECISION)
+                state = _load_stored_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                du = _load_stored_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                dw -= _dot(du, tl.trans(state), dot_dtype, DOT_PRECISION)
+            d_inverse += _dot(dw, tl.trans(k_tile * gamma * beta[:, None]), dot_dtype, DOT_PRECISION)
+            inverse_t_dw = _dot(tl.trans(inverse), dw, dot_dtype, DOT_PRECISION)
             dbeta += tl.sum(inverse_t_dw * gamma * k_tile, axis=1)
             dk = inverse_t_dw * gamma * beta[:, None]
             # dG_t = k_t dk_t + q_t dq_t, less the end-state term of dk (whose G dependence is
@@ -726,9 +788,9 @@ if triton is not None:
             dq_state = tl.zeros([BT, BK], dtype=tl.float32)
             for v0 in range(0, V, BV):
                 vc = v0 + tl.arange(0, BV)
-                state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
-                do_tile = _load_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
-                dq_state += tl.dot(do_tile, tl.trans(state), input_precision=DOT_PRECISION)
+                state = _load_stored_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+                dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)
             dq = scale * gamma * dq_state
             _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
             # Through S_end = e^G_last S + (K e^(G_last - G))^T U.
@@ -736,12 +798,12 @@ if triton is not None:
             dg_whole = tl.zeros([BK], dtype=tl.float32)
             for v0 in range(0, V, BV):
                 vc = v0 + tl.arange(0, BV)
-                dstate = _load_rows(dh_ptr, kc, vc, V, 1, kc < K, V)
-                u = _load_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
-                dk_to_end += tl.dot(u, tl.trans(dstate), input_precision=DOT_PRECISION)
+                dstate = _load_stored_rows(dh_ptr, kc, vc, V, 1, kc < K, V)
+                u = _load_stored_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                dk_to_end += _dot(u, tl.trans(dstate), dot_dtype, DOT_PRECISION)
                 if GATE != 0:
                     state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
-                    dg_whole += tl.sum(state * dstate, axis=1)
+                    dg_whole += tl.sum(state * dstate.to(tl.float32), axis=1)
             if GATE != 0:
                 q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
                 dg += q_tile * dq
@@ -761,6 +823,8 @@ if triton is not None:
             tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
 
         # A = (I + L)^-1  =>  dL = -A^T dA A^T, kept strictly lower.
+        inverse = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        inverse = tl.where(local[:, None] >= local[None, :], inverse, 0.0)
         d_lower = -tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=DOT_PRECISION), tl.trans(inverse),
                           input_precision=DOT_PRECISION)
         d_lower = tl.where((local[:, None] > local[None, :]) & valid[:, None], d_lower, 0.0)
@@ -778,7 +842,7 @@ if triton is not None:
     def _whole_chunk_scores_backward(
         q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
         stride_qt, stride_qk, stride_kt, stride_kk,
-        start, length, key_offset, HV, K,
+        start, length, key_offset, HV, K, dot_dtype,
         GATE: tl.constexpr,
         BT: tl.constexpr,
         BK: tl.constexpr,
@@ -798,22 +862,24 @@ if triton is not None:
             decay = tl.exp(tl.where(visible, g[:, None] - g[None, :], float("-inf")))
             dkdot *= decay
             dscores *= decay
+        dkdot = dkdot.to(dot_dtype)
+        dscores = dscores.to(dot_dtype)
         dg_scalar = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kc = k0 + tl.arange(0, BK)
-            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
-            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
             # dq first, then dk: fewer [BT, BK] tiles live at once.
-            dq_pair = tl.dot(dscores, k_tile, input_precision=DOT_PRECISION)
+            dq_pair = _dot(dscores, k_tile, dot_dtype, DOT_PRECISION)
             if GATE == 1:
-                dg_scalar += tl.sum(q_tile * dq_pair, axis=1)
+                dg_scalar += tl.sum(q_tile.to(tl.float32) * dq_pair, axis=1)
             dq = _load_rows(dq_ptr + key_offset, tokens, kc, HV * K, 1, valid, K) + dq_pair
             _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
-            dk_rows = tl.dot(dkdot, k_tile, input_precision=DOT_PRECISION)
-            dk_cols = tl.dot(tl.trans(dkdot), k_tile, input_precision=DOT_PRECISION)
-            dk_cols += tl.dot(tl.trans(dscores), q_tile, input_precision=DOT_PRECISION)
+            dk_rows = _dot(dkdot, k_tile, dot_dtype, DOT_PRECISION)
+            dk_cols = _dot(tl.trans(dkdot), k_tile, dot_dtype, DOT_PRECISION)
+            dk_cols += _dot(tl.trans(dscores), q_tile, dot_dtype, DOT_PRECISION)
             if GATE == 1:
-                dg_scalar += tl.sum(k_tile * (dk_rows - dk_cols), axis=1)
+                dg_scalar += tl.sum(k_tile.to(tl.float32) * (dk_rows - dk_cols), axis=1)
             dk = _load_rows(dk_ptr + key_offset, tokens, kc, HV * K, 1, valid, K) + dk_rows + dk_cols
             _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
         if GATE == 1:
@@ -824,7 +890,7 @@ if triton is not None:
     def _sub_chunk_scores_backward(
         q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
         stride_qt, stride_qk, stride_kt, stride_kk,
-        start, length, key_offset, block_b, HV, K,
+        start, length, key_offset, block_b, HV, K, dot_dtype,
         BT: tl.constexpr,
         BC: tl.constexpr,
         BK: tl.constexpr,
@@ -861,8 +927,8 @@ if triton is not None:
                 k_j_decayed = k_j * tl.exp(g_r[None, :] - g_j)
                 dkdot = _load_rows(dkdot_ptr, tokens_b, cols, HV * BT, 1, valid_b, BT)
                 dscores = _load_rows(dscores_ptr, tokens_b, cols, HV * BT, 1, valid_b, BT)
-                dq_pair += tl.dot(dscores, k_j_decayed, input_precision=DOT_PRECISION)
-                dk_rows += tl.dot(dkdot, k_j_decayed, input_precision=DOT_PRECISION)
+                dq_pair += _dot(dscores, k_j_decayed, dot_dtype, DOT_PRECISION)
+                dk_rows += _dot(dkdot, k_j_decayed, dot_dtype, DOT_PRECISION)
             row_decay = tl.exp(tl.where(valid_b[:, None], g_b - g_r[None, :], 0.0))
             dq_pair *= row_decay
             dk_rows *= row_decay
@@ -879,8 +945,8 @@ if triton is not None:
                     row_decay_i = tl.exp(tl.where(valid_i[:, None], g_i - g_ri[None, :], 0.0))
                     dkdot = _load_rows(dkdot_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
                     dscores = _load_rows(dscores_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
-                    pulled = tl.dot(tl.trans(dkdot), k_i * row_decay_i, input_precision=DOT_PRECISION)
-                    pulled += tl.dot(tl.trans(dscores), q_i * row_decay_i, input_precision=DOT_PRECISION)
+                    pulled = _dot(tl.trans(dkdot), k_i * row_decay_i, dot_dtype, DOT_PRECISION)
+                    pulled += _dot(tl.trans(dscores), q_i * row_decay_i, dot_dtype, DOT_PRECISION)
                     col_decay = tl.exp(tl.where(valid_b[:, None], g_ri[None, :] - g_b, 0.0))
                     dk_cols += col_decay * pulled
             # Diagonal block (b, b).
@@ -918,6 +984,7 @@ if triton is not None:
         BK: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        HALF_DOTS: tl.constexpr,
     ):
         """Adds the gradients through Kdot and P to dq, dk, dG for the rows of sub-chunk b.
 
@@ -940,19 +1007,21 @@ if triton is not None:
         dkdot_ptr += square_ptr_offset
         dscores_ptr += square_ptr_offset
         key_offset = (batch * T) * HV * K + head * K
+        # As in decayed_scores: with HALF_DOTS, q and k are in the intermediates' dtype.
+        dot_dtype = k_ptr.dtype.element_ty if HALF_DOTS else tl.float32
         if block_b * BC < length:
             if GATE == 2:
                 _sub_chunk_scores_backward(
                     q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
                     stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, block_b, HV, K,
-                    BT, BC, BK, DOT_PRECISION,
+                    dot_dtype, BT, BC, BK, DOT_PRECISION,
                 )
             else:
                 tl.static_assert(BC == BT, "without per-channel gates the sub-chunk is the whole chunk")
                 _whole_chunk_scores_backward(
                     q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
                     stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, HV, K,
-                    GATE, BT, BK, DOT_PRECISION,
+                    dot_dtype, GATE, BT, BK, DOT_PRECISION,
                 )
 
     # ------------------------------------------------------------------------------------
@@ -968,7 +1037,7 @@ if triton is not None:
         BR: tl.constexpr,
         BK: tl.constexpr,
     ):
-        """Forward: y = x / sqrt(sum x^2 + 1e-6), fp32 contiguous [B, T, H, K].
+        """Forward: y = x / sqrt(sum x^2 + 1e-6), contiguous [B, T, H, K] in y's dtype.
 
         Backward: dx = (dy - y (y . dy)) / sqrt(sum x^2 + 1e-6), in dx's dtype and layout
         (dy is fp32 contiguous, dx strided like x).
@@ -991,7 +1060,7 @@ if triton is not None:
             d_offsets = (batch * stride_db + token * stride_dt + head * stride_dh)[:, None] + cols[None, :] * stride_dk
             tl.store(dx_ptr + d_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(y_ptr + flat, y, mask=mask)
+            tl.store(y_ptr + flat, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1042,8 +1111,15 @@ def _block(dim: int, limit: int = MAX_TILE) -> int:
     return min(max(MIN_DOT_DIM, triton.next_power_of_2(dim)), limit)
 
 
+def _state_forward_block_v(block_k_full: int, value_dim: int, intermediate_dtype: torch.dtype) -> int:
+    """BV of state_forward (and CP's forward sweep)."""
+    elements = STATE_TILE_ELEMENTS if intermediate_dtype == torch.float32 else HALF_STATE_FORWARD_TILE_ELEMENTS
+    return min(_block(value_dim), max(MIN_DOT_DIM, elements // block_k_full))
+
+
 def _state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int]:
-    """num_warps and num_stages of the sequential state kernels; `dtype` is the one of the k they read.
+    """num_warps and num_stages of the sequential state kernels; `dtype` is the one of the k they read
+    (the input's, or the intermediates' after the in-kernel l2norm).
 
     They hold [chunk, K] tiles of the whole key dim: more warps mean fewer spills. Each
     software-pipelining stage keeps another copy of those tiles in shared memory; compiled
@@ -1083,12 +1159,34 @@ class _Plan:
     chunk_offsets: torch.Tensor | None  # [N] first global chunk of each sequence, for varlen
     cu_seqlens: torch.Tensor | None
     gate_code: int
-    dot_precision: str
+    input_dtype: torch.dtype  # q's (and k's, v's)
     dummy: torch.Tensor  # stands in for absent optional tensors
 
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens is not None
+
+    @property
+    def intermediate_dtype(self) -> torch.dtype:
+        """dtype of the stored intermediates that feed the tensor-core products (l2normed q and
+        k, W, U~, U, h, dh, dU), hence of those products' operands: fp16 for fp16 inputs, as FLA
+        does; bf16 for bf16 inputs only with BF16_INTERMEDIATES (see there); fp32 otherwise.
+        States, accumulators, gates, scores and the in-chunk inverse stay fp32 either way."""
+        if self.input_dtype == torch.float16 or (self.input_dtype == torch.bfloat16 and BF16_INTERMEDIATES):
+            return self.input_dtype
+        return torch.float32
+
+    @property
+    def half_dots(self) -> bool:
+        """Whether the products take half operands (the kernels without a stored intermediate to
+        take the dtype from are told so)."""
+        return self.intermediate_dtype != torch.float32
+
+    @property
+    def dot_precision(self) -> str:
+        """input_precision of the products with fp32 operands: exact for fp32 inputs (tf32, the GPU
+        default, would cost about three digits), tf32 for half inputs."""
+        return "ieee" if self.input_dtype == torch.float32 else "tf32"
 
     def chunk_args(self):
         table = self.chunk_table if self.chunk_table is not None else self.dummy
@@ -1116,8 +1214,7 @@ def _make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.
         chunk_offsets=chunk_offsets,
         cu_seqlens=cu_seqlens,
         gate_code=GATE_CODES[problem.gate],
-        # The default for fp32 is tf32 on GPUs, which would cost about three digits.
-        dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
+        input_dtype=q.dtype,
         dummy=torch.zeros(2, dtype=torch.float32, device=device),
     )
     return plan
@@ -1125,7 +1222,8 @@ def _make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.
 
 @dataclass
 class _Forward:
-    """fp32 intermediates of the forward pass, all contiguous."""
+    """Intermediates of the forward pass, all contiguous; fp32 but for the plan's intermediate_dtype
+    ones (l2normed q and k, w, u, h)."""
 
     q: torch.Tensor  # q or its l2norm
     k: torch.Tensor
@@ -1138,9 +1236,10 @@ class _Forward:
     h: torch.Tensor  # [chunks, HV, K, V] chunk-start states
 
 
-def _l2norm_forward(x: torch.Tensor) -> torch.Tensor:
+def _l2norm_forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / sqrt(sum x^2 + 1e-6), contiguous, in `dtype` (the plan's intermediate_dtype)."""
     batch, time, heads, dim = x.shape
-    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
     n_rows = batch * time * heads
     if n_rows:
         block_rows = 16
@@ -1189,13 +1288,14 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     key_dim, value_dim = problem.key_dim, problem.value_dim
     chunk = plan.chunk_size
     device = q.device
+    stored = plan.intermediate_dtype
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm_forward(q), _l2norm_forward(k)
+        q, k = _l2norm_forward(q, stored), _l2norm_forward(k, stored)
     table, seqlens = plan.chunk_args()
     common = dict(IS_VARLEN=plan.varlen)
 
-    def buffer(*shape):
-        return torch.empty(*shape, dtype=torch.float32, device=device)
+    def buffer(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=device)
 
     cum = None
     if problem.gate != "none" and plan.num_chunks:
@@ -1207,10 +1307,10 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     cum_arg = cum if cum is not None else plan.dummy
 
     kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
-    w = buffer(batch, time, value_heads, key_dim)
-    u_tilde = buffer(batch, time, value_heads, value_dim)
-    u = buffer(batch, time, value_heads, value_dim)
-    h = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim)
+    w = buffer(batch, time, value_heads, key_dim, dtype=stored)
+    u_tilde = buffer(batch, time, value_heads, value_dim, dtype=stored)
+    u = buffer(batch, time, value_heads, value_dim, dtype=stored)
+    h = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim, dtype=stored)
     block_k = _block(key_dim)
     block_v = _block(value_dim)
     group = problem.group_size
@@ -1221,7 +1321,8 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
         _decayed_scores_kernel[(plan.num_chunks, value_heads, blocks)](
             q, k, cum_arg, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim,
-            GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=plan.dot_precision, **common,
+            GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=plan.dot_precision,
+            HALF_DOTS=plan.half_dots, **common,
         )
         _wy_solve_kernel[(plan.num_chunks, value_heads)](
             k, v, beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *v.stride(), *beta.stride(),
@@ -1230,7 +1331,7 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
             DOT_PRECISION=plan.dot_precision, **common,
         )
     block_k_full = _block(key_dim, MAX_HEAD_DIM)
-    block_v_state = min(block_v, max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
+    block_v_state = _state_forward_block_v(block_k_full, value_dim, stored)
     h0 = initial_state if initial_state is not None else plan.dummy
     h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     ht = final_state if final_state is not None else plan.dummy
@@ -1368,8 +1469,8 @@ def chunk_delta_rule_bwd(
     key_dim, value_dim, chunk = problem.key_dim, problem.value_dim, plan.chunk_size
     device = q.device
 
-    def buffer(*shape):
-        return torch.empty(*shape, dtype=torch.float32, device=device)
+    def buffer(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=device)
 
     def result(name):
         return out[name] if name in out else torch.empty_like(inputs[name], memory_format=torch.contiguous_format)
@@ -1379,8 +1480,8 @@ def chunk_delta_rule_bwd(
     dq_heads, dk_heads = buffer(batch, time, value_heads, key_dim), buffer(batch, time, value_heads, key_dim)
     gate_width = key_dim if problem.gate == "channel" else 1
     dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
-    dh = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim)
-    du = buffer(batch, time, value_heads, value_dim)
+    dh = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
+    du = buffer(batch, time, value_heads, value_dim, dtype=plan.intermediate_dtype)
     dkdot, dscores = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk)
     cum_arg = fwd.cum if fwd.cum is not None else plan.dummy
     table, seqlens = plan.chunk_args()
@@ -1417,7 +1518,7 @@ def chunk_delta_rule_bwd(
             fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
             *fwd.q.stride(), *fwd.k.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim,
-            BC=sub_chunk, BK=block_k, **_scores_backward_options(problem.gate), **common,
+            BC=sub_chunk, BK=block_k, HALF_DOTS=plan.half_dots, **_scores_backward_options(problem.gate), **common,
         )
     else:
         dq_heads.zero_()

@@ -11,7 +11,8 @@ Both are the same recurrence run on more columns, which is how the summary kerne
 H is the state reached from S_in = 0; column j of M is the state reached from S_in = e_j with the
 values removed (U~ = 0). Likewise dH is the state gradient swept back from dS_out (the caller's
 gradient of the segment's end state, 0 when none), and column j of M^T the one swept back from e_j
-with dO = 0. Summaries are fp32 (the kernels' state precision).
+with dO = 0. Summaries are fp32 (the kernels' state precision); the products take the operands of
+chunk.py's kernels (half for half inputs, with fp32 accumulation).
 
 A rank's local tokens are segments (hccompile.distributed.layout.SegmentPlan): whole sequences,
 and pieces of sequences that continue from (incoming) or into (outgoing) other ranks. The forward:
@@ -67,6 +68,7 @@ from .chunk import (
     _l2norm_forward,
     _output_kernel,
     _Plan,
+    _state_forward_block_v,
     _scores_backward_options,
     _state_backward_kernel,
     _state_forward_kernel,
@@ -77,7 +79,7 @@ from .chunk import (
 from .reference import DeltaRuleProblem, check_delta_rule_inputs
 
 if triton is not None:
-    from .chunk import _chunk_end_decays, _load_rows, _store_rows
+    from .chunk import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows
 
 __all__ = [
     "CPBackward",
@@ -127,6 +129,7 @@ if triton is not None:
         w_ptr += head * K
         u_tilde_ptr += head * V
 
+        dot_dtype = w_ptr.dtype.element_ty
         is_value = tile < V_TILES
         cols = tl.where(is_value, tile, tile - V_TILES) * BC + tl.arange(0, BC)
         width = tl.where(is_value, V, K)
@@ -139,15 +142,17 @@ if triton is not None:
             length = tl.minimum(eos - start, BT)
             tokens = start + local
             valid = local < length
-            w = _load_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
             u = _load_rows(u_tilde_ptr, tokens, cols, HV * V, 1, valid & is_value, V)
-            u -= tl.dot(w, state, input_precision=DOT_PRECISION)
-            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            u -= _dot(w, state, dot_dtype, DOT_PRECISION)
             if GATE != 0:
+                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
                 k_tile *= to_end
                 state *= whole[:, None]
-            state += tl.dot(tl.trans(k_tile), u, input_precision=DOT_PRECISION)
+            else:
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            state += _dot(tl.trans(k_tile), u, dot_dtype, DOT_PRECISION)
         column_offset = tl.where(is_value, 0, V)
         _store_rows(out_ptr + slot * stride_os + head * stride_oh + column_offset * stride_oc, state, kc, cols,
                     stride_ok, stride_oc, kc < K, width)
@@ -193,6 +198,7 @@ if triton is not None:
         w_ptr += head * K
         scores_ptr += head * BT
 
+        dot_dtype = w_ptr.dtype.element_ty
         is_value = tile < V_TILES
         cols = tl.where(is_value, tile, tile - V_TILES) * BC + tl.arange(0, BC)
         width = tl.where(is_value, V, K)
@@ -209,25 +215,28 @@ if triton is not None:
             length = tl.minimum(eos - start, BT)
             tokens = start + local
             valid = local < length
-            do_tile = _load_rows(do_ptr, tokens, cols, stride_dot, stride_dov, valid & is_value, V)
+            do_tile = _load_stored_rows(do_ptr, tokens, cols, stride_dot, stride_dov, valid & is_value, V)
             scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
             scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-            du = scale * tl.dot(tl.trans(scores), do_tile, input_precision=DOT_PRECISION)
-            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
             if GATE != 0:
+                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
                 k_tile *= to_end
                 if GATE == 2:
                     q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
                 else:
                     q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
-            du += tl.dot(k_tile, dstate, input_precision=DOT_PRECISION)
-            w = _load_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            else:
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            du += _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
+            w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
             if GATE != 0:
                 dstate *= whole[:, None]
-            dstate += scale * tl.dot(tl.trans(q_tile), do_tile, input_precision=DOT_PRECISION)
-            dstate -= tl.dot(tl.trans(w), du, input_precision=DOT_PRECISION)
+            dstate += scale * _dot(tl.trans(q_tile), do_tile, dot_dtype, DOT_PRECISION)
+            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)
         column_offset = tl.where(is_value, 0, V)
         _store_rows(out_ptr + slot * stride_os + head * stride_oh + column_offset * stride_oc, dstate, kc, cols,
                     stride_ok, stride_oc, kc < K, width)
@@ -473,7 +482,8 @@ def _launch_summary_backward(kplan, intra, geometry, do, final_grads, segments, 
 
 @dataclass
 class _Intra:
-    """fp32 intra-chunk intermediates (chunk-parallel, independent of any state)."""
+    """Intra-chunk intermediates (chunk-parallel, independent of any state); l2normed q and k, w and
+    u_tilde in the plan's intermediate_dtype, the rest fp32."""
 
     q: torch.Tensor  # q or its l2norm
     k: torch.Tensor
@@ -541,7 +551,7 @@ def _local_problem(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, 
         problem=problem, chunk_size=chunk_size, num_chunks=geometry.num_chunks,
         chunks_per_row=triton.cdiv(max(problem.time, 1), chunk_size), chunk_table=geometry.chunk_table,
         chunk_offsets=geometry.chunk_offsets, cu_seqlens=geometry.cu_seqlens, gate_code=GATE_CODES[problem.gate],
-        dot_precision="ieee" if q.dtype == torch.float32 else "tf32", dummy=geometry.dummy,
+        input_dtype=q.dtype, dummy=geometry.dummy,
     )
     return _Local(plan=plan, kplan=kplan, geometry=geometry, batch=batch, time=time, q=flat["q"], k=flat["k"],
                   v=flat["v"], beta=flat["beta"], g=flat["g"], initial_state=initial_state, A_log=A_log,
@@ -556,8 +566,9 @@ def _intra(local: _Local) -> _Intra:
     time, value_heads, chunk = problem.time, problem.value_heads, kplan.chunk_size
     device = local.q.device
     q, k = local.q, local.k
+    stored = kplan.intermediate_dtype
     if local.use_qk_l2norm_in_kernel:
-        q, k = _l2norm_forward(q), _l2norm_forward(k)
+        q, k = _l2norm_forward(q, stored), _l2norm_forward(k, stored)
     cum = None
     if problem.gate != "none" and kplan.num_chunks:
         if problem.gate_in_kernel:
@@ -567,8 +578,8 @@ def _intra(local: _Local) -> _Intra:
         cum = _gate_cumsum(kplan, local.g, activation, local.A_log, local.dt_bias, local.lower_bound, reverse=False)
     cum_arg = cum if cum is not None else kplan.dummy
     kdot, scores, inverse = (_empty(1, time, value_heads, chunk, device=device) for _ in range(3))
-    w = _empty(1, time, value_heads, problem.key_dim, device=device)
-    u_tilde = _empty(1, time, value_heads, problem.value_dim, device=device)
+    w = _empty(1, time, value_heads, problem.key_dim, dtype=stored, device=device)
+    u_tilde = _empty(1, time, value_heads, problem.value_dim, dtype=stored, device=device)
     if kplan.num_chunks:
         table, seqlens = kplan.chunk_args()
         block_k, block_v = _block(problem.key_dim), _block(problem.value_dim)
@@ -577,7 +588,7 @@ def _intra(local: _Local) -> _Intra:
             q, k, cum_arg, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
             time, kplan.chunks_per_row, value_heads, problem.group_size, problem.key_dim,
             GATE=kplan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=kplan.dot_precision,
-            IS_VARLEN=True,
+            HALF_DOTS=kplan.half_dots, IS_VARLEN=True,
         )
         _wy_solve_kernel[(kplan.num_chunks, value_heads)](
             k, local.v, local.beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *local.v.stride(),
@@ -597,7 +608,8 @@ def _state_blocks(problem) -> tuple[int, int]:
 def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_states, lo: int, hi: int) -> None:
     """chunk.py's state_forward on segments [lo, hi)."""
     kplan, problem, geometry = local.kplan, local.problem, local.geometry
-    block_k_full, block_v = _state_blocks(problem)
+    block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
+    block_v = _state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype)
     _state_forward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
         intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.u_tilde, initial_states[lo:],
         h, u, final_states[lo:], *intra.k.stride(), *initial_states.stride(), *final_states.stride(),
@@ -685,8 +697,9 @@ class CPForward:
                 rows = _index(plan, "initial_rows", [plan.initial_row[s] for s in starts], device)
                 self.initial_states.index_copy_(0, _index(plan, "initial_segments", starts, device),
                                                 local.initial_state.index_select(0, rows).float())
-        self.h = _empty(max(local.geometry.num_chunks, 1), *self.state_shape, device=device)
-        self.u = _empty(1, problem.time, problem.value_heads, problem.value_dim, device=device)
+        stored = local.kplan.intermediate_dtype
+        self.h = _empty(max(local.geometry.num_chunks, 1), *self.state_shape, dtype=stored, device=device)
+        self.u = _empty(1, problem.time, problem.value_heads, problem.value_dim, dtype=stored, device=device)
         self.final_states = _empty(segments, *self.state_shape, device=device)
         # First the segments whose end state is sent; the purely local ones wait for overlap().
         self._sweep_forward(incoming=False, outgoing=True)
@@ -778,8 +791,9 @@ class CPBackward(CPForward):
             self.final_grads.index_copy_(
                 0, _index(plan, "final_segments_present", [plan.final_segment[i] for i in rows], device),
                 self.dht.index_select(0, _index(plan, "final_rows_present", rows, device)).float())
-        self.dh = _empty(max(local.geometry.num_chunks, 1), *self.state_shape, device=device)
-        self.du = _empty(1, problem.time, problem.value_heads, problem.value_dim, device=device)
+        stored = local.kplan.intermediate_dtype
+        self.dh = _empty(max(local.geometry.num_chunks, 1), *self.state_shape, dtype=stored, device=device)
+        self.du = _empty(1, problem.time, problem.value_heads, problem.value_dim, dtype=stored, device=device)
         self.initial_grads = _empty(segments, *self.state_shape, device=device)
         # First the segments whose initial-state gradient is sent (the backward summary dH).
         self._sweep_backward(incoming=True, outgoing=False)
@@ -841,7 +855,7 @@ class CPBackward(CPForward):
             intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads, self.dk_heads, self.dcum,
             *intra.q.stride(), *intra.k.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-            BC=sub_chunk, BK=block_k, **_scores_backward_options(problem.gate), **common,
+            BC=sub_chunk, BK=block_k, HALF_DOTS=kplan.half_dots, **_scores_backward_options(problem.gate), **common,
         )
 
     def _sweep_backward(self, incoming, outgoing) -> None:
