@@ -52,6 +52,8 @@ def parse_args():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-fla", action="store_true", help="skip FLA even if it imports")
+    parser.add_argument("--impls", default="hc,fla",
+                        help="implementations to run: hc, fla or both (e.g. only FLA's rows in a short device slot)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: gloo and wall-clock timing, for a smoke run of this script under "
                              "TRITON_INTERPRET=1 at tiny sizes (no meaningful times)")
@@ -230,8 +232,9 @@ def main() -> None:
             cu_global = torch.tensor(cu, dtype=torch.int64, device=device)
             tensors, do = make_inputs(op, args.tokens, args.heads, args.head_dim, dtype, device)
             common = dict(op=op, layout=layout, sequences=len(lengths))
-            implementations = [("hc", hc_function)]
-            if fla_note is None:
+            wanted = args.impls.split(",")
+            implementations = [("hc", hc_function)] if "hc" in wanted else []
+            if fla_note is None and "fla" in wanted:
                 implementations.append(("fla", fla_function))
             for name, factory in implementations:
                 single = None
