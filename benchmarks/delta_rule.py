@@ -37,6 +37,10 @@ OURS_BF16 = "ours, bf16 intermediates"
 BF16_NOTE = ("opt-in (HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES=1): w, u, h in bf16 and bf16 products as FLA; "
              "off by default because aligned keys exceed FLA's tolerances (see chunk.BF16_INTERMEDIATES)")
 
+OURS_WIDE = "ours, widest sweep tiles"
+WIDE_NOTE = ("chunk.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
+             "fills at most half the SMs (the default narrows them)")
+
 
 def parse_shape(text: str) -> dict:
     out, key, num = {}, "", ""
@@ -158,7 +162,7 @@ def kernel_rows(args, meta) -> list[dict]:
 
     rows = []
     dtype = getattr(torch, args.dtype)
-    bf16_default = chunk.BF16_INTERMEDIATES
+    bf16_default, sweep_default = chunk.BF16_INTERMEDIATES, chunk.SWEEP_MIN_PROGRAMS
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -180,6 +184,8 @@ def kernel_rows(args, meta) -> list[dict]:
             variants = [("ours", ours(gate), "")]
             if dtype == torch.bfloat16:
                 variants.append((OURS_BF16, ours(gate), BF16_NOTE))
+            if 2 * shape["B"] * shape["H"] * -(-shape["D"] // 32) <= torch.cuda.get_device_properties(0).multi_processor_count:
+                variants.append((OURS_WIDE, ours(gate), WIDE_NOTE))  # the same op before the sweep narrowing
             if have_fla:
                 note = fla_note
                 if gate == "scalar":
@@ -193,6 +199,7 @@ def kernel_rows(args, meta) -> list[dict]:
                 row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
                        "fla": fla_version, "note": note}
                 chunk.BF16_INTERMEDIATES = name == OURS_BF16
+                chunk.SWEEP_MIN_PROGRAMS = 0 if name == OURS_WIDE else sweep_default
                 try:
                     if name == "FLA" and gate == "scalar":
                         locked = unlock_fla_gdn_backward()
@@ -210,7 +217,7 @@ def kernel_rows(args, meta) -> list[dict]:
                     row.update(run_variant(fn, inputs))
                 except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-                chunk.BF16_INTERMEDIATES = bf16_default
+                chunk.BF16_INTERMEDIATES, chunk.SWEEP_MIN_PROGRAMS = bf16_default, sweep_default
                 emit(rows, row, args.out)
                 torch.cuda.empty_cache()
     return rows

@@ -429,3 +429,42 @@ def test_cp_summaries_with_half_intermediates_match_fp32(gate):
         assert half.dtype == torch.float32
         error = relative_rms_error(half, full)
         assert error < TOLERANCES[torch.float16][0], f"{part}: relative RMS error {error:.2e}"
+
+
+# ----------------------------------------------------------------------------------------
+# Sweep tiles narrowed for occupancy (chunk.py's SWEEP_MIN_PROGRAMS).
+
+
+def test_sweep_tiles_narrow_only_while_the_grid_fills_half_the_target(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 132)
+    # B1 H16, V128, widest tile 32: 64 programs fill at most half of 132 -> 16 (128 programs).
+    assert chunk_kernels._state_backward_block_v(128, 128, 16, cpu) == 16
+    # B4 H16: 256 programs already -> unchanged; half intermediates' 64-wide tile: 128 programs -> unchanged.
+    assert chunk_kernels._state_backward_block_v(128, 128, 64, cpu) == 32
+    assert chunk_kernels._state_forward_block_v(128, 128, torch.float16, 64, cpu) == 64
+    # Never below the smallest product dimension.
+    assert chunk_kernels._state_forward_block_v(128, 128, torch.float32, 1, cpu) == chunk_kernels.MIN_DOT_DIM
+    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 0)
+    assert chunk_kernels._state_backward_block_v(128, 128, 1, cpu) == 32
+    # Off CUDA the default (None) means no narrowing.
+    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", None)
+    assert chunk_kernels._state_backward_block_v(128, 128, 1, cpu) == 32
+
+
+NARROW_SWEEP_CASES = [
+    ("gdn-h0-l2norm", (1, 70, 1, 2, 32, 64), "scalar", {"initial_state": True, "l2norm": True}, torch.float32),
+    ("kda-gva", (1, 50, 1, 2, 32, 64), "channel", {"initial_state": True}, torch.float16),
+    ("plain-varlen", (1, 80, 1, 1, 32, 48), "none",
+     {"cu_seqlens": torch.tensor([0, 37, 38, 80], dtype=torch.int32), "initial_state": True, "num_sequences": 3},
+     torch.float32),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype", NARROW_SWEEP_CASES, ids=[c[0] for c in NARROW_SWEEP_CASES])
+def test_kernels_with_narrowed_sweep_tiles_match_float64_recurrence(monkeypatch, name, sizes, gate, options, dtype):
+    # A huge target forces the narrowest (16-wide) value tiles in both sweeps.
+    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 10**6)
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 1)
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, 32)

@@ -29,6 +29,7 @@ e^G_t / e^G_s, so a strongly decaying chunk underflows to 0 instead of overflowi
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -74,6 +75,13 @@ STATE_TILE_ELEMENTS = 64 * 64
 # (scalar, channel) where BV = 32 spilled none, so it keeps STATE_TILE_ELEMENTS. At K = 256,
 # BV = 32: state_forward 162-252 registers, no spills, 52 KiB.
 HALF_STATE_FORWARD_TILE_ELEMENTS = 128 * 64
+# The state sweeps walk each sequence's chunks one after another, one program per (sequence,
+# value head, value tile), and each walk is latency-bound. With few sequences x heads (one long
+# sequence, a CP shard) the widest tile leaves most SMs idle: the tile is halved (down to
+# MIN_DOT_DIM) while the grid would still fill at most half of SWEEP_MIN_PROGRAMS. None means the
+# GPU's SM count (no narrowing off CUDA); 0 turns it off. Narrower tiles re-read k and w (from L2)
+# once more per tile.
+SWEEP_MIN_PROGRAMS: int | None = None
 GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
 # Gate activations of gate_cumsum: none, KDA's softplus form, KDA's lower-bound form.
 ACTIVATION_NONE, ACTIVATION_SOFTPLUS, ACTIVATION_SIGMOID = 0, 1, 2
@@ -1111,10 +1119,34 @@ def _block(dim: int, limit: int = MAX_TILE) -> int:
     return min(max(MIN_DOT_DIM, triton.next_power_of_2(dim)), limit)
 
 
-def _state_forward_block_v(block_k_full: int, value_dim: int, intermediate_dtype: torch.dtype) -> int:
-    """BV of state_forward (and CP's forward sweep)."""
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _narrow_for_occupancy(block_v: int, walks: int, value_dim: int, device: torch.device) -> int:
+    """Halves a sweep's value tile while `walks` (sequences x value heads) times the tile count
+    would fill at most half of SWEEP_MIN_PROGRAMS programs (see there)."""
+    target = _multiprocessor_count(device) if SWEEP_MIN_PROGRAMS is None else SWEEP_MIN_PROGRAMS
+    while block_v > MIN_DOT_DIM and 2 * walks * triton.cdiv(value_dim, block_v) <= target:
+        block_v //= 2
+    return block_v
+
+
+def _state_forward_block_v(block_k_full: int, value_dim: int, intermediate_dtype: torch.dtype, walks: int,
+                           device: torch.device) -> int:
+    """BV of state_forward (and CP's forward sweep) for `walks` = sequences x value heads."""
     elements = STATE_TILE_ELEMENTS if intermediate_dtype == torch.float32 else HALF_STATE_FORWARD_TILE_ELEMENTS
-    return min(_block(value_dim), max(MIN_DOT_DIM, elements // block_k_full))
+    widest = min(_block(value_dim), max(MIN_DOT_DIM, elements // block_k_full))
+    return _narrow_for_occupancy(widest, walks, value_dim, device)
+
+
+def _state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device: torch.device) -> int:
+    """BV of state_backward (and CP's backward sweep)."""
+    widest = min(_block(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
+    return _narrow_for_occupancy(widest, walks, value_dim, device)
 
 
 def _state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int]:
@@ -1331,7 +1363,8 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
             DOT_PRECISION=plan.dot_precision, **common,
         )
     block_k_full = _block(key_dim, MAX_HEAD_DIM)
-    block_v_state = _state_forward_block_v(block_k_full, value_dim, stored)
+    block_v_state = _state_forward_block_v(block_k_full, value_dim, stored, problem.num_sequences * value_heads,
+                                           device)
     h0 = initial_state if initial_state is not None else plan.dummy
     h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     ht = final_state if final_state is not None else plan.dummy
@@ -1488,7 +1521,7 @@ def chunk_delta_rule_bwd(
     group, nt = problem.group_size, plan.chunks_per_row
     block_k, block_v = _block(key_dim), _block(value_dim)
     block_k_full = _block(key_dim, MAX_HEAD_DIM)
-    block_v_state = min(block_v, max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
+    block_v_state = _state_backward_block_v(block_k_full, value_dim, problem.num_sequences * value_heads, device)
     common = dict(GATE=plan.gate_code, BT=chunk, IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision)
     no_strides = (0, 0, 0, 0)
 

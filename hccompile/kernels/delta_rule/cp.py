@@ -68,6 +68,7 @@ from .chunk import (
     _l2norm_forward,
     _output_kernel,
     _Plan,
+    _state_backward_block_v,
     _state_forward_block_v,
     _scores_backward_options,
     _state_backward_kernel,
@@ -600,16 +601,14 @@ def _intra(local: _Local) -> _Intra:
     return _Intra(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde)
 
 
-def _state_blocks(problem) -> tuple[int, int]:
-    block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
-    return block_k_full, min(_block(problem.value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
 
 
 def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_states, lo: int, hi: int) -> None:
     """chunk.py's state_forward on segments [lo, hi)."""
     kplan, problem, geometry = local.kplan, local.problem, local.geometry
     block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
-    block_v = _state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype)
+    block_v = _state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype,
+                                     (hi - lo) * problem.value_heads, intra.k.device)
     _state_forward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
         intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.u_tilde, initial_states[lo:],
         h, u, final_states[lo:], *intra.k.stride(), *initial_states.stride(), *final_states.stride(),
@@ -640,7 +639,9 @@ def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int) -> None:
 def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initial_grads, lo: int, hi: int) -> None:
     """chunk.py's state_backward on segments [lo, hi)."""
     kplan, problem, geometry = local.kplan, local.problem, local.geometry
-    block_k_full, block_v = _state_blocks(problem)
+    block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
+    block_v = _state_backward_block_v(block_k_full, problem.value_dim, (hi - lo) * problem.value_heads,
+                                      intra.k.device)
     _state_backward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
         intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.scores, do,
         final_grads[lo:], dh, du, initial_grads[lo:],
