@@ -86,6 +86,17 @@ def test_summary_backward_matches_autograd(name, with_final_grad, poison):
     assert relative_rms_error(out[..., value_dim:], ref[..., value_dim:]) < TOLERANCE, "M^T"
 
 
+@requires_kernels
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_summaries_with_narrowed_tiles_match_the_references(name, poison, monkeypatch):
+    # A huge occupancy target narrows the summary sweeps' column tiles to 16 (two value tiles here).
+    from hccompile.kernels.delta_rule import chunk
+
+    monkeypatch.setattr(chunk, "SWEEP_MIN_PROGRAMS", 10**6)
+    test_summary_forward_matches_token_recurrence(name, poison)
+    test_summary_backward_matches_autograd(name, True, poison)
+
+
 def _random_summaries(plan, heads, key_dim, value_dim, seed):
     gen = torch.Generator().manual_seed(seed)
     world = plan.world_size

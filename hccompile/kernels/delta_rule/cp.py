@@ -66,6 +66,7 @@ from .chunk import (
     _gate_cumsum,
     _l2norm_backward,
     _l2norm_forward,
+    _narrow_for_occupancy,
     _output_kernel,
     _Plan,
     _state_backward_block_v,
@@ -433,9 +434,12 @@ def merge_chains(plan, direction: str, summaries_out: torch.Tensor, summaries_in
     )
 
 
-def _summary_blocks(key_dim: int) -> tuple[int, int]:
-    block_k_full = _block(key_dim, MAX_HEAD_DIM)
-    return block_k_full, max(MIN_DOT_DIM, min(64, STATE_TILE_ELEMENTS // block_k_full))
+def _summary_blocks(problem, segments: int, with_transition: bool, device) -> tuple[int, int]:
+    """(BKF, BC) of the summary sweeps; BC narrowed for occupancy like chunk.py's state sweeps."""
+    block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
+    widest = max(MIN_DOT_DIM, min(64, STATE_TILE_ELEMENTS // block_k_full))
+    columns = problem.value_dim + (problem.key_dim if with_transition else 0)
+    return block_k_full, _narrow_for_occupancy(widest, segments * problem.value_heads, columns, device)
 
 
 def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_transition: bool) -> None:
@@ -443,7 +447,7 @@ def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_t
     problem = kplan.problem
     if segments.numel() == 0:
         return
-    block_k_full, block_c = _summary_blocks(problem.key_dim)
+    block_k_full, block_c = _summary_blocks(problem, segments.numel(), with_transition, out.device)
     value_tiles = triton.cdiv(problem.value_dim, block_c)
     tiles = value_tiles + (triton.cdiv(problem.key_dim, block_c) if with_transition else 0)
     cum = intra.cum if intra.cum is not None else geometry.dummy
@@ -461,7 +465,7 @@ def _launch_summary_backward(kplan, intra, geometry, do, final_grads, segments, 
     problem = kplan.problem
     if segments.numel() == 0:
         return
-    block_k_full, block_c = _summary_blocks(problem.key_dim)
+    block_k_full, block_c = _summary_blocks(problem, segments.numel(), with_transition, out.device)
     value_tiles = triton.cdiv(problem.value_dim, block_c)
     tiles = value_tiles + (triton.cdiv(problem.key_dim, block_c) if with_transition else 0)
     cum = intra.cum if intra.cum is not None else geometry.dummy
