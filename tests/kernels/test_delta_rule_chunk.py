@@ -130,6 +130,10 @@ KERNEL_CASES = [
      {"gate_in_kernel": True, "lower_bound": -5.0, "initial_state": True}, torch.float32, 16),
     ("kda-K128-V128", (1, 20, 1, 1, 128, 128), "channel", {"initial_state": True}, torch.float32, 16),
     ("gdn-K256-V256", (1, 17, 1, 1, MAX_HEAD_DIM, MAX_HEAD_DIM), "scalar", {}, torch.float32, 16),
+    # D = 100: neither a tile nor a power of 2, in both the key and the value dim.
+    ("gdn-K100-V100-h0-l2norm", (1, 70, 1, 2, 100, 100), "scalar", {"initial_state": True, "l2norm": True},
+     torch.bfloat16, 64),
+    ("kda-K100-V100-h0", (1, 45, 1, 1, 100, 100), "channel", {"initial_state": True}, torch.float16, 32),
 ]
 
 
