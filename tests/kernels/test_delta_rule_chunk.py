@@ -405,8 +405,13 @@ def test_intermediates_take_the_planned_dtype(dtype):
     half = dtype == torch.float16 or (dtype == torch.bfloat16 and chunk_kernels.BF16_INTERMEDIATES)
     assert plan.intermediate_dtype == (dtype if half else torch.float32)
     fwd = chunk_kernels._forward(plan, q, k, v, beta, g, 1.0, None, None, None, True, None, None, None)
-    for name in ("q", "k", "w", "u", "h"):
+    for name in ("w", "u", "h"):
         assert getattr(fwd, name).dtype == plan.intermediate_dtype, name
+    # The l2-normed q and k: fp16 for bf16 inputs with fp32 intermediates (unit vectors fit fp16).
+    normed = torch.float16 if dtype == torch.bfloat16 and not half else plan.intermediate_dtype
+    assert plan.normed_qk_dtype == normed
+    for name in ("q", "k"):
+        assert getattr(fwd, name).dtype == normed, name
     for name in ("kdot", "scores", "inverse", "cum"):
         assert getattr(fwd, name).dtype == torch.float32, name
 

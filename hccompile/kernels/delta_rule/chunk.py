@@ -1209,6 +1209,19 @@ class _Plan:
         return torch.float32
 
     @property
+    def normed_qk_dtype(self) -> torch.dtype:
+        """dtype of the in-kernel l2-normed q and k: the intermediates', except fp16 for bf16
+        inputs whose intermediates are fp32. A unit vector's elements need no more range than
+        fp16's, and its 10 mantissa bits are as many as the tf32 products they feed keep; half
+        the bytes of fp32 in every kernel that reads q or k, and the state sweeps then fit two
+        software-pipelining stages (_state_launch_options). Compiled for sm_90 (Triton 3.8, bf16
+        with l2norm), state_backward's spills went from 320/400 to 96/232 bytes per thread at
+        K = 128 (scalar/channel gates), state_forward's stay 0 with the second stage."""
+        if self.input_dtype == torch.bfloat16 and self.intermediate_dtype == torch.float32:
+            return torch.float16
+        return self.intermediate_dtype
+
+    @property
     def half_dots(self) -> bool:
         """Whether the products take half operands (the kernels without a stored intermediate to
         take the dtype from are told so)."""
@@ -1269,7 +1282,7 @@ class _Forward:
 
 
 def _l2norm_forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x / sqrt(sum x^2 + 1e-6), contiguous, in `dtype` (the plan's intermediate_dtype)."""
+    """x / sqrt(sum x^2 + 1e-6), contiguous, in `dtype` (the plan's normed_qk_dtype)."""
     batch, time, heads, dim = x.shape
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     n_rows = batch * time * heads
@@ -1322,7 +1335,7 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     device = q.device
     stored = plan.intermediate_dtype
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm_forward(q, stored), _l2norm_forward(k, stored)
+        q, k = _l2norm_forward(q, plan.normed_qk_dtype), _l2norm_forward(k, plan.normed_qk_dtype)
     table, seqlens = plan.chunk_args()
     common = dict(IS_VARLEN=plan.varlen)
 

@@ -573,7 +573,7 @@ def _intra(local: _Local) -> _Intra:
     q, k = local.q, local.k
     stored = kplan.intermediate_dtype
     if local.use_qk_l2norm_in_kernel:
-        q, k = _l2norm_forward(q, stored), _l2norm_forward(k, stored)
+        q, k = _l2norm_forward(q, kplan.normed_qk_dtype), _l2norm_forward(k, kplan.normed_qk_dtype)
     cum = None
     if problem.gate != "none" and kplan.num_chunks:
         if problem.gate_in_kernel:
