@@ -19,7 +19,8 @@ BF16_INTERMEDIATES) the intermediates that feed tensor-core products are stored 
 (l2normed q and k, W, U~, U, the chunk states h, and the backward's dh and dU), and every product
 over K, V or the chunk takes half operands with fp32 accumulation (_dot rounds fp32 register
 tiles, e.g. the running state, right before the product), as FLA does. Otherwise intermediates
-are fp32 and products exact (fp32 inputs) or tf32 (bf16 inputs). Each kernel takes its operand
+are fp32 and products exact (fp32 inputs) or tf32 (bf16 inputs; their l2-normed q and k are
+stored in fp16, see _Plan.normed_qk_dtype). Each kernel takes its operand
 dtype from the stored intermediate it reads (`dot_dtype`), so launchers only pick buffer dtypes.
 
 Gates are natural-log decays, assumed <= 0 as FLA does. Every decay factor in the kernels
