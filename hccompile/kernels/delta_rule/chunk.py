@@ -1268,8 +1268,8 @@ def _make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.
 
 @dataclass
 class _Forward:
-    """Intermediates of the forward pass, all contiguous; fp32 but for the plan's intermediate_dtype
-    ones (l2normed q and k, w, u, h)."""
+    """Intermediates of the forward pass, all contiguous; fp32 but for w, u and h (the plan's
+    intermediate_dtype) and the l2normed q and k (its normed_qk_dtype)."""
 
     q: torch.Tensor  # q or its l2norm
     k: torch.Tensor

@@ -487,8 +487,8 @@ def _launch_summary_backward(kplan, intra, geometry, do, final_grads, segments, 
 
 @dataclass
 class _Intra:
-    """Intra-chunk intermediates (chunk-parallel, independent of any state); l2normed q and k, w and
-    u_tilde in the plan's intermediate_dtype, the rest fp32."""
+    """Intra-chunk intermediates (chunk-parallel, independent of any state); l2normed q and k in the
+    plan's normed_qk_dtype, w and u_tilde in its intermediate_dtype, the rest fp32."""
 
     q: torch.Tensor  # q or its l2norm
     k: torch.Tensor
