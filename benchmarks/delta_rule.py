@@ -194,7 +194,9 @@ def kernel_rows(args, meta) -> list[dict]:
             if shape_text in plain_shapes:
                 for how in ("eager", "inductor", "hc"):
                     variants.append((f"plain {how}", plain(gate, how), ""))
-            reference = None
+            kinds = {"ours": "ours", OURS_BF16: "bf16", OURS_WIDE: "wide", "FLA": "fla"}
+            variants = [v for v in variants if kinds.get(v[0], "plain") in args.impls.split(",")]
+            reference = None  # the first variant's output: ours unless --impls leaves it out
             for name, fn, note in variants:
                 row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
                        "fla": fla_version, "note": note}
@@ -232,7 +234,7 @@ def compile_rows(args, meta) -> list[dict]:
     rows = []
     dtype = getattr(torch, args.dtype)
     for T in [int(t) for t in args.compile_lengths.split(",") if t]:
-        for backend in ("hc", "inductor"):
+        for backend in args.compile_backends.split(","):
             if backend == "inductor" and args.skip_inductor_compile:
                 continue
             torch._dynamo.reset()
@@ -291,10 +293,14 @@ def main() -> None:
     p.add_argument("--plain-shapes", default=DEFAULT_PLAIN_SHAPES,
                    help="shapes at which the plain forms (eager, Inductor, hc) also run; '' for none")
     p.add_argument("--ops", default="gdn,kda", help="gdn, kda or both")
+    p.add_argument("--impls", default="ours,bf16,wide,fla,plain",
+                   help="kernel rows to run: ours, bf16 (the bf16-intermediates opt-in), wide (widest sweep "
+                        "tiles, where ours narrows them), fla, plain (eager/Inductor/hc, at --plain-shapes)")
     p.add_argument("--what", default="kernels,compile", help="kernels, compile or both")
     p.add_argument("--compile-lengths", default="2048,8192")
     p.add_argument("--compile-hidden", type=int, default=1024)
     p.add_argument("--compile-heads", type=int, default=8)
+    p.add_argument("--compile-backends", default="hc,inductor", help="backends of the compile rows")
     p.add_argument("--skip-inductor-compile", action="store_true",
                    help="skip the Inductor compile of the plain layer (minutes at T=8192)")
     p.add_argument("--dtype", default="bfloat16")
