@@ -1459,6 +1459,15 @@ def chunk_delta_rule_fwd(
 GRADIENT_NAMES = ("q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias")
 
 
+def _sum_key_groups(heads: torch.Tensor, key_heads: int, group: int) -> torch.Tensor:
+    """Value heads sharing a key head add their key gradients: [B, T, HV, K] -> [B, T, H, K].
+    Without GVA there is nothing to add, and no pass over the fp32 gradients is spent on it."""
+    if group == 1:
+        return heads
+    batch, time, _, key_dim = heads.shape
+    return heads.view(batch, time, key_heads, group, key_dim).sum(3)
+
+
 def _gate_activation_backward(g_raw, dg, A_log, dt_bias, lower_bound):
     """(dg_raw, dA_log, ddt_bias) through kda_gate by autograd: it is elementwise and cheap."""
     with torch.enable_grad():
@@ -1573,9 +1582,8 @@ def chunk_delta_rule_bwd(
         if problem.gate != "none":
             dcum.zero_()
 
-    # Value heads sharing a key head add their key gradients.
-    dq_sum = dq_heads.view(batch, time, problem.key_heads, group, key_dim).sum(3)
-    dk_sum = dk_heads.view(batch, time, problem.key_heads, group, key_dim).sum(3)
+    dq_sum = _sum_key_groups(dq_heads, problem.key_heads, group)
+    dk_sum = _sum_key_groups(dk_heads, problem.key_heads, group)
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRADIENT_NAMES)
     for name, x, dx_sum in (("q", q, dq_sum), ("k", k, dk_sum)):
         dx = result(name)

@@ -75,6 +75,7 @@ from .chunk import (
     _state_backward_kernel,
     _state_forward_kernel,
     _state_launch_options,
+    _sum_key_groups,
     _wy_backward_kernel,
     _wy_solve_kernel,
 )
@@ -895,7 +896,7 @@ class CPBackward(CPForward):
         group = problem.group_size
         grads: dict[str, torch.Tensor | None] = dict.fromkeys(inputs)
         for name, x, heads in (("q", local.q, self.dq_heads), ("k", local.k, self.dk_heads)):
-            summed = heads.view(1, problem.time, problem.key_heads, group, problem.key_dim).sum(3)
+            summed = _sum_key_groups(heads, problem.key_heads, group)
             dx = torch.empty(x.shape, dtype=x.dtype, device=device)
             if local.use_qk_l2norm_in_kernel:
                 _l2norm_backward(x, summed, dx)
