@@ -157,6 +157,18 @@ if triton is not None:
         return tl.load(ptrs, mask=valid & (cols < n_cols), other=0.0).to(tl.float32)
 
     @triton.jit
+    def _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows, row_valid, g_rows, stride_kt, stride_kk,
+                         HV, K):
+        """Per-channel gates inside a diagonal sub-chunk block: key s (chunk-local), the rows that
+        see it (t >= s) and their exact decays e^(G_t - G_s) (0 for the others)."""
+        s_valid = s < length
+        k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
+        g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
+        visible = (rows >= s) & row_valid
+        decay = tl.exp(tl.where(visible[:, None], g_rows - g_s[None, :], float("-inf")))
+        return k_s, decay, visible
+
+    @triton.jit
     def _gate_offset(batch, head, T, HV, K, GATE: tl.constexpr):
         """Offset of (batch, token 0, head) in the fp32 gate buffers [B, T, HV, K] or [B, T, HV, 1]."""
         width = 1
@@ -274,12 +286,9 @@ if triton is not None:
                         scores += _dot(q_i * row_decay, k_j_decayed, dot_dtype, DOT_PRECISION)
                     else:
                         for c in range(BC):
-                            s = block_j * BC + c
-                            s_valid = s < length
-                            k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
-                            g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
-                            visible = (rows >= s) & row_valid
-                            decay = tl.exp(tl.where(visible[:, None], g_i - g_s[None, :], float("-inf")))
+                            k_s, decay, _ = _diagonal_column(
+                                k_ptr, cum_ptr, start, block_j * BC + c, length, kc, rows, row_valid, g_i,
+                                stride_kt, stride_kk, HV, K)
                             weighted = k_s[None, :] * decay
                             kdot += tl.where(sub[None, :] == c, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
                             scores += tl.where(sub[None, :] == c, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
@@ -961,11 +970,8 @@ if triton is not None:
             # Diagonal block (b, b).
             for c in range(BC):
                 s = block_b * BC + c
-                s_valid = s < length
-                k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
-                g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
-                visible = (rows_b >= s) & valid_b
-                decay = tl.exp(tl.where(visible[:, None], g_b - g_s[None, :], float("-inf")))
+                k_s, decay, visible = _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows_b, valid_b, g_b,
+                                                       stride_kt, stride_kk, HV, K)
                 dkdot_s = tl.load(dkdot_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
                 dscores_s = tl.load(dscores_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
                 dq_pair += dscores_s[:, None] * (k_s[None, :] * decay)
