@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import json
 import os
 import statistics
 import time
+import sys
 import traceback
 from pathlib import Path
 
@@ -54,6 +56,9 @@ def parse_args():
     parser.add_argument("--no-fla", action="store_true", help="skip FLA even if it imports")
     parser.add_argument("--impls", default="hc,fla",
                         help="implementations to run: hc, fla or both (e.g. only FLA's rows in a short device slot)")
+    parser.add_argument("--stack-dump-every", type=float, default=0,
+                        help="seconds: every rank prints all its threads' stacks to stderr this often (0: never), "
+                             "to tell a hang in a collective from a slow first call in a short device slot")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: gloo and wall-clock timing, for a smoke run of this script under "
                              "TRITON_INTERPRET=1 at tiny sizes (no meaningful times)")
@@ -167,6 +172,13 @@ def measure(run, tensors, cu_seqlens, do, iters, warmup, group_wide, context=con
             return run(leaves, cu_seqlens)
 
     device = leaves["q"].device
+    begin = time.perf_counter()
+    forward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    # the first call compiles and autotunes: its time says where a slow variant spends a short slot
+    print(f"rank {dist.get_rank() if group_wide else 0}: first forward {time.perf_counter() - begin:.1f} s",
+          file=sys.stderr, flush=True)
     fwd = median_ms(forward, iters, warmup, group_wide, device)
 
     def step():
@@ -174,6 +186,12 @@ def measure(run, tensors, cu_seqlens, do, iters, warmup, group_wide, context=con
             o = run(leaves, cu_seqlens)
             return o, torch.autograd.grad(o, [leaves["q"]], do)[0]
 
+    begin = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"rank {dist.get_rank() if group_wide else 0}: first forward+backward {time.perf_counter() - begin:.1f} s",
+          file=sys.stderr, flush=True)
     both = median_ms(step, iters, warmup, group_wide, device)
     o, dq = step()
     return fwd, both, o.detach(), dq.detach()
@@ -189,6 +207,8 @@ def relative_error(out, ref) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.stack_dump_every > 0:
+        faulthandler.dump_traceback_later(args.stack_dump_every, repeat=True, file=sys.stderr)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
