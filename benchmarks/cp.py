@@ -56,6 +56,9 @@ def parse_args():
     parser.add_argument("--no-fla", action="store_true", help="skip FLA even if it imports")
     parser.add_argument("--impls", default="hc,fla",
                         help="implementations to run: hc, fla or both (e.g. only FLA's rows in a short device slot)")
+    parser.add_argument("--skip-one-gpu", action="store_true",
+                        help="run only the CP rows (their error columns then stay empty): for a short slot "
+                             "after the one-GPU rows were measured")
     parser.add_argument("--stack-dump-every", type=float, default=0,
                         help="seconds: every rank prints all its threads' stacks to stderr this often (0: never), "
                              "to tell a hang in a collective from a slow first call in a short device slot")
@@ -258,7 +261,7 @@ def main() -> None:
                 implementations.append(("fla", fla_function))
             for name, factory in implementations:
                 single = None
-                if rank == 0:
+                if rank == 0 and not args.skip_one_gpu:
                     try:
                         fwd, both, o, dq = measure(factory(op), tensors, cu_global, do, args.iters, args.warmup,
                                                    group_wide=False)
