@@ -354,12 +354,13 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
             for head in range(problem.value_heads):
                 kdot = fwd.kdot[batch, rows, head, :n].double().tril(-1)
                 b = beta[batch, rows, head].double()
-                expected = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + b[:, None] * kdot)
+                identity = torch.eye(n, dtype=torch.float64, device=kdot.device)
+                expected = torch.linalg.inv(identity + b[:, None] * kdot)
                 got = inverse[batch, rows, head, :]
                 assert torch.isfinite(got).all(), "unwritten elements of A"
                 worst_inverse = max(worst_inverse, relative_rms_error(got[:, :n], expected))
                 assert torch.equal(got.triu(1), torch.zeros_like(got)), "A not zero above the diagonal"
-                decay = torch.ones(n, 1, dtype=torch.float64)
+                decay = torch.ones(n, 1, dtype=torch.float64, device=kdot.device)
                 if fwd.cum is not None:
                     decay = fwd.cum[batch, rows, head].double().exp()
                 keys = fwd.k[batch, rows, head // problem.group_size].double()
