@@ -448,8 +448,12 @@ def test_cp_summaries_with_half_intermediates_match_fp32(gate):
 def test_sweep_tiles_narrow_only_while_the_grid_fills_half_the_target(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 132)
-    # B1 H16, V128, widest tile 32: 64 programs fill at most half of 132 -> 16 (128 programs).
-    assert chunk_kernels._state_backward_block_v(128, 128, 16, cpu) == 16
+    # B1 H16, V128, fp32 intermediates' widest tile 32: 64 programs fill at most half of 132 -> the
+    # forward sweep narrows to 16 (128 programs); the backward sweep stops at its floor, 32.
+    assert chunk_kernels._state_forward_block_v(128, 128, torch.float32, 16, cpu) == 16
+    assert chunk_kernels._state_backward_block_v(128, 128, 16, cpu) == chunk_kernels.MIN_BACKWARD_SWEEP_TILE == 32
+    # K = 64: the backward's widest tile is 64, so it may halve once.
+    assert chunk_kernels._state_backward_block_v(64, 128, 16, cpu) == 32
     # B4 H16: 256 programs already -> unchanged; half intermediates' 64-wide tile: 128 programs -> unchanged.
     assert chunk_kernels._state_backward_block_v(128, 128, 64, cpu) == 32
     assert chunk_kernels._state_forward_block_v(128, 128, torch.float16, 64, cpu) == 64
@@ -459,22 +463,29 @@ def test_sweep_tiles_narrow_only_while_the_grid_fills_half_the_target(monkeypatc
     assert chunk_kernels._state_backward_block_v(128, 128, 1, cpu) == 32
     # Off CUDA the default (None) means no narrowing.
     monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", None)
-    assert chunk_kernels._state_backward_block_v(128, 128, 1, cpu) == 32
+    assert chunk_kernels._state_forward_block_v(128, 128, torch.float32, 1, cpu) == 32
 
 
+# name, sizes, gate, options, dtype, chunk size
 NARROW_SWEEP_CASES = [
-    ("gdn-h0-l2norm", (1, 70, 1, 2, 32, 64), "scalar", {"initial_state": True, "l2norm": True}, torch.float32),
-    ("kda-gva", (1, 50, 1, 2, 32, 64), "channel", {"initial_state": True}, torch.float16),
+    ("gdn-h0-l2norm", (1, 70, 1, 2, 32, 64), "scalar", {"initial_state": True, "l2norm": True}, torch.float32, 32),
+    ("kda-gva", (1, 50, 1, 2, 32, 64), "channel", {"initial_state": True}, torch.float16, 32),
     ("plain-varlen", (1, 80, 1, 1, 32, 48), "none",
      {"cu_seqlens": torch.tensor([0, 37, 38, 80], dtype=torch.int32), "initial_state": True, "num_sequences": 3},
-     torch.float32),
+     torch.float32, 32),
+    # The configuration whose 16-wide backward tiles gave a wrong initial-state gradient on the H100
+    # (see chunk.MIN_BACKWARD_SWEEP_TILE): K = 128, bf16, l2norm, two chunks.
+    ("gdn-K128-bf16-h0-l2norm", (1, 70, 1, 2, 128, 128), "scalar", {"initial_state": True, "l2norm": True},
+     torch.bfloat16, 64),
 ]
 
 
 @requires_triton
-@pytest.mark.parametrize("name, sizes, gate, options, dtype", NARROW_SWEEP_CASES, ids=[c[0] for c in NARROW_SWEEP_CASES])
-def test_kernels_with_narrowed_sweep_tiles_match_float64_recurrence(monkeypatch, name, sizes, gate, options, dtype):
-    # A huge target forces the narrowest (16-wide) value tiles in both sweeps.
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", NARROW_SWEEP_CASES,
+                         ids=[c[0] for c in NARROW_SWEEP_CASES])
+def test_kernels_with_narrowed_sweep_tiles_match_float64_recurrence(monkeypatch, name, sizes, gate, options, dtype,
+                                                                    chunk):
+    # A huge target forces the narrowest value tiles: 16 wide in the forward sweep, the floor in the backward.
     monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 10**6)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 1)
-    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, 32)
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)

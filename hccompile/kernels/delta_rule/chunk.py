@@ -79,7 +79,8 @@ HALF_STATE_FORWARD_TILE_ELEMENTS = 128 * 64
 # The state sweeps walk each sequence's chunks one after another, one program per (sequence,
 # value head, value tile), and each walk is latency-bound. With few sequences x heads (one long
 # sequence, a CP shard) the widest tile leaves most SMs idle: the tile is halved (down to
-# MIN_DOT_DIM) while the grid would still fill at most half of SWEEP_MIN_PROGRAMS. None means the
+# MIN_DOT_DIM in the forward sweep, MIN_BACKWARD_SWEEP_TILE in the backward ones) while the grid
+# would still fill at most half of SWEEP_MIN_PROGRAMS. None means the
 # GPU's SM count (no narrowing off CUDA); 0 turns it off. Narrower tiles re-read k and w (from L2)
 # once more per tile.
 SWEEP_MIN_PROGRAMS: int | None = None
@@ -1133,11 +1134,20 @@ def _multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _narrow_for_occupancy(block_v: int, walks: int, value_dim: int, device: torch.device) -> int:
-    """Halves a sweep's value tile while `walks` (sequences x value heads) times the tile count
-    would fill at most half of SWEEP_MIN_PROGRAMS programs (see there)."""
+# The narrowest value tile of the backward sweeps (state_backward, CP's summary sweeps). On the
+# H100 (Triton 3.6), state_backward with 16-wide tiles, K = 128 and bf16 inputs returned a wrong
+# initial-state gradient (relative RMS 0.27-0.33 against fp64; every other output right, and fp32
+# inputs right), at T = 70 (two chunks); 32-wide tiles were right in every GPU test. The
+# interpreter cannot show it (tests/kernels/test_delta_rule_chunk.py has the case).
+MIN_BACKWARD_SWEEP_TILE = 32
+
+
+def _narrow_for_occupancy(block_v: int, walks: int, value_dim: int, device: torch.device,
+                          floor: int = MIN_DOT_DIM) -> int:
+    """Halves a sweep's value tile, not below `floor`, while `walks` (sequences x value heads)
+    times the tile count would fill at most half of SWEEP_MIN_PROGRAMS programs (see there)."""
     target = _multiprocessor_count(device) if SWEEP_MIN_PROGRAMS is None else SWEEP_MIN_PROGRAMS
-    while block_v > MIN_DOT_DIM and 2 * walks * triton.cdiv(value_dim, block_v) <= target:
+    while block_v > floor and 2 * walks * triton.cdiv(value_dim, block_v) <= target:
         block_v //= 2
     return block_v
 
@@ -1153,7 +1163,7 @@ def _state_forward_block_v(block_k_full: int, value_dim: int, intermediate_dtype
 def _state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device: torch.device) -> int:
     """BV of state_backward (and CP's backward sweep)."""
     widest = min(_block(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
-    return _narrow_for_occupancy(widest, walks, value_dim, device)
+    return _narrow_for_occupancy(widest, walks, value_dim, device, floor=MIN_BACKWARD_SWEEP_TILE)
 
 
 def _state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int]:

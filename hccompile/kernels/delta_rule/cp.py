@@ -53,6 +53,7 @@ from .chunk import (
     ACTIVATION_SOFTPLUS,
     GATE_CODES,
     MAX_HEAD_DIM,
+    MIN_BACKWARD_SWEEP_TILE,
     MIN_DOT_DIM,
     STATE_TILE_ELEMENTS,
     SUB_CHUNK,
@@ -436,11 +437,13 @@ def merge_chains(plan, direction: str, summaries_out: torch.Tensor, summaries_in
 
 
 def _summary_blocks(problem, segments: int, with_transition: bool, device) -> tuple[int, int]:
-    """(BKF, BC) of the summary sweeps; BC narrowed for occupancy like chunk.py's state sweeps."""
+    """(BKF, BC) of the summary sweeps; BC narrowed for occupancy like chunk.py's state sweeps, not
+    below MIN_BACKWARD_SWEEP_TILE (the summaries' backward shares these blocks)."""
     block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
     widest = max(MIN_DOT_DIM, min(64, STATE_TILE_ELEMENTS // block_k_full))
     columns = problem.value_dim + (problem.key_dim if with_transition else 0)
-    return block_k_full, _narrow_for_occupancy(widest, segments * problem.value_heads, columns, device)
+    return block_k_full, _narrow_for_occupancy(widest, segments * problem.value_heads, columns, device,
+                                               floor=MIN_BACKWARD_SWEEP_TILE)
 
 
 def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_transition: bool) -> None:
