@@ -1256,30 +1256,45 @@ class _Plan:
         return table, seqlens
 
 
+@functools.lru_cache(maxsize=16)
+def _dummy(device: torch.device) -> torch.Tensor:
+    """Stands in for absent optional tensors; never read or written by the kernels. One per
+    device instead of an allocation and a fill on every call."""
+    return torch.zeros(2, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _varlen_chunk_tables(lengths: tuple[int, ...], chunk_size: int, device: torch.device):
+    """(chunk_table [chunks, 2] (sequence, chunk), chunk_offsets [N]) as int32 device tensors.
+    Cached by the sequence lengths: a training loop that repeats its packing (or a benchmark)
+    pays the host-to-device copies once. The kernels only read them."""
+    counts = [triton.cdiv(length, chunk_size) for length in lengths]
+    pairs = [(seq, chunk) for seq, count in enumerate(counts) for chunk in range(count)]
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    chunk_table = torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=device)
+    chunk_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
+    return chunk_table, chunk_offsets
+
+
 def _make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.Tensor) -> _Plan:
     device = q.device
-    lengths = [eos - bos for _, bos, eos in problem.sequences]
-    counts = [triton.cdiv(length, chunk_size) for length in lengths]
+    lengths = tuple(eos - bos for _, bos, eos in problem.sequences)
     chunk_table = chunk_offsets = None
     if cu_seqlens is not None:
-        pairs = [(seq, chunk) for seq, count in enumerate(counts) for chunk in range(count)]
-        chunk_table = torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=device)
-        offsets = [sum(counts[:i]) for i in range(len(counts))]
-        chunk_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
+        chunk_table, chunk_offsets = _varlen_chunk_tables(lengths, chunk_size, device)
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
-    plan = _Plan(
+    return _Plan(
         problem=problem,
         chunk_size=chunk_size,
-        num_chunks=sum(counts),
+        num_chunks=sum(triton.cdiv(length, chunk_size) for length in lengths),
         chunks_per_row=triton.cdiv(problem.time, chunk_size),
         chunk_table=chunk_table,
         chunk_offsets=chunk_offsets,
         cu_seqlens=cu_seqlens,
         gate_code=GATE_CODES[problem.gate],
         input_dtype=q.dtype,
-        dummy=torch.zeros(2, dtype=torch.float32, device=device),
+        dummy=_dummy(device),
     )
-    return plan
 
 
 @dataclass
