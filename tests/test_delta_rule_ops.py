@@ -76,9 +76,10 @@ def make_case(gate: str, *, B=1, T=20, H=1, HV=2, K=16, V=16, initial_state=True
 
 
 def op_args(case: dict, gate: str, *, scale=0.3, output_final_state=True, l2norm=True, lower_bound=None,
-            chunk_size=16) -> tuple:
-    return (case["q"], case["k"], case["v"], case["beta"], case["g"], case["initial_state"], case["cu_seqlens"],
+            chunk_size=16, save_intermediates=None) -> tuple:
+    args = (case["q"], case["k"], case["v"], case["beta"], case["g"], case["initial_state"], case["cu_seqlens"],
             case["A_log"], case["dt_bias"], gate, scale, output_final_state, l2norm, lower_bound, chunk_size)
+    return args if save_intermediates is None else (*args, save_intermediates)
 
 
 OPCHECK_CASES = {
@@ -88,6 +89,8 @@ OPCHECK_CASES = {
     "gdn": ("scalar", dict(), dict()),
     "kda-gate-in-kernel": ("channel", dict(gate_in_kernel=True), dict(lower_bound=-5.0)),
     "gdn-varlen": ("scalar", dict(seqlens=(7, 0, 13)), dict()),
+    # The forward keeps its intra-chunk matrices and the backward op takes them.
+    "kda-kept": ("channel", dict(), dict(save_intermediates=True)),
 }
 
 
@@ -100,17 +103,22 @@ def test_opcheck_forward_and_backward(name, mode):
     args = op_args(differentiable, gate, **arg_kwargs)
     torch.library.opcheck(chunk_delta_rule_op, args)
 
-    o, final_state = chunk_delta_rule_op(*op_args(case, gate, **arg_kwargs))
+    o, final_state, *kept = chunk_delta_rule_op(*op_args(case, gate, **arg_kwargs))
+    if arg_kwargs.get("save_intermediates"):
+        assert all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept)
     do = torch.randn_like(o)
     dht = torch.randn_like(final_state) if arg_kwargs.get("output_final_state", True) else None
     detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
     backward_args = (*detached[:9], do, dht, *[detached[i] for i in (9, 10, 12, 13, 14)])
+    if arg_kwargs.get("save_intermediates"):
+        backward_args = (*backward_args, *kept)
     torch.library.opcheck(chunk_delta_rule_backward_op, backward_args)
 
 
 def test_absent_outputs_are_zero_size_placeholders(mode):
     case = make_case("scalar", initial_state=False)
-    o, final_state = chunk_delta_rule_op(*op_args(case, "scalar", output_final_state=False))
+    o, final_state, *kept = chunk_delta_rule_op(*op_args(case, "scalar", output_final_state=False))
+    assert [tuple(t.shape) for t in kept] == [(0,)] * 3  # no kept matrices unless asked for
     assert o.shape == case["v"].shape and final_state.shape == (0,) and final_state.dtype == torch.float32
     grads = chunk_delta_rule_backward_op(*op_args(case, "scalar")[:9], torch.ones_like(o), None, "scalar", 0.3,
                                          True, None, 16)
@@ -244,3 +252,38 @@ def test_bad_input_names_argument(description, call, match):
         pytest.skip("the cases build CPU tensors")
     with pytest.raises((ValueError, TypeError), match=match):
         call(make_case("scalar"))
+
+
+def test_training_calls_keep_the_intra_chunk_matrices_for_the_backward(monkeypatch):
+    """With gradients wanted, the public functions have the forward op keep kdot, scores and the
+    solved inverse, and the kernel backward reuses them; the gradients equal those of a backward
+    that recomputes them, and calls without gradients keep nothing."""
+    if not KERNELS_CAN_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
+    import hccompile.lowering.delta_rule as lowering
+
+    reused = []
+    kernel_backward = lowering.chunk_delta_rule_bwd
+
+    def spy(*args, intermediates=None, **kwargs):
+        reused.append(intermediates is not None)
+        return kernel_backward(*args, intermediates=intermediates, **kwargs)
+
+    monkeypatch.setattr(lowering, "chunk_delta_rule_bwd", spy)
+    case = make_case("channel")
+
+    def gradients():
+        leaves = {n: case[n].detach().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+        o, _ = chunk_kda(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), use_qk_l2norm_in_kernel=True)
+        o.backward(torch.ones_like(o))
+        return [leaves[n].grad for n in leaves]
+
+    kept = gradients()
+    monkeypatch.setattr(lowering, "keeps_intermediates", lambda *inputs: False)
+    recomputed = gradients()
+    assert reused == [True, False]
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert not lowering.keeps_intermediates(case["q"].requires_grad_())

@@ -206,34 +206,53 @@ def chunk_delta_rule_op(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, gate: str, scale: float,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
-) -> tuple[Tensor, Tensor]:
+    save_intermediates: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final state, kdot, scores, inverse). With save_intermediates the last three are the
+    kernels' intra-chunk matrices, fp32 [B, T, HV, chunk_size], kept for the backward so that it
+    does not recompute them (zeros where the reference or CP path ran: their backwards recompute);
+    without, zero-size placeholders."""
+    squares = _intermediate_placeholders(q, v, chunk_size, save_intermediates)
     # Context parallelism (hccompile.distributed.context_parallel) when a CP context is active.
     parallel = _context_parallel.forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
                                          output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
-        return parallel
+        return (*parallel, *squares())
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size)
     if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
-        o, final_state = chunk_delta_rule_fwd(q, k, v, beta, **args)
+        if save_intermediates:
+            o, final_state, kept = chunk_delta_rule_fwd(q, k, v, beta, **args, return_intermediates=True)
+        else:
+            (o, final_state), kept = chunk_delta_rule_fwd(q, k, v, beta, **args), squares()
     else:
-        o, final_state = chunk_delta_rule_ref(q, k, v, beta, **args)
+        (o, final_state), kept = chunk_delta_rule_ref(q, k, v, beta, **args), squares()
     if final_state is None:
-        return o, q.new_empty((0,), dtype=_state_dtype(q))
-    return o, final_state.to(_state_dtype(q)).contiguous()
+        return o, q.new_empty((0,), dtype=_state_dtype(q)), *kept
+    return o, final_state.to(_state_dtype(q)).contiguous(), *kept
+
+
+def _intermediate_placeholders(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool):
+    """The kept-matrix outputs where no kernel fills them: zeros of their shape (the fake's) when
+    they were asked for, zero-size tensors otherwise."""
+    shape = (q.shape[0], q.shape[1], v.shape[2], chunk_size) if save_intermediates else (0,)
+    return lambda: tuple(q.new_zeros(shape, dtype=torch.float32) for _ in range(3))
 
 
 @chunk_delta_rule_op.register_fake
 def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
-                           output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size):
+                           output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size,
+                           save_intermediates=False):
     _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound)
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     batch, time, value_heads, value_dim = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
     o = v.new_empty((batch, time, value_heads, value_dim))
     state_shape = _state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    return o, q.new_empty(state_shape, dtype=_state_dtype(q))
+    square = (batch, time, value_heads, chunk_size) if save_intermediates else (0,)
+    return (o, q.new_empty(state_shape, dtype=_state_dtype(q)),
+            *(q.new_empty(square, dtype=torch.float32) for _ in range(3)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -264,11 +283,11 @@ def _reference_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_b
     return result
 
 
-def _kernel_backward(q, k, v, beta, do, dht, **args) -> dict[str, Tensor | None]:
+def _kernel_backward(q, k, v, beta, do, dht, intermediates=None, **args) -> dict[str, Tensor | None]:
     """Gradients by the Triton backward kernels."""
     with _autograd_recording():
         return chunk_delta_rule_bwd(q, k, v, beta, **args, do=do.to(v.dtype),
-                                    dht=None if dht is None else dht.to(torch.float32))
+                                    dht=None if dht is None else dht.to(torch.float32), intermediates=intermediates)
 
 
 @torch.library.custom_op("hccompile::chunk_delta_rule_backward", mutates_args=())
@@ -276,7 +295,10 @@ def chunk_delta_rule_backward_op(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, do: Tensor, dht: Tensor | None,
     gate: str, scale: float, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
+    kdot: Tensor | None = None, scores: Tensor | None = None, inverse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of the forward op's inputs; kdot, scores, inverse are its kept matrices (all three
+    or none), reused by the kernel backward instead of recomputed."""
     parallel = _context_parallel.backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                           scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
@@ -287,7 +309,9 @@ def chunk_delta_rule_backward_op(
                 lower_bound=lower_bound, chunk_size=chunk_size)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
-        grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, **args)
+        kept = (kdot, scores, inverse)
+        intermediates = kept if all(t is not None and t.numel() for t in kept) else None
+        grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, intermediates=intermediates, **args)
     else:
         grads = _reference_backward(q, k, v, beta, do=do, dht=dht, **args)
     inputs = dict(zip(GRADIENT_NAMES, (q, k, v, beta, g, initial_state, A_log, dt_bias)))
@@ -299,7 +323,8 @@ def chunk_delta_rule_backward_op(
 
 @chunk_delta_rule_backward_op.register_fake
 def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
-                                    scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size):
+                                    scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, kdot=None, scores=None,
+                                    inverse=None):
     _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                            do=do, dht=dht)
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
@@ -313,15 +338,18 @@ def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens,
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale, output_final_state,
-     use_qk_l2norm_in_kernel, lower_bound, chunk_size) = inputs
-    # The backward recomputes the forward's intermediates from its inputs: nothing else is saved.
-    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias)
+     use_qk_l2norm_in_kernel, lower_bound, chunk_size, *save_intermediates) = inputs
+    # The backward recomputes the forward's intermediates from its inputs, except the intra-chunk
+    # matrices the forward kept (save_intermediates): those are saved as they are.
+    kept = output[2:]
+    ctx.mark_non_differentiable(*kept)
+    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, *kept)
     ctx.options = (gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     ctx.output_final_state = output_final_state
 
 
-def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None):
-    q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias = ctx.saved_tensors
+def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None, *kept_grads):
+    q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, kdot, scores, inverse = ctx.saved_tensors
     gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size = ctx.options
     if do is None:
         do = torch.zeros(q.shape[:2] + v.shape[2:], dtype=v.dtype, device=v.device)
@@ -329,12 +357,12 @@ def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None):
     dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
     grads = chunk_delta_rule_backward_op(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias,
                                          do.contiguous(), dht, gate, scale, use_qk_l2norm_in_kernel,
-                                         lower_bound, chunk_size)
+                                         lower_bound, chunk_size, kdot, scores, inverse)
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (
         None if x is None else grad for x, grad in zip((q, k, v, beta, g, initial_state, A_log, dt_bias), grads)
     )
     # Order of the op's arguments; cu_seqlens and the non-tensor options get None.
-    return dq, dk, dv, dbeta, dg, dh0, None, dA_log, ddt_bias, None, None, None, None, None, None
+    return dq, dk, dv, dbeta, dg, dh0, None, dA_log, ddt_bias, None, None, None, None, None, None, None
 
 
 chunk_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
@@ -353,12 +381,23 @@ def _run(q, k, v, beta, g, gate, scale, initial_state, output_final_state, cu_se
         _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, final_state = chunk_delta_rule_op(
+    o, final_state, *_ = chunk_delta_rule_op(
         q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, float(scale),
         bool(output_final_state), bool(use_qk_l2norm_in_kernel),
         None if lower_bound is None else float(lower_bound), int(chunk_size),
+        keeps_intermediates(q, k, v, beta, g, initial_state, A_log, dt_bias),
     )
     return o, (final_state if output_final_state else None)
+
+
+def keeps_intermediates(*inputs: Tensor | None) -> bool:
+    """Whether the forward op should keep its intra-chunk matrices for the backward: when a
+    gradient will be taken and no CP context is active (CP's backward recomputes its own). It
+    costs three fp32 [B, T, HV, chunk_size] tensors per call until the backward, as FLA's kept
+    score matrices and solved A do, and saves the backward their recomputation."""
+    if not torch.is_grad_enabled() or _context_parallel.current_context() is not None:
+        return False
+    return any(t is not None and t.requires_grad for t in inputs)
 
 
 def chunk_delta_rule(

@@ -54,6 +54,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import concrete_shape, size_hint
+from ..lowering.delta_rule import keeps_intermediates
 from .base import GraphPass, PassContext, register_pass
 
 PATTERN = "delta_rule"
@@ -1786,8 +1787,10 @@ def _rewrite(gm: fx.GraphModule, idx: _Index, loop: _Loop, region: _Region, h: _
         g = _to_op(r.g.node, r.g.labels, r.nb, E) if r.g is not None else None
         h0 = _state_to_op(r.h0, r.nb, h.transposed, E) if r.h0 is not None else None
         final_needed = bool(loop.final_users)
+        # Keep the forward's intra-chunk matrices for the backward when the graph will be differentiated.
+        keep = keeps_intermediates(*(_tensor_example(x) for x in (q, k, v, beta, g, h0) if x is not None))
         result = E.call(torch.ops.hccompile.chunk_delta_rule.default, q, k, v, beta, g, h0, None, None, None,
-                        r.gate, float(h.scale), final_needed, bool(h.l2norm), None, OP_CHUNK_SIZE)
+                        r.gate, float(h.scale), final_needed, bool(h.l2norm), None, OP_CHUNK_SIZE, keep)
         o = E.call(operator.getitem, result, 0)
         o = _out_from_op(o, out_labels, r.nb, E)
         want = _tensor_example(loop.out)

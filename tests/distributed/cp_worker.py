@@ -63,7 +63,7 @@ SUITES = {
 def _call(gate, tensors, cu_seqlens, options, output_final_state=True):
     q, k, v, beta, g = (tensors[n] for n in ("q", "k", "v", "beta", "g"))
     if options.get("op"):
-        o, final = torch.ops.hccompile.chunk_delta_rule(
+        o, final, *_ = torch.ops.hccompile.chunk_delta_rule(
             q, k, v, beta, g, tensors["initial_state"], cu_seqlens, tensors["A_log"], tensors["dt_bias"], gate, 0.3,
             output_final_state, True, options.get("lower_bound"), 16)
         return o, final

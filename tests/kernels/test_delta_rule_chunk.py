@@ -489,3 +489,52 @@ def test_kernels_with_narrowed_sweep_tiles_match_float64_recurrence(monkeypatch,
     monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 10**6)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 1)
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+
+
+# ----------------------------------------------------------------------------------------
+# The forward's intra-chunk matrices kept for the backward (return_intermediates / intermediates).
+
+KEPT_CASES = [
+    ("gdn-gva-l2norm-h0", (1, 70, 1, 2, 32, 16), "scalar", {"initial_state": True, "l2norm": True}, torch.float32, 32),
+    ("kda-bf16", (2, 45, 1, 1, 32, 32), "channel", {"initial_state": True}, torch.bfloat16, 16),
+    ("plain-varlen", (1, 80, 1, 1, 32, 48), "none",
+     {"cu_seqlens": torch.tensor([0, 37, 38, 80], dtype=torch.int32), "initial_state": True, "num_sequences": 3},
+     torch.float32, 64),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", KEPT_CASES, ids=[c[0] for c in KEPT_CASES])
+def test_backward_with_kept_intermediates_equals_the_recomputing_backward(name, sizes, gate, options, dtype, chunk):
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 5)
+    inputs = kernel_inputs(inputs, dtype)
+    o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
+    o_plain, state_plain = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk)
+    assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
+    assert all(t.shape == (*o.shape[:3], chunk) and t.dtype == torch.float32 for t in kept)
+    do, dht = random_output_gradients(inputs, dtype)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
+    reused = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=kept)
+    # The same kernels on the same values: the kept inverse is bitwise the recomputed one.
+    for name_, grad in recomputed.items():
+        if grad is not None:
+            assert torch.isfinite(reused[name_]).all() and torch.equal(reused[name_], grad), name_
+    # Kept matrices that do not belong to these inputs change the gradients: they are really used.
+    wrong = tuple(t * 0.5 for t in kept)
+    changed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=wrong)
+    assert not torch.equal(changed["v"], recomputed["v"])
+
+
+def test_kept_intermediates_are_checked():
+    inputs, kwargs = build_case((1, 20, 1, 1, 16, 8), "scalar", {}, seed=1)
+    inputs = kernel_inputs(inputs, torch.float32)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    do = torch.zeros(1, 20, 1, 8)
+    square = torch.zeros(1, 20, 1, 64)
+    with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\), got 2"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square))
+    with pytest.raises(ValueError, match=r"intermediates inverse: shape \(1, 20, 1, 32\) differs"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, torch.zeros(1, 20, 1, 32)))
+    with pytest.raises(TypeError, match=r"intermediates kdot: dtype torch.float16 differs"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square.half(), square, square))

@@ -375,8 +375,12 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        SOLVE: tl.constexpr = True,
     ):
         """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V.
+
+        Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward) and only W
+        and U~ are formed.
 
         The NS = BT / BC <= 4 diagonal [BC, BC] blocks are inverted by forward substitution,
         the blocks below them by the block recurrence of _off_diagonal_block ([BC, BC] products
@@ -398,55 +402,56 @@ if triton is not None:
         row_stride = HV * BT
         NS: tl.constexpr = BT // BC
 
-        # The diagonal blocks' substitutions are independent chains: one loop runs them side by side.
-        sub = tl.arange(0, BC)
-        a00 = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
-        a11 = a00
-        a22 = a00
-        a33 = a00
-        for r in range(1, BC):
-            a00 = _substitution_step(a00, kdot_ptr, beta_ptr, stride_bt, start, 0, length, row_stride, r, BC)
+        if SOLVE:
+            # The diagonal blocks' substitutions are independent chains: one loop runs them side by side.
+            sub = tl.arange(0, BC)
+            a00 = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
+            a11 = a00
+            a22 = a00
+            a33 = a00
+            for r in range(1, BC):
+                a00 = _substitution_step(a00, kdot_ptr, beta_ptr, stride_bt, start, 0, length, row_stride, r, BC)
+                if NS >= 2:
+                    a11 = _substitution_step(a11, kdot_ptr, beta_ptr, stride_bt, start, BC, length, row_stride, r, BC)
+                if NS >= 4:
+                    a22 = _substitution_step(a22, kdot_ptr, beta_ptr, stride_bt, start, 2 * BC, length, row_stride, r,
+                                             BC)
+                    a33 = _substitution_step(a33, kdot_ptr, beta_ptr, stride_bt, start, 3 * BC, length, row_stride, r,
+                                             BC)
+            _store_block(a_ptr, a00, start, length, row_stride, 0, 0, BT, BC)
             if NS >= 2:
-                a11 = _substitution_step(a11, kdot_ptr, beta_ptr, stride_bt, start, BC, length, row_stride, r, BC)
+                l10 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 1, 0, BT, BC)
+                a10 = _off_diagonal_block(a11, tl.dot(l10, a00, input_precision="ieee"))
+                _store_block(a_ptr, a11, start, length, row_stride, 1, 1, BT, BC)
+                _store_block(a_ptr, a10, start, length, row_stride, 1, 0, BT, BC)
             if NS >= 4:
-                a22 = _substitution_step(a22, kdot_ptr, beta_ptr, stride_bt, start, 2 * BC, length, row_stride, r,
-                                         BC)
-                a33 = _substitution_step(a33, kdot_ptr, beta_ptr, stride_bt, start, 3 * BC, length, row_stride, r,
-                                         BC)
-        _store_block(a_ptr, a00, start, length, row_stride, 0, 0, BT, BC)
-        if NS >= 2:
-            l10 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 1, 0, BT, BC)
-            a10 = _off_diagonal_block(a11, tl.dot(l10, a00, input_precision="ieee"))
-            _store_block(a_ptr, a11, start, length, row_stride, 1, 1, BT, BC)
-            _store_block(a_ptr, a10, start, length, row_stride, 1, 0, BT, BC)
-        if NS >= 4:
-            l20 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 0, BT, BC)
-            l21 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 1, BT, BC)
-            l30 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 0, BT, BC)
-            l31 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 1, BT, BC)
-            l32 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 2, BT, BC)
-            a21 = _off_diagonal_block(a22, tl.dot(l21, a11, input_precision="ieee"))
-            a32 = _off_diagonal_block(a33, tl.dot(l32, a22, input_precision="ieee"))
-            a20 = _off_diagonal_block(a22, tl.dot(l20, a00, input_precision="ieee")
-                                      + tl.dot(l21, a10, input_precision="ieee"))
-            a31 = _off_diagonal_block(a33, tl.dot(l31, a11, input_precision="ieee")
-                                      + tl.dot(l32, a21, input_precision="ieee"))
-            a30 = _off_diagonal_block(a33, tl.dot(l30, a00, input_precision="ieee")
-                                      + tl.dot(l31, a10, input_precision="ieee")
-                                      + tl.dot(l32, a20, input_precision="ieee"))
-            _store_block(a_ptr, a22, start, length, row_stride, 2, 2, BT, BC)
-            _store_block(a_ptr, a33, start, length, row_stride, 3, 3, BT, BC)
-            _store_block(a_ptr, a21, start, length, row_stride, 2, 1, BT, BC)
-            _store_block(a_ptr, a32, start, length, row_stride, 3, 2, BT, BC)
-            _store_block(a_ptr, a20, start, length, row_stride, 2, 0, BT, BC)
-            _store_block(a_ptr, a31, start, length, row_stride, 3, 1, BT, BC)
-            _store_block(a_ptr, a30, start, length, row_stride, 3, 0, BT, BC)
-        # The blocks above the diagonal are zero; written so that A is complete in memory.
-        zero_block = tl.zeros([BC, BC], dtype=tl.float32)
-        for block_i in tl.static_range(NS):
-            for block_j in tl.static_range(block_i + 1, NS):
-                _store_block(a_ptr, zero_block, start, length, row_stride, block_i, block_j, BT, BC)
-        tl.debug_barrier()
+                l20 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 0, BT, BC)
+                l21 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 1, BT, BC)
+                l30 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 0, BT, BC)
+                l31 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 1, BT, BC)
+                l32 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 2, BT, BC)
+                a21 = _off_diagonal_block(a22, tl.dot(l21, a11, input_precision="ieee"))
+                a32 = _off_diagonal_block(a33, tl.dot(l32, a22, input_precision="ieee"))
+                a20 = _off_diagonal_block(a22, tl.dot(l20, a00, input_precision="ieee")
+                                          + tl.dot(l21, a10, input_precision="ieee"))
+                a31 = _off_diagonal_block(a33, tl.dot(l31, a11, input_precision="ieee")
+                                          + tl.dot(l32, a21, input_precision="ieee"))
+                a30 = _off_diagonal_block(a33, tl.dot(l30, a00, input_precision="ieee")
+                                          + tl.dot(l31, a10, input_precision="ieee")
+                                          + tl.dot(l32, a20, input_precision="ieee"))
+                _store_block(a_ptr, a22, start, length, row_stride, 2, 2, BT, BC)
+                _store_block(a_ptr, a33, start, length, row_stride, 3, 3, BT, BC)
+                _store_block(a_ptr, a21, start, length, row_stride, 2, 1, BT, BC)
+                _store_block(a_ptr, a32, start, length, row_stride, 3, 2, BT, BC)
+                _store_block(a_ptr, a20, start, length, row_stride, 2, 0, BT, BC)
+                _store_block(a_ptr, a31, start, length, row_stride, 3, 1, BT, BC)
+                _store_block(a_ptr, a30, start, length, row_stride, 3, 0, BT, BC)
+            # The blocks above the diagonal are zero; written so that A is complete in memory.
+            zero_block = tl.zeros([BC, BC], dtype=tl.float32)
+            for block_i in tl.static_range(NS):
+                for block_j in tl.static_range(block_i + 1, NS):
+                    _store_block(a_ptr, zero_block, start, length, row_stride, block_i, block_j, BT, BC)
+            tl.debug_barrier()
 
         local = tl.arange(0, BT)
         valid = local < length
@@ -1358,8 +1363,11 @@ def _gate_cumsum(plan: _Plan, g: torch.Tensor, activation: int, A_log, dt_bias, 
 
 
 def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
-             A_log, dt_bias, lower_bound) -> _Forward:
-    """Runs the five forward kernels; writes o and final_state (when not None)."""
+             A_log, dt_bias, lower_bound, kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+             ) -> _Forward:
+    """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, the
+    (kdot, scores, inverse) of an earlier forward on the same inputs, decayed_scores and the WY
+    solve are skipped: wy_solve only forms W and U~ from the kept inverse."""
     problem = plan.problem
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
     key_dim, value_dim = problem.key_dim, problem.value_dim
@@ -1383,7 +1391,10 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
         cum = _gate_cumsum(plan, g, activation, A_log, dt_bias, lower_bound, reverse=False)
     cum_arg = cum if cum is not None else plan.dummy
 
-    kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
+    if kept is None:
+        kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
+    else:
+        kdot, scores, inverse = kept
     w = buffer(batch, time, value_heads, key_dim, dtype=stored)
     u_tilde = buffer(batch, time, value_heads, value_dim, dtype=stored)
     u = buffer(batch, time, value_heads, value_dim, dtype=stored)
@@ -1395,17 +1406,18 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     if plan.num_chunks:
         sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
         blocks = (chunk // sub_chunk) ** 2
-        _decayed_scores_kernel[(plan.num_chunks, value_heads, blocks)](
-            q, k, cum_arg, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
-            time, nt, value_heads, group, key_dim,
-            GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=plan.dot_precision,
-            HALF_DOTS=plan.half_dots, **common,
-        )
+        if kept is None:
+            _decayed_scores_kernel[(plan.num_chunks, value_heads, blocks)](
+                q, k, cum_arg, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
+                time, nt, value_heads, group, key_dim,
+                GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=plan.dot_precision,
+                HALF_DOTS=plan.half_dots, **common,
+            )
         _wy_solve_kernel[(plan.num_chunks, value_heads)](
             k, v, beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *v.stride(), *beta.stride(),
             table, seqlens, time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
-            DOT_PRECISION=plan.dot_precision, **common,
+            DOT_PRECISION=plan.dot_precision, SOLVE=kept is None, **common,
         )
     block_k_full = _block(key_dim, MAX_HEAD_DIM)
     block_v_state = _state_forward_block_v(block_k_full, value_dim, stored, problem.num_sequences * value_heads,
@@ -1461,11 +1473,15 @@ def chunk_delta_rule_fwd(
     *,
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_intermediates: bool = False,
+):
     """Chunked delta rule forward; arguments as naive_recurrent_delta_rule, plus chunk_size (16, 32, 64).
 
     Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None), written
     into `out` / `final_state_out` when given (final_state_out implies output_final_state).
+    With return_intermediates, a third element: the (kdot, scores, inverse) intra-chunk matrices,
+    each fp32 [B, T, HV, chunk_size], which chunk_delta_rule_bwd(intermediates=...) then reuses
+    instead of recomputing them (FLA keeps its score matrices and solved A the same way).
     """
     problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                         chunk_size)
@@ -1482,8 +1498,10 @@ def chunk_delta_rule_fwd(
     _require_triton(q.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
     plan = _make_plan(problem, chunk_size, cu_seqlens, q)
-    _forward(plan, q, k, v, beta, g, scale, initial_state, final_state_out, out, use_qk_l2norm_in_kernel,
-             A_log, dt_bias, lower_bound)
+    fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, final_state_out, out, use_qk_l2norm_in_kernel,
+                   A_log, dt_bias, lower_bound)
+    if return_intermediates:
+        return out, final_state_out, (fwd.kdot, fwd.scores, fwd.inverse)
     return out, final_state_out
 
 
@@ -1526,6 +1544,7 @@ def chunk_delta_rule_bwd(
     do: torch.Tensor,
     dht: torch.Tensor | None = None,
     out: dict[str, torch.Tensor] | None = None,
+    intermediates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Gradients of chunk_delta_rule_fwd given do = dL/do and dht = dL/d(final state) (optional).
 
@@ -1533,7 +1552,9 @@ def chunk_delta_rule_bwd(
     keyed by input name: "q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias";
     a gradient is None where its input was None. Each has its input's dtype and shape ("g"
     is the gradient of the raw g_raw when A_log/dt_bias are given). Gradients are written
-    into the tensors of `out` (same keys, any subset) when given.
+    into the tensors of `out` (same keys, any subset) when given. `intermediates`: the
+    (kdot, scores, inverse) that chunk_delta_rule_fwd(return_intermediates=True) returned for
+    the same inputs and chunk size; the recomputation then skips them.
     """
     problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                         chunk_size, do=do, dht=dht)
@@ -1548,9 +1569,17 @@ def chunk_delta_rule_bwd(
         _check_out(f"out[{name!r}]", given, tuple(like.shape), like.dtype, like.device)
     _require_triton(q.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
+    if intermediates is not None:
+        square = (problem.batch, problem.time, problem.value_heads, chunk_size)
+        if len(intermediates) != 3:
+            raise ValueError(f"intermediates: expected (kdot, scores, inverse), got {len(intermediates)} tensors")
+        for name, given in zip(("kdot", "scores", "inverse"), intermediates):
+            _check_out(f"intermediates {name}", given, square, torch.float32, q.device)
+            if not given.is_contiguous():
+                raise ValueError(f"intermediates {name}: expected a contiguous tensor")
     plan = _make_plan(problem, chunk_size, cu_seqlens, q)
     fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, None, None, use_qk_l2norm_in_kernel,
-                   A_log, dt_bias, lower_bound)
+                   A_log, dt_bias, lower_bound, kept=None if intermediates is None else tuple(intermediates))
 
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
     key_dim, value_dim, chunk = problem.key_dim, problem.value_dim, plan.chunk_size

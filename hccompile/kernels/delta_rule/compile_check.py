@@ -75,9 +75,13 @@ def recorded_launches(gate: str, key_dim: int, dtype: torch.dtype, varlen: bool)
     from . import chunk, cp
 
     inputs, do, dht = _case(gate, key_dim, dtype, varlen)
+    batch, time, heads = do.shape[:3]
+    kept = tuple(torch.zeros(batch, time, heads, chunk.DEFAULT_CHUNK_SIZE) for _ in range(3))
     runs = [
         ("fwd", lambda: chunk.chunk_delta_rule_fwd(**inputs, output_final_state=True)),
         ("bwd", lambda: chunk.chunk_delta_rule_bwd(**inputs, do=do, dht=dht)),
+        # The backward that reuses the forward's kept matrices: wy_solve without its solve.
+        ("bwd_kept", lambda: chunk.chunk_delta_rule_bwd(**inputs, do=do, dht=dht, intermediates=kept)),
     ]
     if varlen:
         cp_inputs = {n: t for n, t in inputs.items() if n != "initial_state"}
