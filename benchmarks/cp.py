@@ -166,6 +166,16 @@ def median_ms(step, iters: int, warmup: int, group_wide: bool, device) -> float:
     return float(result.item())
 
 
+def first_call(step, label: str, device) -> None:
+    """Runs `step` once and prints its time to stderr: the first call compiles and autotunes, and its
+    time says where a slow variant spends a short device slot."""
+    begin = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"{label} {time.perf_counter() - begin:.1f} s", file=sys.stderr, flush=True)
+
+
 def measure(run, tensors, cu_seqlens, do, iters, warmup, group_wide, context=contextlib.nullcontext):
     """(fwd ms, fwd+bwd ms, o, dq); `context()` is entered around each forward and backward."""
     leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
@@ -175,13 +185,8 @@ def measure(run, tensors, cu_seqlens, do, iters, warmup, group_wide, context=con
             return run(leaves, cu_seqlens)
 
     device = leaves["q"].device
-    begin = time.perf_counter()
-    forward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    # the first call compiles and autotunes: its time says where a slow variant spends a short slot
-    print(f"rank {dist.get_rank() if group_wide else 0}: first forward {time.perf_counter() - begin:.1f} s",
-          file=sys.stderr, flush=True)
+    rank = dist.get_rank() if group_wide else 0
+    first_call(forward, f"rank {rank}: first forward", device)
     fwd = median_ms(forward, iters, warmup, group_wide, device)
 
     def step():
@@ -189,12 +194,7 @@ def measure(run, tensors, cu_seqlens, do, iters, warmup, group_wide, context=con
             o = run(leaves, cu_seqlens)
             return o, torch.autograd.grad(o, [leaves["q"]], do)[0]
 
-    begin = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    print(f"rank {dist.get_rank() if group_wide else 0}: first forward+backward {time.perf_counter() - begin:.1f} s",
-          file=sys.stderr, flush=True)
+    first_call(step, f"rank {rank}: first forward+backward", device)
     both = median_ms(step, iters, warmup, group_wide, device)
     o, dq = step()
     return fwd, both, o.detach(), dq.detach()
