@@ -212,12 +212,11 @@ def chunk_delta_rule_op(
     kernels' intra-chunk matrices, fp32 [B, T, HV, chunk_size], kept for the backward so that it
     does not recompute them (zeros where the reference or CP path ran: their backwards recompute);
     without, zero-size placeholders."""
-    squares = _intermediate_placeholders(q, v, chunk_size, save_intermediates)
     # Context parallelism (hccompile.distributed.context_parallel) when a CP context is active.
     parallel = _context_parallel.forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
                                          output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
-        return (*parallel, *squares())
+        return (*parallel, *_kept_placeholders(q, v, chunk_size, save_intermediates))
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
@@ -226,19 +225,25 @@ def chunk_delta_rule_op(
         if save_intermediates:
             o, final_state, kept = chunk_delta_rule_fwd(q, k, v, beta, **args, return_intermediates=True)
         else:
-            (o, final_state), kept = chunk_delta_rule_fwd(q, k, v, beta, **args), squares()
+            o, final_state = chunk_delta_rule_fwd(q, k, v, beta, **args)
+            kept = _kept_placeholders(q, v, chunk_size, save_intermediates)
     else:
-        (o, final_state), kept = chunk_delta_rule_ref(q, k, v, beta, **args), squares()
+        o, final_state = chunk_delta_rule_ref(q, k, v, beta, **args)
+        kept = _kept_placeholders(q, v, chunk_size, save_intermediates)
     if final_state is None:
         return o, q.new_empty((0,), dtype=_state_dtype(q)), *kept
     return o, final_state.to(_state_dtype(q)).contiguous(), *kept
 
 
-def _intermediate_placeholders(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool):
-    """The kept-matrix outputs where no kernel fills them: zeros of their shape (the fake's) when
-    they were asked for, zero-size tensors otherwise."""
-    shape = (q.shape[0], q.shape[1], v.shape[2], chunk_size) if save_intermediates else (0,)
-    return lambda: tuple(q.new_zeros(shape, dtype=torch.float32) for _ in range(3))
+def _kept_shape(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool) -> tuple:
+    """Shape of each kept-matrix output, the op's and its fake's: [B, T, HV, chunk_size] when asked for."""
+    return (q.shape[0], q.shape[1], v.shape[2], chunk_size) if save_intermediates else (0,)
+
+
+def _kept_placeholders(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool) -> tuple[Tensor, ...]:
+    """The kept-matrix outputs where no kernel fills them (zeros, so that they are deterministic)."""
+    shape = _kept_shape(q, v, chunk_size, save_intermediates)
+    return tuple(q.new_zeros(shape, dtype=torch.float32) for _ in range(3))
 
 
 @chunk_delta_rule_op.register_fake
@@ -250,7 +255,7 @@ def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, d
     batch, time, value_heads, value_dim = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
     o = v.new_empty((batch, time, value_heads, value_dim))
     state_shape = _state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    square = (batch, time, value_heads, chunk_size) if save_intermediates else (0,)
+    square = _kept_shape(q, v, chunk_size, save_intermediates)
     return (o, q.new_empty(state_shape, dtype=_state_dtype(q)),
             *(q.new_empty(square, dtype=torch.float32) for _ in range(3)))
 

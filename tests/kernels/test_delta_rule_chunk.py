@@ -114,6 +114,11 @@ def check_forward_and_backward(inputs, kwargs, dtype, chunk):
         assert error < limit, f"d{name}: relative RMS error {error:.2e}"
 
 
+# A varlen batch of three sequences: a partial chunk, a single token, and one spanning chunks.
+THREE_SEQUENCES = (1, 80, 1, 1, 32, 48)
+THREE_SEQUENCE_OPTIONS = {"cu_seqlens": torch.tensor([0, 37, 38, 80], dtype=torch.int32), "initial_state": True,
+                          "num_sequences": 3}
+
 # name, (batch, time, H, HV, K, V), gate, options, dtype, chunk size
 KERNEL_CASES = [
     ("plain-T63", (2, 63, 1, 1, 32, 32), "none", {}, torch.float32, 64),
@@ -148,10 +153,7 @@ def test_kernels_match_float64_recurrence(name, sizes, gate, options, dtype, chu
 @requires_triton
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
 def test_kernels_handle_variable_length_sequences(gate):
-    # Three sequences: a partial chunk, a single token, and one spanning chunks.
-    cu_seqlens = torch.tensor([0, 37, 38, 80], dtype=torch.int32)
-    options = {"cu_seqlens": cu_seqlens, "initial_state": True, "num_sequences": 3}
-    inputs, kwargs = build_case((1, 80, 1, 1, 32, 48), gate, options, seed=11)
+    inputs, kwargs = build_case(THREE_SEQUENCES, gate, THREE_SEQUENCE_OPTIONS, seed=11)
     check_forward_and_backward(kernel_inputs(inputs, torch.float32), kwargs, torch.float32, 32)
 
 
@@ -470,9 +472,7 @@ def test_sweep_tiles_narrow_only_while_the_grid_fills_half_the_target(monkeypatc
 NARROW_SWEEP_CASES = [
     ("gdn-h0-l2norm", (1, 70, 1, 2, 32, 64), "scalar", {"initial_state": True, "l2norm": True}, torch.float32, 32),
     ("kda-gva", (1, 50, 1, 2, 32, 64), "channel", {"initial_state": True}, torch.float16, 32),
-    ("plain-varlen", (1, 80, 1, 1, 32, 48), "none",
-     {"cu_seqlens": torch.tensor([0, 37, 38, 80], dtype=torch.int32), "initial_state": True, "num_sequences": 3},
-     torch.float32, 32),
+    ("plain-varlen", THREE_SEQUENCES, "none", THREE_SEQUENCE_OPTIONS, torch.float32, 32),
     # The configuration whose 16-wide backward tiles gave a wrong initial-state gradient on the H100
     # (see chunk.MIN_BACKWARD_SWEEP_TILE): K = 128, bf16, l2norm, two chunks.
     ("gdn-K128-bf16-h0-l2norm", (1, 70, 1, 2, 128, 128), "scalar", {"initial_state": True, "l2norm": True},
@@ -497,9 +497,7 @@ def test_kernels_with_narrowed_sweep_tiles_match_float64_recurrence(monkeypatch,
 KEPT_CASES = [
     ("gdn-gva-l2norm-h0", (1, 70, 1, 2, 32, 16), "scalar", {"initial_state": True, "l2norm": True}, torch.float32, 32),
     ("kda-bf16", (2, 45, 1, 1, 32, 32), "channel", {"initial_state": True}, torch.bfloat16, 16),
-    ("plain-varlen", (1, 80, 1, 1, 32, 48), "none",
-     {"cu_seqlens": torch.tensor([0, 37, 38, 80], dtype=torch.int32), "initial_state": True, "num_sequences": 3},
-     torch.float32, 64),
+    ("plain-varlen", THREE_SEQUENCES, "none", THREE_SEQUENCE_OPTIONS, torch.float32, 64),
 ]
 
 
