@@ -536,3 +536,45 @@ def test_kept_intermediates_are_checked():
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, torch.zeros(1, 20, 1, 32)))
     with pytest.raises(TypeError, match=r"intermediates kdot: dtype torch.float16 differs"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square.half(), square, square))
+
+
+# ----------------------------------------------------------------------------------------
+# Per-channel gates: the diagonal sub-chunk blocks factored, or summed exactly past
+# chunk.FACTOR_SPAN_LIMIT.
+
+FACTORED_DIAGONAL_CASES = [
+    ("kda-fp32-h0", (1, 100, 1, 2, 60, 32), "channel", {"initial_state": True}, torch.float32, 64),
+    ("kda-bf16-gva-l2norm", (1, 40, 2, 4, 32, 32), "channel", {"l2norm": True}, torch.bfloat16, 32),
+    ("kda-fp16-varlen", THREE_SEQUENCES, "channel", THREE_SEQUENCE_OPTIONS, torch.float16, 64),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("limit", [0.0, float("inf")], ids=["exact-diagonal", "factored-diagonal"])
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", FACTORED_DIAGONAL_CASES,
+                         ids=[c[0] for c in FACTORED_DIAGONAL_CASES])
+def test_channel_gate_diagonal_blocks_exact_or_factored(monkeypatch, limit, name, sizes, gate, options, dtype,
+                                                        chunk):
+    monkeypatch.setattr(chunk_kernels, "FACTOR_SPAN_LIMIT", limit)
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 7)
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+
+
+def sub_chunk_spans(g: torch.Tensor, chunk: int) -> torch.Tensor:
+    """max over channels of G_first - G_last of every sub-chunk ([B, T, HV, K] log gates, T a chunk multiple)."""
+    batch, time, heads, dim = g.shape
+    sub = chunk_kernels.SUB_CHUNK
+    cum = g.double().view(batch, time // chunk, chunk, heads, dim).cumsum(2).view(batch, time // sub, sub, heads, dim)
+    return (cum[:, :, 0] - cum[:, :, -1]).amax(-1)
+
+
+@requires_triton
+def test_strong_gates_mix_factored_and_exact_diagonal_blocks():
+    # Gates scaled so that some sub-chunks' spans pass FACTOR_SPAN_LIMIT and others do not: one
+    # launch takes both branches, and a wrong factor or a double-counted block would show.
+    sizes, options = (1, 64, 1, 2, 32, 32), {"decay": 10.0, "initial_state": True}
+    inputs, kwargs = build_case(sizes, "channel", options, seed=3)
+    spans = sub_chunk_spans(inputs["g"], 64)
+    limit = chunk_kernels.FACTOR_SPAN_LIMIT
+    assert (spans <= limit).any() and (spans > limit).any(), spans
+    check_forward_and_backward(kernel_inputs(inputs, torch.float32), kwargs, torch.float32, 64)

@@ -65,6 +65,12 @@ DEFAULT_CHUNK_SIZE = 64
 # through the first row of their row sub-chunk, diagonal blocks are summed exactly.
 # The triangular solve inverts blocks of the same size first.
 SUB_CHUNK = 16
+# The score kernels factor a diagonal sub-chunk block too, through its first (or last) row,
+# while the sub-chunk's gate span (max over channels of G_first - G_last) is at most this: the
+# factors inside the block then stay <= e^40 (~2e17), far from fp32's and bf16's overflow
+# (fp16 products take fp32 operands there: _Plan.scores_half_dots). Past it the block is summed
+# exactly, one column per step. Read at call time: tests set it to 0 (always exact) or inf.
+FACTOR_SPAN_LIMIT = 40.0
 MIN_DOT_DIM = 16
 # Key/value tiles of the chunk-parallel kernels; the sequential state kernels hold
 # the whole key dim and at most STATE_TILE_ELEMENTS of the state per program.
@@ -233,7 +239,7 @@ if triton is not None:
         stride_qb, stride_qt, stride_qh, stride_qk,
         stride_kb, stride_kt, stride_kh, stride_kk,
         chunk_table_ptr, cu_seqlens_ptr,
-        T, NT, HV, GROUP, K,
+        T, NT, HV, GROUP, K, factor_limit,
         GATE: tl.constexpr,
         BT: tl.constexpr,
         BC: tl.constexpr,
@@ -242,16 +248,20 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         HALF_DOTS: tl.constexpr,
     ):
-        """One [BC, BC] block (row sub-chunk i, column sub-chunk j) of Kdot (s < t) and P (s <= t).
+        """The rows of sub-chunk i of Kdot (s < t) and P (s <= t), against all the chunk's columns.
 
-        Outputs are fp32 [B, T, HV, BT]: row t of a chunk holds its scores against the chunk's columns.
+        Without per-channel gates the sub-chunk is the whole chunk (BC == BT). With them, every
+        block left of the diagonal and, while the gate span of sub-chunk i allows it, the diagonal
+        block too is one product, factored through the first row r of sub-chunk i:
+        e^(G_t - G_s) = e^(G_t - G_r) e^(G_r - G_s). The first factor is <= 1; the second is <= 1
+        left of the diagonal and <= e^span inside it (span = max over channels of G_r - G_last of
+        the sub-chunk). Past `factor_limit` the diagonal block is summed exactly, one column per
+        step, instead. Outputs are fp32 [B, T, HV, BT]: row t of a chunk holds its scores
+        against the chunk's columns.
         """
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
-        pid_block = tl.program_id(2)
-        NS: tl.constexpr = BT // BC
-        block_i = pid_block // NS
-        block_j = pid_block % NS
+        block_i = tl.program_id(2)
         batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
@@ -259,58 +269,63 @@ if triton is not None:
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
 
         sub = tl.arange(0, BC)
+        local = tl.arange(0, BT)
         rows = block_i * BC + sub
-        cols = block_j * BC + sub
         row_valid = rows < length
-        col_valid = cols < length
+        col_valid = local < length
+        first = block_i * BC
         # No stored intermediate here to take the products' dtype from: HALF_DOTS says whether they
         # are half (then q and k are in the intermediates' dtype).
         dot_dtype = k_ptr.dtype.element_ty if HALF_DOTS else tl.float32
-        kdot = tl.zeros([BC, BC], dtype=tl.float32)
-        scores = tl.zeros([BC, BC], dtype=tl.float32)
-        if (block_j <= block_i) & (block_i * BC < length):
+        kdot = tl.zeros([BC, BT], dtype=tl.float32)
+        scores = tl.zeros([BC, BT], dtype=tl.float32)
+        if first < length:
             for k0 in range(0, K, BK):
                 kc = k0 + tl.arange(0, BK)
                 if GATE == 2:
                     q_i = _load_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
                     k_i = _load_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
                     g_i = _load_rows(cum_ptr, start + rows, kc, HV * K, 1, row_valid, K)
-                    if block_i > block_j:
-                        # Factored through the first row r of sub-chunk i: both factors <= 1.
-                        k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
-                        g_j = _load_rows(cum_ptr, start + cols, kc, HV * K, 1, col_valid, K)
-                        g_r = _load_vector(cum_ptr, start + block_i * BC, kc, HV * K, 1, block_i * BC < length, K)
-                        row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_r[None, :], 0.0))
-                        col_decay = tl.exp(tl.where(col_valid[:, None], g_r[None, :] - g_j, 0.0))
-                        k_j_decayed = tl.trans(k_j * col_decay)
-                        kdot += _dot(k_i * row_decay, k_j_decayed, dot_dtype, DOT_PRECISION)
-                        scores += _dot(q_i * row_decay, k_j_decayed, dot_dtype, DOT_PRECISION)
-                    else:
+                    k_all = _load_rows(k_ptr, start + local, kc, stride_kt, stride_kk, col_valid, K)
+                    g_all = _load_rows(cum_ptr, start + local, kc, HV * K, 1, col_valid, K)
+                    g_first = _load_vector(cum_ptr, start + first, kc, HV * K, 1, first < length, K)
+                    g_last = _load_vector(cum_ptr, start + tl.minimum(first + BC, length) - 1, kc, HV * K, 1,
+                                          first < length, K)
+                    span = tl.max(g_first - g_last, axis=0)
+                    factored_end = tl.where(span <= factor_limit, first + BC, first)
+                    col_decay = tl.exp(tl.where((local < factored_end)[:, None] & col_valid[:, None],
+                                                g_first[None, :] - g_all, float("-inf")))
+                    row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_first[None, :], 0.0))
+                    k_cols = tl.trans(k_all * col_decay)
+                    kdot += _dot(k_i * row_decay, k_cols, dot_dtype, DOT_PRECISION)
+                    scores += _dot(q_i * row_decay, k_cols, dot_dtype, DOT_PRECISION)
+                    if span > factor_limit:
                         for c in range(BC):
                             k_s, decay, _ = _diagonal_column(
-                                k_ptr, cum_ptr, start, block_j * BC + c, length, kc, rows, row_valid, g_i,
+                                k_ptr, cum_ptr, start, first + c, length, kc, rows, row_valid, g_i,
                                 stride_kt, stride_kk, HV, K)
                             weighted = k_s[None, :] * decay
-                            kdot += tl.where(sub[None, :] == c, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
-                            scores += tl.where(sub[None, :] == c, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
+                            column = local[None, :] == first + c
+                            kdot += tl.where(column, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
+                            scores += tl.where(column, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
                 else:
                     q_i = _load_stored_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
                     k_i = _load_stored_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
-                    k_j = _load_stored_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, col_valid, K)
-                    kdot += _dot(k_i, tl.trans(k_j), dot_dtype, DOT_PRECISION)
-                    scores += _dot(q_i, tl.trans(k_j), dot_dtype, DOT_PRECISION)
+                    k_all = _load_stored_rows(k_ptr, start + local, kc, stride_kt, stride_kk, col_valid, K)
+                    kdot += _dot(k_i, tl.trans(k_all), dot_dtype, DOT_PRECISION)
+                    scores += _dot(q_i, tl.trans(k_all), dot_dtype, DOT_PRECISION)
             if GATE == 1:
                 g_i = tl.load(cum_ptr + (start + rows) * HV, mask=row_valid, other=0.0)
-                g_j = tl.load(cum_ptr + (start + cols) * HV, mask=col_valid, other=0.0)
-                visible = (rows[:, None] >= cols[None, :]) & row_valid[:, None] & col_valid[None, :]
+                g_j = tl.load(cum_ptr + (start + local) * HV, mask=col_valid, other=0.0)
+                visible = (rows[:, None] >= local[None, :]) & row_valid[:, None] & col_valid[None, :]
                 decay = tl.exp(tl.where(visible, g_i[:, None] - g_j[None, :], float("-inf")))
                 kdot *= decay
                 scores *= decay
-        kdot = tl.where(rows[:, None] > cols[None, :], kdot, 0.0)
-        scores = tl.where(rows[:, None] >= cols[None, :], scores, 0.0)
+        kdot = tl.where(rows[:, None] > local[None, :], kdot, 0.0)
+        scores = tl.where(rows[:, None] >= local[None, :], scores, 0.0)
         out_offset = (batch * T) * HV * BT + head * BT
-        _store_rows(kdot_ptr + out_offset, kdot, start + rows, cols, HV * BT, 1, row_valid, BT)
-        _store_rows(scores_ptr + out_offset, scores, start + rows, cols, HV * BT, 1, row_valid, BT)
+        _store_rows(kdot_ptr + out_offset, kdot, start + rows, local, HV * BT, 1, row_valid, BT)
+        _store_rows(scores_ptr + out_offset, scores, start + rows, local, HV * BT, 1, row_valid, BT)
 
     # ------------------------------------------------------------------------------------
     # 3. wy_solve
@@ -914,76 +929,72 @@ if triton is not None:
     def _sub_chunk_scores_backward(
         q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
         stride_qt, stride_qk, stride_kt, stride_kk,
-        start, length, key_offset, block_b, HV, K, dot_dtype,
+        start, length, key_offset, block_b, HV, K, factor_limit, dot_dtype,
         BT: tl.constexpr,
         BC: tl.constexpr,
         BK: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """Per-channel gates, rows of sub-chunk b: the factored off-diagonal blocks as products,
-        the diagonal block (b, b) exactly, one column s per step.
+        """Per-channel gates, rows of sub-chunk b: its row role (dP[t,s] k_s and dKdot[t,s] k_s
+        for s <= t) and its column role (dk_s += sum_t (dKdot[t,s] k_t + dP[t,s] q_t) e^(G_t - G_s)),
+        each one product over the whole chunk.
 
-        A diagonal step serves both roles of column s: e^(G_t - G_s) for the rows t >= s of the
-        block gives the row terms dP[t,s] k_s and dKdot[t,s] k_s, and, summed over t, the
-        column term dk_s += sum_t (dKdot[t,s] k_t + dP[t,s] q_t) e^(G_t - G_s).
+        The row role is factored through the first row r of b (e^(G_t - G_r) e^(G_r - G_s)), the
+        column role through its last row e (e^(G_t - G_e) e^(G_e - G_s)): every factor is <= 1 off
+        the diagonal block and <= e^span inside it, as in decayed_scores. Past `factor_limit` the
+        products leave the diagonal block (b, b) out and it is summed exactly, one column s per
+        step: e^(G_t - G_s) for the rows t >= s of the block serves both roles of column s.
         """
-        NS: tl.constexpr = BT // BC
         sub = tl.arange(0, BC)
+        local = tl.arange(0, BT)
         rows_b = block_b * BC + sub
         valid_b = rows_b < length
         tokens_b = start + rows_b
-        first_b = start + block_b * BC
+        valid = local < length
+        tokens = start + local
+        first = block_b * BC
+        last = tl.minimum(first + BC, length) - 1
+        # dP and dKdot are stored lower triangular (zero where s > t): the products need no mask.
+        dscores_rows = _load_rows(dscores_ptr, tokens_b, local, HV * BT, 1, valid_b, BT).to(dot_dtype)
+        dkdot_rows = _load_rows(dkdot_ptr, tokens_b, local, HV * BT, 1, valid_b, BT).to(dot_dtype)
+        dscores_cols = tl.trans(_load_rows(dscores_ptr, tokens, rows_b, HV * BT, 1, valid, BT)).to(dot_dtype)
+        dkdot_cols = tl.trans(_load_rows(dkdot_ptr, tokens, rows_b, HV * BT, 1, valid, BT)).to(dot_dtype)
         for k0 in range(0, K, BK):
             kc = k0 + tl.arange(0, BK)
             q_b = _load_rows(q_ptr, tokens_b, kc, stride_qt, stride_qk, valid_b, K)
             k_b = _load_rows(k_ptr, tokens_b, kc, stride_kt, stride_kk, valid_b, K)
             g_b = _load_rows(cum_ptr, tokens_b, kc, HV * K, 1, valid_b, K)
-            # Row role, blocks (b, j < b), factored through the first row r of sub-chunk b:
-            # e^(G_t - G_s) = e^(G_t - G_r) e^(G_r - G_s), both <= 1; the first factor is common.
-            g_r = _load_vector(cum_ptr, first_b, kc, HV * K, 1, block_b * BC < length, K)
-            dq_pair = tl.zeros([BC, BK], dtype=tl.float32)
-            dk_rows = tl.zeros([BC, BK], dtype=tl.float32)
-            for block_j in range(0, block_b):
-                cols = block_j * BC + sub
-                # Sub-chunks before b are whole.
-                k_j = _load_rows(k_ptr, start + cols, kc, stride_kt, stride_kk, cols < length, K)
-                g_j = _load_rows(cum_ptr, start + cols, kc, HV * K, 1, cols < length, K)
-                k_j_decayed = k_j * tl.exp(g_r[None, :] - g_j)
-                dkdot = _load_rows(dkdot_ptr, tokens_b, cols, HV * BT, 1, valid_b, BT)
-                dscores = _load_rows(dscores_ptr, tokens_b, cols, HV * BT, 1, valid_b, BT)
-                dq_pair += _dot(dscores, k_j_decayed, dot_dtype, DOT_PRECISION)
-                dk_rows += _dot(dkdot, k_j_decayed, dot_dtype, DOT_PRECISION)
-            row_decay = tl.exp(tl.where(valid_b[:, None], g_b - g_r[None, :], 0.0))
-            dq_pair *= row_decay
-            dk_rows *= row_decay
-            # Column role, blocks (i > b, b), factored through the first row of sub-chunk i.
-            dk_cols = tl.zeros([BC, BK], dtype=tl.float32)
-            for block_i in range(block_b + 1, NS):
-                if block_i * BC < length:
-                    rows_i = block_i * BC + sub
-                    valid_i = rows_i < length
-                    q_i = _load_rows(q_ptr, start + rows_i, kc, stride_qt, stride_qk, valid_i, K)
-                    k_i = _load_rows(k_ptr, start + rows_i, kc, stride_kt, stride_kk, valid_i, K)
-                    g_i = _load_rows(cum_ptr, start + rows_i, kc, HV * K, 1, valid_i, K)
-                    g_ri = _load_vector(cum_ptr, start + block_i * BC, kc, HV * K, 1, block_i * BC < length, K)
-                    row_decay_i = tl.exp(tl.where(valid_i[:, None], g_i - g_ri[None, :], 0.0))
-                    dkdot = _load_rows(dkdot_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
-                    dscores = _load_rows(dscores_ptr, start + rows_i, rows_b, HV * BT, 1, valid_i, BT)
-                    pulled = _dot(tl.trans(dkdot), k_i * row_decay_i, dot_dtype, DOT_PRECISION)
-                    pulled += _dot(tl.trans(dscores), q_i * row_decay_i, dot_dtype, DOT_PRECISION)
-                    col_decay = tl.exp(tl.where(valid_b[:, None], g_ri[None, :] - g_b, 0.0))
-                    dk_cols += col_decay * pulled
-            # Diagonal block (b, b).
-            for c in range(BC):
-                s = block_b * BC + c
-                k_s, decay, visible = _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows_b, valid_b, g_b,
-                                                       stride_kt, stride_kk, HV, K)
-                dkdot_s = tl.load(dkdot_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
-                dscores_s = tl.load(dscores_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
-                dq_pair += dscores_s[:, None] * (k_s[None, :] * decay)
-                dk_rows += dkdot_s[:, None] * (k_s[None, :] * decay)
-                pulled_s = tl.sum((dkdot_s[:, None] * k_b + dscores_s[:, None] * q_b) * decay, axis=0)
-                dk_cols += tl.where(sub[:, None] == c, pulled_s[None, :], 0.0)
+            q_all = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            k_all = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            g_all = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+            g_first = _load_vector(cum_ptr, start + first, kc, HV * K, 1, first < length, K)
+            g_last = _load_vector(cum_ptr, start + last, kc, HV * K, 1, first < length, K)
+            span = tl.max(g_first - g_last, axis=0)
+            factored = span <= factor_limit
+            # Row role: columns left of b, and b's own while factored.
+            col_end = tl.where(factored, first + BC, first)
+            col_decay = tl.exp(tl.where(((local < col_end) & valid)[:, None], g_first[None, :] - g_all, float("-inf")))
+            k_cols = k_all * col_decay
+            row_decay = tl.exp(tl.where(valid_b[:, None], g_b - g_first[None, :], 0.0))
+            dq_pair = row_decay * _dot(dscores_rows, k_cols, dot_dtype, DOT_PRECISION)
+            dk_rows = row_decay * _dot(dkdot_rows, k_cols, dot_dtype, DOT_PRECISION)
+            # Column role: rows below b, and b's own while factored.
+            row_begin = tl.where(factored, first, first + BC)
+            to_last = tl.exp(tl.where(((local >= row_begin) & valid)[:, None], g_all - g_last[None, :], float("-inf")))
+            pulled = _dot(dkdot_cols, k_all * to_last, dot_dtype, DOT_PRECISION)
+            pulled += _dot(dscores_cols, q_all * to_last, dot_dtype, DOT_PRECISION)
+            dk_cols = tl.exp(tl.where(valid_b[:, None], g_last[None, :] - g_b, 0.0)) * pulled
+            if span > factor_limit:
+                for c in range(BC):
+                    s = first + c
+                    k_s, decay, visible = _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows_b, valid_b,
+                                                           g_b, stride_kt, stride_kk, HV, K)
+                    dkdot_s = tl.load(dkdot_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
+                    dscores_s = tl.load(dscores_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
+                    dq_pair += dscores_s[:, None] * (k_s[None, :] * decay)
+                    dk_rows += dkdot_s[:, None] * (k_s[None, :] * decay)
+                    pulled_s = tl.sum((dkdot_s[:, None] * k_b + dscores_s[:, None] * q_b) * decay, axis=0)
+                    dk_cols += tl.where(sub[:, None] == c, pulled_s[None, :], 0.0)
             dq = _load_rows(dq_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dq_pair
             dk = _load_rows(dk_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dk_rows + dk_cols
             _store_rows(dq_ptr + key_offset, dq, tokens_b, kc, HV * K, 1, valid_b, K)
@@ -998,7 +1009,7 @@ if triton is not None:
         stride_qb, stride_qt, stride_qh, stride_qk,
         stride_kb, stride_kt, stride_kh, stride_kk,
         chunk_table_ptr, cu_seqlens_ptr,
-        T, NT, HV, GROUP, K,
+        T, NT, HV, GROUP, K, factor_limit,
         GATE: tl.constexpr,
         BT: tl.constexpr,
         BC: tl.constexpr,
@@ -1035,7 +1046,7 @@ if triton is not None:
                 _sub_chunk_scores_backward(
                     q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
                     stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, block_b, HV, K,
-                    dot_dtype, BT, BC, BK, DOT_PRECISION,
+                    factor_limit, dot_dtype, BT, BC, BK, DOT_PRECISION,
                 )
             else:
                 tl.static_assert(BC == BT, "without per-channel gates the sub-chunk is the whole chunk")
@@ -1198,7 +1209,7 @@ def _scores_backward_options(gate: str) -> dict[str, int]:
     chunk's [BT, BT] dKdot and dP next to four [BT, BK] products: at BT = BK = 64 (sm_90, Triton 3.8)
     4 warps spilled 264 bytes per thread, 8 warps none. Per-channel gates work on [BC, BK] tiles
     and did not spill at 4 warps."""
-    return {"num_warps": 4 if gate == "channel" else 8}
+    return {"num_warps": 8}
 
 
 @dataclass
@@ -1248,6 +1259,14 @@ class _Plan:
         """Whether the products take half operands (the kernels without a stored intermediate to
         take the dtype from are told so)."""
         return self.intermediate_dtype != torch.float32
+
+    @property
+    def scores_half_dots(self) -> bool:
+        """half_dots of the score kernels. With per-channel gates their factored diagonal blocks
+        hold factors up to e^FACTOR_SPAN_LIMIT, past fp16's range: fp16 intermediates take fp32
+        (tf32) operands there, bf16 ones (fp32's range) stay half."""
+        return self.half_dots and not (self.gate_code == GATE_CODES["channel"]
+                                       and self.intermediate_dtype == torch.float16)
 
     @property
     def dot_precision(self) -> str:
@@ -1362,6 +1381,45 @@ def _gate_cumsum(plan: _Plan, g: torch.Tensor, activation: int, A_log, dt_bias, 
     return out
 
 
+def _scores_block_k(plan: _Plan) -> int:
+    """BK of the score kernels: with per-channel gates and fp32 inputs (exact fp32 products, no
+    tensor cores) 64 spilled in decayed_scores (sm_90, Triton 3.8, 8 warps: 72 bytes); 32 does not."""
+    block_k = _block(plan.problem.key_dim)
+    if plan.gate_code == GATE_CODES["channel"] and plan.input_dtype == torch.float32:
+        return min(block_k, 32)
+    return block_k
+
+
+def _launch_decayed_scores(plan: _Plan, q, k, cum, kdot, scores, num_chunks: int, table, seqlens) -> None:
+    """decayed_scores over `num_chunks` chunks of `table` (chunk.py's forward and CP's share it)."""
+    problem = plan.problem
+    chunk = plan.chunk_size
+    sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
+    _decayed_scores_kernel[(num_chunks, problem.value_heads, chunk // sub_chunk)](
+        q, k, cum, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
+        problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
+        float(FACTOR_SPAN_LIMIT),
+        GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=_scores_block_k(plan), IS_VARLEN=plan.varlen,
+        DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots,
+        num_warps=8 if problem.gate == "channel" else 4,
+    )
+
+
+def _launch_scores_backward(plan: _Plan, q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, num_chunks: int,
+                            table, seqlens) -> None:
+    """decayed_scores_backward over `num_chunks` chunks of `table` (chunk.py's backward and CP's)."""
+    problem = plan.problem
+    chunk = plan.chunk_size
+    sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
+    _decayed_scores_backward_kernel[(num_chunks, problem.value_heads, chunk // sub_chunk)](
+        q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, *q.stride(), *k.stride(), table, seqlens,
+        problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
+        float(FACTOR_SPAN_LIMIT),
+        GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=_scores_block_k(plan), IS_VARLEN=plan.varlen,
+        DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots, **_scores_backward_options(problem.gate),
+    )
+
+
 def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
              A_log, dt_bias, lower_bound, kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
              ) -> _Forward:
@@ -1404,15 +1462,8 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     group = problem.group_size
     nt = plan.chunks_per_row
     if plan.num_chunks:
-        sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
-        blocks = (chunk // sub_chunk) ** 2
         if kept is None:
-            _decayed_scores_kernel[(plan.num_chunks, value_heads, blocks)](
-                q, k, cum_arg, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
-                time, nt, value_heads, group, key_dim,
-                GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=plan.dot_precision,
-                HALF_DOTS=plan.half_dots, **common,
-            )
+            _launch_decayed_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
         _wy_solve_kernel[(plan.num_chunks, value_heads)](
             k, v, beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *v.stride(), *beta.stride(),
             table, seqlens, time, nt, value_heads, group, key_dim, value_dim,
@@ -1629,13 +1680,8 @@ def chunk_delta_rule_bwd(
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES, num_warps=WY_BACKWARD_WARPS, **common,
         )
-        sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
-        _decayed_scores_backward_kernel[(plan.num_chunks, value_heads, chunk // sub_chunk)](
-            fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
-            *fwd.q.stride(), *fwd.k.stride(), table, seqlens,
-            time, nt, value_heads, group, key_dim,
-            BC=sub_chunk, BK=block_k, HALF_DOTS=plan.half_dots, **_scores_backward_options(problem.gate), **common,
-        )
+        _launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
+                                plan.num_chunks, table, seqlens)
     else:
         dq_heads.zero_()
         dk_heads.zero_()

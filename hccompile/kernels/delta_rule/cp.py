@@ -61,18 +61,17 @@ from .chunk import (
     WY_BACKWARD_WARPS,
     _block,
     _check_kernel_inputs,
-    _decayed_scores_backward_kernel,
-    _decayed_scores_kernel,
     _gate_activation_backward,
     _gate_cumsum,
     _l2norm_backward,
     _l2norm_forward,
+    _launch_decayed_scores,
+    _launch_scores_backward,
     _narrow_for_occupancy,
     _output_kernel,
     _Plan,
     _state_backward_block_v,
     _state_forward_block_v,
-    _scores_backward_options,
     _state_backward_kernel,
     _state_forward_kernel,
     _state_launch_options,
@@ -592,13 +591,7 @@ def _intra(local: _Local) -> _Intra:
     if kplan.num_chunks:
         table, seqlens = kplan.chunk_args()
         block_k, block_v = _block(problem.key_dim), _block(problem.value_dim)
-        sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
-        _decayed_scores_kernel[(kplan.num_chunks, value_heads, (chunk // sub_chunk) ** 2)](
-            q, k, cum_arg, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
-            time, kplan.chunks_per_row, value_heads, problem.group_size, problem.key_dim,
-            GATE=kplan.gate_code, BT=chunk, BC=sub_chunk, BK=block_k, DOT_PRECISION=kplan.dot_precision,
-            HALF_DOTS=kplan.half_dots, IS_VARLEN=True,
-        )
+        _launch_decayed_scores(kplan, q, k, cum_arg, kdot, scores, kplan.num_chunks, table, seqlens)
         _wy_solve_kernel[(kplan.num_chunks, value_heads)](
             k, local.v, local.beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *local.v.stride(),
             *local.beta.stride(), table, seqlens, time, kplan.chunks_per_row, value_heads, problem.group_size,
@@ -859,13 +852,8 @@ class CPBackward(CPForward):
             problem.value_dim, local.scale, BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES,
             num_warps=WY_BACKWARD_WARPS, **common,
         )
-        sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
-        _decayed_scores_backward_kernel[(last - first, problem.value_heads, chunk // sub_chunk)](
-            intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads, self.dk_heads, self.dcum,
-            *intra.q.stride(), *intra.k.stride(), table, geometry.cu_seqlens,
-            problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-            BC=sub_chunk, BK=block_k, HALF_DOTS=kplan.half_dots, **_scores_backward_options(problem.gate), **common,
-        )
+        _launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
+                                self.dk_heads, self.dcum, last - first, table, geometry.cu_seqlens)
 
     def _sweep_backward(self, incoming, outgoing) -> None:
         for lo, hi in _segments_where(self.plan, incoming, outgoing):

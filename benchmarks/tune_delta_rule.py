@@ -1,0 +1,126 @@
+"""Launch options (num_warps, num_stages) of the delta-rule kernels, one kernel at a time: each
+variant overrides one kernel's options and times a whole forward+backward, next to the baseline
+in the same process. It finds which of chunk.py's fixed options (measured on sm_90 for spills,
+not for speed) leave time on the table.
+
+    python benchmarks/tune_delta_rule.py --ops gdn,kda --shape B4T4096H16D128 --out tune.jsonl
+
+Rows: op, intermediates (default / bf16 opt-in), kernel, options, ms, ms / baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hccompile.kernels.delta_rule import chunk  # noqa: E402
+
+# kernel attribute of chunk.py -> option sets tried (the launcher's own options are the baseline)
+VARIANTS = {
+    "_wy_solve_kernel": [dict(num_warps=2), dict(num_warps=8), dict(num_stages=1)],
+    "_wy_backward_kernel": [dict(num_warps=4), dict(num_stages=1)],
+    "_decayed_scores_kernel": [dict(num_warps=4), dict(num_warps=8)],
+    "_decayed_scores_backward_kernel": [dict(num_warps=4)],
+    "_state_forward_kernel": [dict(num_warps=4), dict(num_stages=1)],
+    "_state_backward_kernel": [dict(num_warps=4), dict(num_stages=1)],
+    "_output_kernel": [dict(num_warps=8), dict(num_stages=1)],
+}
+
+
+class _Override:
+    """Stands in for a JIT kernel: kernel[grid](*args, **options) with some options replaced."""
+
+    def __init__(self, kernel, options):
+        self.kernel, self.options = kernel, options
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **{**kwargs, **self.options})
+
+
+def parse_shape(text: str) -> dict:
+    import re
+
+    return {k: int(v) for k, v in re.findall(r"([A-Z])(\d+)", text)}
+
+
+def step_fn(op: str, shape: dict):
+    import hccompile
+
+    B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device="cuda").bfloat16().requires_grad_()
+
+    q, k, v = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
+    beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+    g_shape = (B, T, H) if op == "gdn" else (B, T, H, D)
+    g = torch.nn.functional.logsigmoid(torch.randn(*g_shape, generator=gen, device="cuda")).requires_grad_()
+    f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+    do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
+
+    def step():
+        o = f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+        torch.autograd.backward(o, do)
+
+    return step
+
+
+def measure(step) -> float:
+    from triton.testing import do_bench
+
+    step()
+    torch.cuda.synchronize()
+    return float(do_bench(step, warmup=25, rep=200, return_mode="median"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="gdn,kda")
+    p.add_argument("--shape", default="B4T4096H16D128")
+    p.add_argument("--modes", default="default,bf16", help="intermediates: default and/or bf16 (the opt-in)")
+    p.add_argument("--kernels", default=",".join(VARIANTS), help="comma-separated chunk.py kernel names")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args()
+    shape = parse_shape(args.shape)
+    bf16_default = chunk.BF16_INTERMEDIATES
+    for op in args.ops.split(","):
+        step = step_fn(op, shape)
+        for mode in args.modes.split(","):
+            chunk.BF16_INTERMEDIATES = mode == "bf16"
+            base = measure(step)
+            print(f"{op} {mode:7s} baseline {base:.3f} ms", flush=True)
+            rows = [dict(op=op, mode=mode, kernel="baseline", options={}, ms=base, ratio=1.0)]
+            for name in args.kernels.split(","):
+                original = getattr(chunk, name)
+                for options in VARIANTS[name]:
+                    setattr(chunk, name, _Override(original, options))
+                    started = time.perf_counter()
+                    try:
+                        ms = measure(step)
+                    except Exception as error:  # noqa: BLE001 - a config can exceed the GPU's resources
+                        print(f"{op} {mode:7s} {name} {options}: failed: {str(error).splitlines()[0][:120]}")
+                        continue
+                    finally:
+                        setattr(chunk, name, original)
+                    rows.append(dict(op=op, mode=mode, kernel=name, options=options, ms=ms, ratio=ms / base))
+                    print(f"{op} {mode:7s} {name:32s} {str(options):22s} {ms:.3f} ms ({ms / base:.3f}x)"
+                          f"  [{time.perf_counter() - started:.0f} s]", flush=True)
+            if args.out:
+                meta = dict(shape=args.shape, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                            date=time.strftime("%Y-%m-%d"))
+                with open(args.out, "a") as f:
+                    for row in rows:
+                        f.write(json.dumps({**meta, **row}) + "\n")
+    chunk.BF16_INTERMEDIATES = bf16_default
+
+
+if __name__ == "__main__":
+    main()
