@@ -348,6 +348,9 @@ def _setup_context(ctx, inputs, output) -> None:
     # matrices the forward kept (save_intermediates): those are saved as they are.
     kept = output[2:]
     ctx.mark_non_differentiable(*kept)
+    # Unused outputs (always the kept matrices, often the final state) get None, not a zero tensor
+    # each: three fp32 [B, T, HV, chunk] fills per backward otherwise.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, *kept)
     ctx.options = (gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     ctx.output_final_state = output_final_state

@@ -528,12 +528,12 @@ def test_kept_intermediates_are_checked():
     inputs, kwargs = build_case((1, 20, 1, 1, 16, 8), "scalar", {}, seed=1)
     inputs = kernel_inputs(inputs, torch.float32)
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
-    do = torch.zeros(1, 20, 1, 8)
-    square = torch.zeros(1, 20, 1, 64)
+    do = torch.zeros(1, 20, 1, 8, device=DEVICE)
+    square = torch.zeros(1, 20, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\), got 2"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square))
     with pytest.raises(ValueError, match=r"intermediates inverse: shape \(1, 20, 1, 32\) differs"):
-        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, torch.zeros(1, 20, 1, 32)))
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, torch.zeros(1, 20, 1, 32, device=DEVICE)))
     with pytest.raises(TypeError, match=r"intermediates kdot: dtype torch.float16 differs"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square.half(), square, square))
 
@@ -569,12 +569,14 @@ def sub_chunk_spans(g: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 @requires_triton
-def test_strong_gates_mix_factored_and_exact_diagonal_blocks():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_strong_gates_mix_factored_and_exact_diagonal_blocks(dtype):
     # Gates scaled so that some sub-chunks' spans pass FACTOR_SPAN_LIMIT and others do not: one
-    # launch takes both branches, and a wrong factor or a double-counted block would show.
+    # launch takes both branches, and a wrong factor or a double-counted block would show. Half
+    # inputs too: their tensor-core products met the runtime branch wrongly on the H100 once.
     sizes, options = (1, 64, 1, 2, 32, 32), {"decay": 10.0, "initial_state": True}
     inputs, kwargs = build_case(sizes, "channel", options, seed=3)
     spans = sub_chunk_spans(inputs["g"], 64)
     limit = chunk_kernels.FACTOR_SPAN_LIMIT
     assert (spans <= limit).any() and (spans > limit).any(), spans
-    check_forward_and_backward(kernel_inputs(inputs, torch.float32), kwargs, torch.float32, 64)
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, 64)

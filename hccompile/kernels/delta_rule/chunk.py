@@ -279,6 +279,12 @@ if triton is not None:
         dot_dtype = k_ptr.dtype.element_ty if HALF_DOTS else tl.float32
         kdot = tl.zeros([BC, BT], dtype=tl.float32)
         scores = tl.zeros([BC, BT], dtype=tl.float32)
+        # The exact diagonal blocks add up apart from the products' accumulators and join them after
+        # the loop: on the H100 (Triton 3.6) adding to a tensor-core accumulator inside the runtime
+        # branch gave wrong scores (relative error ~300 in o, tf32 and half products; the CPU
+        # interpreter and exact fp32 products were right).
+        kdot_exact = tl.zeros([BC, BT], dtype=tl.float32)
+        scores_exact = tl.zeros([BC, BT], dtype=tl.float32)
         if first < length:
             for k0 in range(0, K, BK):
                 kc = k0 + tl.arange(0, BK)
@@ -306,8 +312,8 @@ if triton is not None:
                                 stride_kt, stride_kk, HV, K)
                             weighted = k_s[None, :] * decay
                             column = local[None, :] == first + c
-                            kdot += tl.where(column, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
-                            scores += tl.where(column, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
+                            kdot_exact += tl.where(column, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
+                            scores_exact += tl.where(column, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
                 else:
                     q_i = _load_stored_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
                     k_i = _load_stored_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
@@ -321,8 +327,8 @@ if triton is not None:
                 decay = tl.exp(tl.where(visible, g_i[:, None] - g_j[None, :], float("-inf")))
                 kdot *= decay
                 scores *= decay
-        kdot = tl.where(rows[:, None] > local[None, :], kdot, 0.0)
-        scores = tl.where(rows[:, None] >= local[None, :], scores, 0.0)
+        kdot = tl.where(rows[:, None] > local[None, :], kdot + kdot_exact, 0.0)
+        scores = tl.where(rows[:, None] >= local[None, :], scores + scores_exact, 0.0)
         out_offset = (batch * T) * HV * BT + head * BT
         _store_rows(kdot_ptr + out_offset, kdot, start + rows, local, HV * BT, 1, row_valid, BT)
         _store_rows(scores_ptr + out_offset, scores, start + rows, local, HV * BT, 1, row_valid, BT)
@@ -984,6 +990,10 @@ if triton is not None:
             pulled = _dot(dkdot_cols, k_all * to_last, dot_dtype, DOT_PRECISION)
             pulled += _dot(dscores_cols, q_all * to_last, dot_dtype, DOT_PRECISION)
             dk_cols = tl.exp(tl.where(valid_b[:, None], g_last[None, :] - g_b, 0.0)) * pulled
+            # Apart from the products' results, as in decayed_scores (a Triton 3.6 miscompile on the H100).
+            dq_exact = tl.zeros([BC, BK], dtype=tl.float32)
+            dk_rows_exact = tl.zeros([BC, BK], dtype=tl.float32)
+            dk_cols_exact = tl.zeros([BC, BK], dtype=tl.float32)
             if span > factor_limit:
                 for c in range(BC):
                     s = first + c
@@ -991,10 +1001,13 @@ if triton is not None:
                                                            g_b, stride_kt, stride_kk, HV, K)
                     dkdot_s = tl.load(dkdot_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
                     dscores_s = tl.load(dscores_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
-                    dq_pair += dscores_s[:, None] * (k_s[None, :] * decay)
-                    dk_rows += dkdot_s[:, None] * (k_s[None, :] * decay)
+                    dq_exact += dscores_s[:, None] * (k_s[None, :] * decay)
+                    dk_rows_exact += dkdot_s[:, None] * (k_s[None, :] * decay)
                     pulled_s = tl.sum((dkdot_s[:, None] * k_b + dscores_s[:, None] * q_b) * decay, axis=0)
-                    dk_cols += tl.where(sub[:, None] == c, pulled_s[None, :], 0.0)
+                    dk_cols_exact += tl.where(sub[:, None] == c, pulled_s[None, :], 0.0)
+            dq_pair += dq_exact
+            dk_rows += dk_rows_exact
+            dk_cols += dk_cols_exact
             dq = _load_rows(dq_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dq_pair
             dk = _load_rows(dk_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dk_rows + dk_cols
             _store_rows(dq_ptr + key_offset, dq, tokens_b, kc, HV * K, 1, valid_b, K)
@@ -1196,20 +1209,40 @@ def _state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, in
     return {"num_warps": num_warps, "num_stages": 2 if two_stages else 1}
 
 
-# Same reason: three stages of the wy_backward tiles took up to 208 KiB at sm_90.
-WY_BACKWARD_STAGES = 2
+# The options below were timed with benchmarks/tune_delta_rule.py (H100, Triton 3.6, B4 T4096 H16
+# K128 bf16, whole forward+backward, one kernel's options changed at a time; 2026-11-22).
+#
 # wy_backward holds A, dA and [BT, BK] accumulators next to the tiles it reads: compiled for
 # sm_90 (Triton 3.8, BT = BK = BV = 64, bf16 inputs with l2norm), 4 warps spilled 1.2-1.5 KiB per
-# thread, 8 warps 112-232 bytes (128 KiB shared memory either way).
+# thread, 8 warps 112-232 bytes (128 KiB shared memory either way), and 4 warps took 4-12 % longer.
+# Three software-pipelining stages took up to 208 KiB of shared memory; with fp32 intermediates one
+# stage beat two by 5-6 % (GDN, KDA), with half ones they tied.
 WY_BACKWARD_WARPS = 8
 
 
+def _wy_backward_options(plan: "_Plan") -> dict[str, int]:
+    stages = 1 if plan.intermediate_dtype == torch.float32 else 2
+    return {"num_warps": WY_BACKWARD_WARPS, "num_stages": stages}
+
+
+def _wy_solve_options(plan: "_Plan") -> dict[str, int]:
+    """wy_solve's substitution is a chain of [16, 16] steps: with half inputs 2 warps took 1-5 % less
+    than 4 (8 warps 1 % more), although they spill 8-96 bytes per thread at sm_90. fp32 inputs' exact
+    (ieee) products spilled 10 KiB per thread at 2 warps, 5.5 KiB at 4 and 232-272 bytes at 8."""
+    return {"num_warps": 8 if plan.input_dtype == torch.float32 else 2}
+
+
+def _scores_options(gate: str) -> dict[str, int]:
+    """num_warps of decayed_scores and decayed_scores_backward. Without per-channel gates a program
+    holds the whole chunk's [BT, BT] scores (and in the backward dKdot and dP next to four [BT, BK]
+    products: at BT = BK = 64, sm_90, Triton 3.8, 4 warps spilled 264 bytes per thread, 8 none).
+    With them a program holds [BC, BT] rows and [BT, BK] tiles: 4 warps were 2 % (forward) and 5-6 %
+    (backward) faster than 8 over the whole step, although the backward then spills 32 bytes."""
+    return {"num_warps": 4}
+
+
 def _scores_backward_options(gate: str) -> dict[str, int]:
-    """num_warps of decayed_scores_backward. Without per-channel gates a program holds the whole
-    chunk's [BT, BT] dKdot and dP next to four [BT, BK] products: at BT = BK = 64 (sm_90, Triton 3.8)
-    4 warps spilled 264 bytes per thread, 8 warps none. Per-channel gates work on [BC, BK] tiles
-    and did not spill at 4 warps."""
-    return {"num_warps": 8}
+    return {"num_warps": 4 if gate == "channel" else 8}
 
 
 @dataclass
@@ -1362,11 +1395,14 @@ def _l2norm_backward(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> Non
         )
 
 
-def _gate_cumsum(plan: _Plan, g: torch.Tensor, activation: int, A_log, dt_bias, lower_bound, reverse: bool):
+def _gate_cumsum(plan: _Plan, g: torch.Tensor, activation: int, A_log, dt_bias, lower_bound, reverse: bool,
+                 out: torch.Tensor | None = None):
+    """The chunk-local (reverse) cumulative sum, fp32 [B, T, HV, K or 1], into `out` when given."""
     problem = plan.problem
     width = problem.key_dim if problem.gate == "channel" else 1
-    out = torch.empty(problem.batch, problem.time, problem.value_heads, width, dtype=torch.float32,
-                      device=g.device)
+    if out is None:
+        out = torch.empty(problem.batch, problem.time, problem.value_heads, width, dtype=torch.float32,
+                          device=g.device)
     strides = g.stride() if g.dim() == 4 else (*g.stride(), 0)
     block_k = _block(width)
     table, seqlens = plan.chunk_args()
@@ -1400,8 +1436,7 @@ def _launch_decayed_scores(plan: _Plan, q, k, cum, kdot, scores, num_chunks: int
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         float(FACTOR_SPAN_LIMIT),
         GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=_scores_block_k(plan), IS_VARLEN=plan.varlen,
-        DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots,
-        num_warps=8 if problem.gate == "channel" else 4,
+        DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots, **_scores_options(problem.gate),
     )
 
 
@@ -1468,7 +1503,7 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
             k, v, beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *v.stride(), *beta.stride(),
             table, seqlens, time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
-            DOT_PRECISION=plan.dot_precision, SOLVE=kept is None, **common,
+            DOT_PRECISION=plan.dot_precision, SOLVE=kept is None, **_wy_solve_options(plan), **common,
         )
     block_k_full = _block(key_dim, MAX_HEAD_DIM)
     block_v_state = _state_forward_block_v(block_k_full, value_dim, stored, problem.num_sequences * value_heads,
@@ -1678,7 +1713,7 @@ def chunk_delta_rule_bwd(
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
             *dbeta.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES, num_warps=WY_BACKWARD_WARPS, **common,
+            BK=block_k, BV=block_v, **_wy_backward_options(plan), **common,
         )
         _launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
                                 plan.num_chunks, table, seqlens)
@@ -1702,12 +1737,19 @@ def chunk_delta_rule_bwd(
 
     if problem.gate != "none":
         # d(loss)/dg_t is the sum of d(loss)/dG over the rest of t's chunk.
-        dg = _gate_cumsum(plan, dcum, ACTIVATION_NONE, None, None, None, reverse=True) if plan.num_chunks \
-            else torch.zeros(batch, time, value_heads, gate_width, dtype=torch.float32, device=device)
+        dg_out = result("g")
+        # The reverse sum writes g's gradient in place when nothing follows it (no gate activation)
+        # and it has the sum's dtype and layout: no copy of a [B, T, HV, K] tensor.
+        direct = not problem.gate_in_kernel and dg_out.dtype == torch.float32 and dg_out.is_contiguous()
+        if plan.num_chunks:
+            dg = _gate_cumsum(plan, dcum, ACTIVATION_NONE, None, None, None, reverse=True,
+                              out=dg_out.view(batch, time, value_heads, gate_width) if direct else None)
+        else:
+            dg = torch.zeros(batch, time, value_heads, gate_width, dtype=torch.float32, device=device)
         dg = dg.view(g.shape) if problem.gate == "channel" else dg.view(batch, time, value_heads)
         if problem.gate_in_kernel:
             dg, dA_log, ddt_bias = _gate_activation_backward(g, dg, A_log, dt_bias, lower_bound)
             for name, grad in (("A_log", dA_log), ("dt_bias", ddt_bias)):
                 grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
-        grads["g"] = result("g").copy_(dg)
+        grads["g"] = dg_out if direct and plan.num_chunks else dg_out.copy_(dg)
     return grads

@@ -57,8 +57,6 @@ from .chunk import (
     MIN_DOT_DIM,
     STATE_TILE_ELEMENTS,
     SUB_CHUNK,
-    WY_BACKWARD_STAGES,
-    WY_BACKWARD_WARPS,
     _block,
     _check_kernel_inputs,
     _gate_activation_backward,
@@ -77,6 +75,8 @@ from .chunk import (
     _state_launch_options,
     _sum_key_groups,
     _wy_backward_kernel,
+    _wy_backward_options,
+    _wy_solve_options,
     _wy_solve_kernel,
 )
 from .reference import DeltaRuleProblem, check_delta_rule_inputs
@@ -597,7 +597,7 @@ def _intra(local: _Local) -> _Intra:
             *local.beta.stride(), table, seqlens, time, kplan.chunks_per_row, value_heads, problem.group_size,
             problem.key_dim, problem.value_dim,
             GATE=kplan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
-            DOT_PRECISION=kplan.dot_precision, IS_VARLEN=True,
+            DOT_PRECISION=kplan.dot_precision, IS_VARLEN=True, **_wy_solve_options(kplan),
         )
     return _Intra(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde)
 
@@ -849,8 +849,8 @@ class CPBackward(CPForward):
             *intra.q.stride(), *intra.k.stride(), *local.v.stride(), *local.beta.stride(), *self.do.stride(),
             *self.dv.stride(), *self.dbeta.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-            problem.value_dim, local.scale, BK=block_k, BV=block_v, num_stages=WY_BACKWARD_STAGES,
-            num_warps=WY_BACKWARD_WARPS, **common,
+            problem.value_dim, local.scale, BK=block_k, BV=block_v, **_wy_backward_options(kplan),
+            **common,
         )
         _launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
                                 self.dk_heads, self.dcum, last - first, table, geometry.cu_seqlens)

@@ -1,0 +1,65 @@
+"""Host (CPU) time of one forward+backward of our GDN / KDA ops against its GPU time: when the
+host takes as long as the GPU, the GPU idles between kernels and the wall time is the host's.
+Prints the wall time per step, the host time to enqueue a step (no synchronisation, GPU queue
+kept busy) and the top of a cProfile of the enqueues.
+
+    python benchmarks/host_overhead.py --ops gdn,kda --shape B4T4096H16D128
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tune_delta_rule import parse_shape, step_fn  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="gdn,kda")
+    p.add_argument("--shape", default="B4T4096H16D128")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    shape = parse_shape(args.shape)
+    for op in args.ops.split(","):
+        step = step_fn(op, shape)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - started) / args.steps * 1e3
+        # Host time: enqueue behind a long GPU sleep so that the queue never drains.
+        torch.cuda._sleep(int(2e9))
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        host = (time.perf_counter() - started) / args.steps * 1e3
+        torch.cuda.synchronize()
+        print(f"{op} {args.shape}: wall {wall:.3f} ms/step, host enqueue {host:.3f} ms/step", flush=True)
+        profiler = cProfile.Profile()
+        torch.cuda._sleep(int(2e9))
+        profiler.enable()
+        for _ in range(args.steps):
+            step()
+        profiler.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
+        print(text.getvalue(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
