@@ -18,8 +18,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hccompile.kernels.delta_rule import chunk  # noqa: E402
+from profile_ops import parse_shape  # noqa: E402
 
 # kernel attribute of chunk.py -> option sets tried (the launcher's own options are the baseline)
 VARIANTS = {
@@ -42,12 +44,6 @@ class _Override:
     def __getitem__(self, grid):
         launch = self.kernel[grid]
         return lambda *args, **kwargs: launch(*args, **{**kwargs, **self.options})
-
-
-def parse_shape(text: str) -> dict:
-    import re
-
-    return {k: int(v) for k, v in re.findall(r"([A-Z])(\d+)", text)}
 
 
 def step_fn(op: str, shape: dict):

@@ -1232,17 +1232,14 @@ def _wy_solve_options(plan: "_Plan") -> dict[str, int]:
     return {"num_warps": 8 if plan.input_dtype == torch.float32 else 2}
 
 
-def _scores_options(gate: str) -> dict[str, int]:
-    """num_warps of decayed_scores and decayed_scores_backward. Without per-channel gates a program
-    holds the whole chunk's [BT, BT] scores (and in the backward dKdot and dP next to four [BT, BK]
-    products: at BT = BK = 64, sm_90, Triton 3.8, 4 warps spilled 264 bytes per thread, 8 none).
-    With them a program holds [BC, BT] rows and [BT, BK] tiles: 4 warps were 2 % (forward) and 5-6 %
-    (backward) faster than 8 over the whole step, although the backward then spills 32 bytes."""
-    return {"num_warps": 4}
-
-
-def _scores_backward_options(gate: str) -> dict[str, int]:
-    return {"num_warps": 4 if gate == "channel" else 8}
+def _scores_warps(gate: str, backward: bool) -> int:
+    """num_warps of decayed_scores (backward=False) and decayed_scores_backward. Without per-channel
+    gates a program holds the whole chunk's [BT, BT] scores, and in the backward dKdot and dP next
+    to four [BT, BK] products (at BT = BK = 64, sm_90, Triton 3.8, 4 warps spilled 264 bytes per
+    thread, 8 none). With them a program holds [BC, BT] rows and [BT, BK] tiles: 4 warps were 2 %
+    (forward) and 5-6 % (backward) faster than 8 over the whole step, although the backward then
+    spills 32 bytes."""
+    return 8 if backward and gate != "channel" else 4
 
 
 @dataclass
@@ -1426,33 +1423,33 @@ def _scores_block_k(plan: _Plan) -> int:
     return block_k
 
 
-def _launch_decayed_scores(plan: _Plan, q, k, cum, kdot, scores, num_chunks: int, table, seqlens) -> None:
-    """decayed_scores over `num_chunks` chunks of `table` (chunk.py's forward and CP's share it)."""
+def _score_launch(plan: _Plan, num_chunks: int, table, seqlens, backward: bool):
+    """(grid, trailing arguments and constants) of the two score kernels over `num_chunks` chunks
+    of `table`: one program per chunk, value head and row sub-chunk."""
     problem = plan.problem
     chunk = plan.chunk_size
     sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
-    _decayed_scores_kernel[(num_chunks, problem.value_heads, chunk // sub_chunk)](
-        q, k, cum, kdot, scores, *q.stride(), *k.stride(), table, seqlens,
-        problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-        float(FACTOR_SPAN_LIMIT),
-        GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=_scores_block_k(plan), IS_VARLEN=plan.varlen,
-        DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots, **_scores_options(problem.gate),
-    )
+    grid = (num_chunks, problem.value_heads, chunk // sub_chunk)
+    args = (table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size,
+            problem.key_dim, float(FACTOR_SPAN_LIMIT))
+    constants = dict(GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=_scores_block_k(plan), IS_VARLEN=plan.varlen,
+                     DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots,
+                     num_warps=_scores_warps(problem.gate, backward))
+    return grid, args, constants
+
+
+def _launch_decayed_scores(plan: _Plan, q, k, cum, kdot, scores, num_chunks: int, table, seqlens) -> None:
+    """decayed_scores (chunk.py's forward and CP's share it)."""
+    grid, args, constants = _score_launch(plan, num_chunks, table, seqlens, backward=False)
+    _decayed_scores_kernel[grid](q, k, cum, kdot, scores, *q.stride(), *k.stride(), *args, **constants)
 
 
 def _launch_scores_backward(plan: _Plan, q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, num_chunks: int,
                             table, seqlens) -> None:
-    """decayed_scores_backward over `num_chunks` chunks of `table` (chunk.py's backward and CP's)."""
-    problem = plan.problem
-    chunk = plan.chunk_size
-    sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
-    _decayed_scores_backward_kernel[(num_chunks, problem.value_heads, chunk // sub_chunk)](
-        q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, *q.stride(), *k.stride(), table, seqlens,
-        problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-        float(FACTOR_SPAN_LIMIT),
-        GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=_scores_block_k(plan), IS_VARLEN=plan.varlen,
-        DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots, **_scores_backward_options(problem.gate),
-    )
+    """decayed_scores_backward (chunk.py's backward and CP's)."""
+    grid, args, constants = _score_launch(plan, num_chunks, table, seqlens, backward=True)
+    _decayed_scores_backward_kernel[grid](q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, *q.stride(),
+                                          *k.stride(), *args, **constants)
 
 
 def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
@@ -1740,7 +1737,8 @@ def chunk_delta_rule_bwd(
         dg_out = result("g")
         # The reverse sum writes g's gradient in place when nothing follows it (no gate activation)
         # and it has the sum's dtype and layout: no copy of a [B, T, HV, K] tensor.
-        direct = not problem.gate_in_kernel and dg_out.dtype == torch.float32 and dg_out.is_contiguous()
+        direct = (plan.num_chunks and not problem.gate_in_kernel and dg_out.dtype == torch.float32
+                  and dg_out.is_contiguous())
         if plan.num_chunks:
             dg = _gate_cumsum(plan, dcum, ACTIVATION_NONE, None, None, None, reverse=True,
                               out=dg_out.view(batch, time, value_heads, gate_width) if direct else None)
@@ -1751,5 +1749,5 @@ def chunk_delta_rule_bwd(
             dg, dA_log, ddt_bias = _gate_activation_backward(g, dg, A_log, dt_bias, lower_bound)
             for name, grad in (("A_log", dA_log), ("dt_bias", ddt_bias)):
                 grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
-        grads["g"] = dg_out if direct and plan.num_chunks else dg_out.copy_(dg)
+        grads["g"] = dg_out if direct else dg_out.copy_(dg)
     return grads
