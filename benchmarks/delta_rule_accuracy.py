@@ -1,5 +1,5 @@
-"""Relative RMS error against the float64 recurrence of our chunk kernels (default intermediates
-and the bf16 opt-in) and of FLA 0.6.0, on the same bf16 inputs: random keys, and aligned keys
+"""Relative RMS error against the float64 recurrence of our chunk kernels (default bf16
+intermediates, and fp32 ones: BF16_INTERMEDIATES off) and of FLA 0.6.0, on the same bf16 inputs: random keys, and aligned keys
 (pairwise cosines near 1, beta near 1: ill-conditioned chunks, as in
 tests/kernels/test_delta_rule_chunk.py's aligned_keys_case). FLA's tests hold o and the final
 state to 5e-3, dq/dk/dv to 8e-3 and dg/dbeta to 2e-2 on random inputs; this shows where each
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--T", type=int, default=1000)
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--D", type=int, default=128)
-    p.add_argument("--impls", default="ours,bf16,fla")
+    p.add_argument("--impls", default="ours,fp32,fla", help="ours (default), fp32 (fp32 intermediates), fla")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu runs ours under TRITON_INTERPRET=1 (a smoke test)")
     args = p.parse_args()
@@ -92,8 +92,8 @@ def main() -> None:
 
             ref = run(reference, rounded, do.double())
             for impl in args.impls.split(","):
-                if impl in ("ours", "bf16"):
-                    chunk.BF16_INTERMEDIATES = impl == "bf16"
+                if impl in ("ours", "fp32"):
+                    chunk.BF16_INTERMEDIATES = impl != "fp32"
                     f = hccompile.chunk_gated_delta_rule if gate == "scalar" else hccompile.chunk_kda
 
                     def fn(q, k, v, g, beta, f=f):

@@ -5,7 +5,7 @@ not for speed) leave time on the table.
 
     python benchmarks/tune_delta_rule.py --ops gdn,kda --shape B4T4096H16D128 --out tune.jsonl
 
-Rows: op, intermediates (default / bf16 opt-in), kernel, options, ms, ms / baseline.
+Rows: op, intermediates (default / fp32 for bf16 inputs), kernel, options, ms, ms / baseline.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hccompile.kernels.delta_rule import chunk  # noqa: E402
 from profile_ops import parse_shape  # noqa: E402
 
-# kernel attribute of chunk.py -> option sets tried (the launcher's own options are the baseline)
+# kernel attribute of chunk.py -> option sets tried (the launcher's own options are the baseline);
+# an upper-case name is a module constant the launchers read, set to each value in turn
 VARIANTS = {
     "_wy_solve_kernel": [dict(num_warps=2), dict(num_warps=8), dict(num_stages=1)],
     "_wy_backward_kernel": [dict(num_warps=4), dict(num_stages=1)],
@@ -32,6 +33,9 @@ VARIANTS = {
     "_state_forward_kernel": [dict(num_warps=4), dict(num_stages=1)],
     "_state_backward_kernel": [dict(num_warps=4), dict(num_stages=1)],
     "_output_kernel": [dict(num_warps=8), dict(num_stages=1)],
+    # Module constants the launchers read at call time: the values tried.
+    "L2NORM_BLOCK_ROWS": [32, 64],
+    "L2NORM_WARPS": [1, 2, 8],
 }
 
 
@@ -81,7 +85,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="gdn,kda")
     p.add_argument("--shape", default="B4T4096H16D128")
-    p.add_argument("--modes", default="default,bf16", help="intermediates: default and/or bf16 (the opt-in)")
+    p.add_argument("--modes", default="default,fp32",
+                   help="intermediates: default and/or fp32 (BF16_INTERMEDIATES off, for bf16 inputs)")
     p.add_argument("--kernels", default=",".join(VARIANTS), help="comma-separated chunk.py kernel names")
     p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args()
@@ -90,14 +95,14 @@ def main() -> None:
     for op in args.ops.split(","):
         step = step_fn(op, shape)
         for mode in args.modes.split(","):
-            chunk.BF16_INTERMEDIATES = mode == "bf16"
+            chunk.BF16_INTERMEDIATES = mode != "fp32"
             base = measure(step)
             print(f"{op} {mode:7s} baseline {base:.3f} ms", flush=True)
             rows = [dict(op=op, mode=mode, kernel="baseline", options={}, ms=base, ratio=1.0)]
             for name in args.kernels.split(","):
                 original = getattr(chunk, name)
                 for options in VARIANTS[name]:
-                    setattr(chunk, name, _Override(original, options))
+                    setattr(chunk, name, options if name.isupper() else _Override(original, options))
                     started = time.perf_counter()
                     try:
                         ms = measure(step)
