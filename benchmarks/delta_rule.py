@@ -195,7 +195,10 @@ def kernel_rows(args, meta) -> list[dict]:
                 for how in ("eager", "inductor", "hc"):
                     variants.append((f"plain {how}", plain(gate, how), ""))
             kinds = {"ours": "ours", OURS_FP32: "fp32", OURS_WIDE: "wide", "FLA": "fla"}
-            variants = [v for v in variants if kinds.get(v[0], "plain") in args.impls.split(",")]
+            wanted = set(args.impls.split(","))
+            if "plain" in wanted:
+                wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
+            variants = [v for v in variants if kinds.get(v[0], v[0].replace(" ", "-")) in wanted]
             reference = None  # the first variant's output: ours unless --impls leaves it out
             for name, fn, note in variants:
                 row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
@@ -295,7 +298,8 @@ def main() -> None:
     p.add_argument("--ops", default="gdn,kda", help="gdn, kda or both")
     p.add_argument("--impls", default="ours,fp32,wide,fla,plain",
                    help="kernel rows to run: ours, fp32 (fp32 intermediates for bf16 inputs), wide (widest sweep "
-                        "tiles, where ours narrows them), fla, plain (eager/Inductor/hc, at --plain-shapes)")
+                        "tiles, where ours narrows them), fla, plain (eager, Inductor and hc, at --plain-shapes) "
+                        "or one of plain-eager, plain-inductor, plain-hc")
     p.add_argument("--what", default="kernels,compile", help="kernels, compile or both")
     p.add_argument("--compile-lengths", default="2048,8192")
     p.add_argument("--compile-hidden", type=int, default=1024)
