@@ -57,6 +57,7 @@ from .chunk import (
     MIN_DOT_DIM,
     STATE_TILE_ELEMENTS,
     SUB_CHUNK,
+    WY_BACKWARD_OPTIONS,
     _block,
     _check_kernel_inputs,
     _gate_activation_backward,
@@ -75,7 +76,6 @@ from .chunk import (
     _state_launch_options,
     _sum_key_groups,
     _wy_backward_kernel,
-    _wy_backward_options,
     _wy_solve_options,
     _wy_solve_kernel,
 )
@@ -849,7 +849,7 @@ class CPBackward(CPForward):
             *intra.q.stride(), *intra.k.stride(), *local.v.stride(), *local.beta.stride(), *self.do.stride(),
             *self.dv.stride(), *self.dbeta.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-            problem.value_dim, local.scale, BK=block_k, BV=block_v, **_wy_backward_options(kplan),
+            problem.value_dim, local.scale, BK=block_k, BV=block_v, **WY_BACKWARD_OPTIONS,
             **common,
         )
         _launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
