@@ -21,5 +21,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(VENV)/bin/python -m pytest -q -m "not gpu" --durations=15 $(PYTEST_ARGS)
 
+# The whole suite on a CUDA machine (the device's command; not part of CI). Uses the machine's own
+# python3 (its preinstalled torch and Triton), installs this package there without dependencies (the
+# `hc` entry point), and writes benchmarks/results/gpu-suite.txt. A copied tree may have no .git:
+# pass the commit, `make test-gpu COMMIT=<sha>`. GPU_MEMORY_GIB is the bound each test must fit in.
+GPU_PYTHON ?= python3
+GPU_WORKERS ?= 12
+GPU_MEMORY_GIB ?= 5.5
+GPU_REPORT ?= benchmarks/results/gpu-suite.txt
+GPU_TESTS ?= tests
+GPU_PYTEST_ARGS ?=
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
+
+test-gpu:
+	@test -n "$(COMMIT)" || { echo "make test-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
+	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpu-memory-gib $(GPU_MEMORY_GIB) \
+		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
+		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -38,6 +38,19 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_rounds_bfloat16_to_nearest()
 
 
+def _bound_gpu_memory() -> None:
+    """Cap this process's CUDA allocator (tests/parallel.py --gpu-memory-gib): workers share one GPU,
+    and a test that needs more than its share fails with an out-of-memory error naming the bound
+    instead of starving its neighbours."""
+    gib = os.environ.get("HCCOMPILE_TEST_GPU_MEMORY_GIB")
+    if gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total))
+
+
+_bound_gpu_memory()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

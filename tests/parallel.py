@@ -1,21 +1,35 @@
-"""Run pytest over several worker processes: the test ids are collected once and dealt round-robin.
+"""Run pytest over several worker processes and write one report of the whole run.
 
 On the GPU machine most of a kernel test's time is Triton compiling its specialisations (about
-20 s per delta-rule case), which is CPU work: N processes compile N cases at once. Usage, from the
-repository root:
+20 s per delta-rule case), which is CPU work: N processes compile N cases at once. The test ids are
+collected once, cut into small chunks (neighbouring ids of one file stay together, so a chunk reuses
+the kernels it compiled), and a pool of N workers takes the next chunk whenever one finishes, so a
+slow chunk does not hold back the rest. A crash (an illegal memory access ends a CUDA process)
+costs only its chunk: its unreported tests count as errors. Usage, from the repository root:
 
     python tests/parallel.py -n 8 tests/kernels/test_delta_rule_chunk.py tests/test_delta_rule_ops.py
     python tests/parallel.py -n 4 tests/kernels -- -m gpu        # after --: options for every worker
+    python tests/parallel.py -n 12 --gpu-memory-gib 5.5 --report suite.txt --commit SHA tests
 
-Prints each worker's summary line and exits non-zero if any worker failed. Each worker writes its
-full log to <log-dir>/worker<i>.log (default: a temporary directory, printed).
+With --gpu-memory-gib each worker's CUDA caching allocator is capped at that many GiB
+(HCCOMPILE_TEST_GPU_MEMORY_GIB, read by tests/conftest.py): the stated bound every test must fit.
+--report writes the suite file: first line `commit <sha> <UTC date> <device> torch <v> triton <v>`,
+one line per failure, error and skip (with its reason), last line the summary.
+Exits non-zero if any test failed or errored. Full logs: <log-dir>/worker<i>.log.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -29,9 +43,133 @@ def collect(paths: list[str], extra: list[str]) -> list[str]:
     return [line.strip() for line in result.stdout.splitlines() if "::" in line]
 
 
-def deal(ids: list[str], workers: int) -> list[list[str]]:
-    """Round-robin, so that neighbouring (often equally slow) cases land on different workers."""
-    return [group for group in (ids[i::workers] for i in range(workers)) if group]
+def chunk(ids: list[str], size: int) -> list[list[str]]:
+    """Consecutive ids of one file, at most `size` per chunk, in collection order."""
+    chunks: list[list[str]] = []
+    for test_id in ids:
+        same_file = chunks and chunks[-1][0].split("::")[0] == test_id.split("::")[0]
+        if same_file and len(chunks[-1]) < size:
+            chunks[-1].append(test_id)
+        else:
+            chunks.append([test_id])
+    return chunks
+
+
+def junit_key(test_id: str) -> tuple[str, str]:
+    """(classname, name) as pytest's JUnit XML spells the test `test_id`."""
+    path, *parts = test_id.split("::")
+    module = path[:-3] if path.endswith(".py") else path
+    return ".".join([module.replace("/", "."), *parts[:-1]]), parts[-1]
+
+
+@dataclass
+class Outcome:
+    test_id: str
+    status: str            # passed, failed, error, skipped
+    message: str = ""
+
+
+def read_junit(xml_path: Path, ids: list[str]) -> dict[str, Outcome]:
+    """Outcomes of `ids` found in one worker's JUnit file (missing ones are left out)."""
+    if not xml_path.exists():
+        return {}
+    try:
+        root = ElementTree.parse(xml_path).getroot()
+    except ElementTree.ParseError:
+        return {}
+    wanted = {junit_key(i): i for i in ids}
+    outcomes: dict[str, Outcome] = {}
+    for case in root.iter("testcase"):
+        test_id = wanted.get((case.get("classname", ""), case.get("name", "")))
+        if test_id is None:
+            continue
+        status, message = "passed", ""
+        for tag in ("skipped", "failure", "error"):   # later tags win: an error in teardown after a failure
+            element = case.find(tag)
+            if element is not None:
+                status = {"skipped": "skipped", "failure": "failed", "error": "error"}[tag]
+                text_lines = (element.text or "").strip().splitlines()
+                message = element.get("message") or (text_lines[-1] if text_lines else "")
+        outcomes[test_id] = Outcome(test_id, status, " ".join(message.split())[:300])
+    return outcomes
+
+
+@dataclass
+class Run:
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done_chunks: int = 0
+
+
+def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir: Path, env: dict[str, str],
+               chunk_timeout: float, total: int) -> Run:
+    work: queue.Queue = queue.Queue()
+    for index, group in enumerate(chunks):
+        work.put((index, group))
+    run = Run()
+    start = time.monotonic()
+
+    def worker(slot: int) -> None:
+        with open(log_dir / f"worker{slot}.log", "a") as log:
+            while True:
+                try:
+                    index, group = work.get_nowait()
+                except queue.Empty:
+                    return
+                xml = log_dir / f"chunk{index:04d}.xml"
+                (log_dir / f"chunk{index:04d}.ids").write_text("\n".join(group) + "\n")
+                log.write(f"\n===== chunk {index}: {len(group)} tests =====\n")
+                log.flush()
+                command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+                           f"--junitxml={xml}", *extra, *group]
+                try:
+                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          timeout=chunk_timeout).returncode
+                    why = f"worker exited with code {code} before reporting this test (see worker{slot}.log)"
+                except subprocess.TimeoutExpired:
+                    why = f"chunk {index} did not finish in {chunk_timeout:.0f} s (see worker{slot}.log)"
+                found = read_junit(xml, group)
+                with run.lock:
+                    for test_id in group:
+                        run.outcomes[test_id] = found.get(test_id) or Outcome(test_id, "error", why)
+                    run.done_chunks += 1
+                    bad = sum(o.status in ("failed", "error") for o in run.outcomes.values())
+                    print(f"[{time.monotonic() - start:6.0f} s] {len(run.outcomes)}/{total} tests, "
+                          f"{run.done_chunks}/{len(chunks)} chunks, {bad} failed or errors", flush=True)
+
+    threads = [threading.Thread(target=worker, args=(slot,)) for slot in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return run
+
+
+def summary(outcomes: list[Outcome], seconds: float) -> str:
+    count = {status: sum(o.status == status for o in outcomes) for status in ("passed", "skipped", "failed", "error")}
+    return (f"{count['passed']} passed, {count['skipped']} skipped, {count['failed']} failed, "
+            f"{count['error']} errors in {seconds:.0f} s")
+
+
+def environment_line(commit: str) -> str:
+    probe = ("import torch, triton; d = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'; "
+             "print(d.replace(' ', '_'), torch.__version__, triton.__version__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.split()
+    device, torch_version, triton_version = (out + ["unknown"] * 3)[:3]
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"commit {commit} {date} {device} torch {torch_version} triton {triton_version}"
+
+
+def write_report(path: Path, commit: str, outcomes: list[Outcome], seconds: float, workers: int,
+                 memory_gib: float | None) -> None:
+    lines = [environment_line(commit),
+             f"# {workers} workers" + (f", GPU memory bound {memory_gib} GiB per worker" if memory_gib else "")]
+    order = {"failed": 0, "error": 1, "skipped": 2}
+    for o in sorted((o for o in outcomes if o.status != "passed"), key=lambda o: (order[o.status], o.test_id)):
+        lines.append(f"{o.status.upper()} {o.test_id} - {o.message}")
+    lines.append(summary(outcomes, seconds))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,38 +180,44 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--workers", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=6, help="tests per pytest process (default 6)")
+    parser.add_argument("--chunk-timeout", type=float, default=1800, help="seconds before a chunk is killed")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="cap each worker's CUDA allocator at this many GiB")
+    parser.add_argument("--report", default=None, help="write the suite report to this file")
+    parser.add_argument("--commit", default=None, help="the commit the tree holds (required with --report)")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("paths", nargs="+")
     options = parser.parse_args(argv)
     if options.workers < 1:
         parser.error(f"--workers must be >= 1, got {options.workers}")
+    if options.chunk < 1:
+        parser.error(f"--chunk must be >= 1, got {options.chunk}")
+    if options.report and not options.commit:
+        parser.error("--report needs --commit SHA (a copied tree may have no .git to read it from)")
+    start = time.monotonic()
     ids = collect(options.paths, extra)
     if not ids:
         print("no tests collected")
         return 0
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pytest-parallel-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{len(ids)} tests over {min(options.workers, len(ids))} workers; logs in {log_dir}", flush=True)
-    running = []
-    for index, group in enumerate(deal(ids, options.workers)):
-        id_file = log_dir / f"worker{index}.ids"
-        id_file.write_text("\n".join(group) + "\n")
-        log = open(log_dir / f"worker{index}.log", "w")
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *group]
-        running.append((index, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = 0
-    for index, process, log in running:
-        code = process.wait()
-        log.close()
-        lines = (log_dir / f"worker{index}.log").read_text().strip().splitlines()
-        summary = lines[-1] if lines else "(no output)"
-        print(f"worker {index}: exit {code}: {summary}", flush=True)
-        if code != 0:
-            failed += 1
-            for line in lines:
-                if line.startswith(("FAILED", "ERROR")):
-                    print(f"  {line}")
-    return 1 if failed else 0
+    chunks = chunk(ids, options.chunk)
+    workers = min(options.workers, len(chunks))
+    print(f"{len(ids)} tests in {len(chunks)} chunks over {workers} workers; logs in {log_dir}", flush=True)
+    env = dict(os.environ)
+    if options.gpu_memory_gib:
+        env["HCCOMPILE_TEST_GPU_MEMORY_GIB"] = str(options.gpu_memory_gib)
+    run = run_chunks(chunks, workers, extra, log_dir, env, options.chunk_timeout, len(ids))
+    outcomes = [run.outcomes[i] for i in ids]
+    seconds = time.monotonic() - start
+    for o in outcomes:
+        if o.status in ("failed", "error"):
+            print(f"{o.status.upper()} {o.test_id} - {o.message}")
+    print(summary(outcomes, seconds), flush=True)
+    if options.report:
+        write_report(Path(options.report), options.commit, outcomes, seconds, workers, options.gpu_memory_gib)
+    return 1 if any(o.status in ("failed", "error") for o in outcomes) else 0
 
 
 if __name__ == "__main__":

@@ -3,14 +3,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel import deal
+from parallel import chunk, junit_key
 
 RUNNER = Path(__file__).with_name("parallel.py")
 
 
-def test_deal_is_round_robin_and_drops_empty_groups():
-    assert deal(list("abcde"), 2) == [["a", "c", "e"], ["b", "d"]]
-    assert deal(["a"], 3) == [["a"]]
+def test_chunks_keep_one_file_and_a_size_limit():
+    ids = ["a.py::t1", "a.py::t2", "a.py::t3", "b.py::t1", "c.py::K::t[x]"]
+    assert chunk(ids, 2) == [["a.py::t1", "a.py::t2"], ["a.py::t3"], ["b.py::t1"], ["c.py::K::t[x]"]]
+    assert junit_key("tests/kernels/test_x.py::TestA::test_b[1-2]") == ("tests.kernels.test_x.TestA", "test_b[1-2]")
 
 
 def run_runner(tmp_path, *args):
@@ -18,23 +19,43 @@ def run_runner(tmp_path, *args):
                           timeout=300)
 
 
-def test_runner_reports_every_worker_and_fails_when_one_fails(tmp_path):
+def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
     (tmp_path / "test_sample.py").write_text(
-        "import pytest\n"
+        "import os, pytest\n"
         "@pytest.mark.parametrize('x', range(5))\n"
         "def test_square(x):\n"
         "    assert x * x >= 0\n"
         "def test_broken():\n"
-        "    assert 1 == 2\n")
-    result = run_runner(tmp_path, "-n", "3", "--log-dir", "logs", "test_sample.py")
+        "    assert 1 == 2\n"
+        "@pytest.fixture\n"
+        "def bad():\n"
+        "    raise RuntimeError('setup broke')\n"
+        "def test_setup_error(bad):\n"
+        "    pass\n"
+        "def test_skipped():\n"
+        "    pytest.skip('no widget here')\n"
+        "def test_crash():\n"
+        "    os._exit(3)\n")
+    report = tmp_path / "out" / "suite.txt"
+    result = run_runner(tmp_path, "-n", "3", "--chunk", "2", "--log-dir", "logs", "--report", str(report),
+                        "--commit", "abc123", "test_sample.py")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "6 tests over 3 workers" in result.stdout
-    assert result.stdout.count("worker ") == 3
+    assert "9 tests in 5 chunks over 3 workers" in result.stdout
     assert "FAILED test_sample.py::test_broken" in result.stdout
-    ids = sorted(sum(((tmp_path / "logs" / f"worker{i}.ids").read_text().split() for i in range(3)), []))
-    assert len(ids) == 6 and len(set(ids)) == 6
+    ids = sorted(sum(((tmp_path / "logs" / f"chunk{i:04d}.ids").read_text().split() for i in range(5)), []))
+    assert len(ids) == 9 and len(set(ids)) == 9
+    lines = report.read_text().splitlines()
+    assert lines[0].startswith("commit abc123 ") and " torch " in lines[0] and " triton " in lines[0]
+    assert any(line.startswith("FAILED test_sample.py::test_broken - ") for line in lines)
+    assert any(line.startswith("ERROR test_sample.py::test_setup_error - ") for line in lines)
+    assert any(line.startswith("SKIPPED test_sample.py::test_skipped - ") and "no widget here" in line
+               for line in lines)
+    # a crash leaves no JUnit file: its tests count as errors, none is lost
+    crashed = [line for line in lines if line.startswith("ERROR") and "exited with code 3" in line]
+    assert any("test_crash" in line for line in crashed), lines
+    assert lines[-1].startswith("5 passed, 1 skipped, 1 failed, 2 errors in "), lines[-1]
 
     (tmp_path / "test_sample.py").write_text("def test_ok():\n    pass\n")
     result = run_runner(tmp_path, "-n", "2", "test_sample.py", "--", "-x")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 tests over 1 workers" in result.stdout and "1 passed" in result.stdout
+    assert "1 tests in 1 chunks over 1 workers" in result.stdout and "1 passed" in result.stdout
