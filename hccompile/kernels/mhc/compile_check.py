@@ -123,7 +123,8 @@ def compile_launch(kernel, args, kwargs, arch: int = ARCH):
 
 def resources(compiled) -> dict[str, int]:
     """{'REG': registers per thread, 'STACK': bytes of stack (spills), 'SHARED': ..., plus PTX
-    counts: 'BAR' barriers, 'SHFL' warp shuffles, 'CVT' layout conversions in the TTGIR}."""
+    counts: 'BAR' barriers, 'SHFL' warp shuffles, 'CVT' layout conversions in the TTGIR, 'LOOPCVT'
+    those inside a loop}."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
@@ -137,7 +138,24 @@ def resources(compiled) -> dict[str, int]:
     usage["BAR"] = len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx))
     usage["SHFL"] = len(re.findall(r"\bshfl\.sync", ptx))
     usage["CVT"] = compiled.asm["ttgir"].count("ttg.convert_layout")
+    usage["LOOPCVT"] = loop_conversions(compiled.asm["ttgir"])
     return usage
+
+
+def loop_conversions(ttgir: str) -> int:
+    """Layout conversions (shared-memory round trips with barriers) inside any scf.for body of a
+    TTGIR module: what a sweep kernel must not have; those after the loop run once per program."""
+    depth, inside, count = 0, [], 0
+    for line in ttgir.splitlines():
+        opens = line.count("{") - line.count("}")
+        if "scf.for" in line:
+            inside.append(depth)
+        elif inside and "ttg.convert_layout" in line:
+            count += 1
+        depth += opens
+        while inside and depth <= inside[-1]:
+            inside.pop()
+    return count
 
 
 def main() -> int:
@@ -152,7 +170,7 @@ def main() -> int:
             consts = {k: v for k, v in kwargs.items()}
             print(f"{name:16s} {str(dtype)[6:]:8s} {consts} REG {usage['REG']} STACK {usage.get('STACK', 0)}"
                   f" SHARED {usage.get('SHARED', 0)} BAR {usage['BAR']} SHFL {usage['SHFL']}"
-                  f" CVT {usage['CVT']}")
+                  f" CVT {usage['CVT']} LOOPCVT {usage['LOOPCVT']}")
     return 0 if worst == 0 else 1
 
 
