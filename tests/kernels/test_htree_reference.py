@@ -279,3 +279,33 @@ def test_packed_sort_refuses_groups_the_forced_importance_cannot_beat():
     with pytest.raises(ValueError, match="group size G=H/H_kv < 1000"):
         htree_attention_ref(q, k, v, compression_rate=2, top_k=1, sort_mode="packed")
     assert htree_attention_ref(q, k, v, compression_rate=2, top_k=1, sort_mode="exact").shape == (1, 3, 1000, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_query_positions_evaluate_a_subset_exactly(monkeypatch, causal):
+    """Sampled positions (what a long-T GPU check affords) give exactly the full run's rows, lse,
+    selections and gradients (with the output gradient zero at the other rows)."""
+    monkeypatch.setattr(htree_reference, "CHUNK_ELEMENTS", 500)  # several chunks of positions
+    q, k, v = make_inputs(2, 45, 1, 2, seed=13)
+    options = dict(compression_rate=3, top_k=2, causal=causal)
+    positions = torch.tensor([0, 4, 5, 17, 26, 27, 44])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    full, full_lse = htree_attention_ref(*leaves, return_lse=True, **options)
+    part, part_lse = htree_attention_ref(*leaves, return_lse=True, query_positions=positions, **options)
+    torch.testing.assert_close(part, full[:, positions], rtol=0, atol=0)
+    torch.testing.assert_close(part_lse, full_lse[:, positions], rtol=0, atol=0)
+    do = torch.randn_like(full)
+    keep = torch.zeros(45, dtype=torch.bool)
+    keep[positions] = True
+    want = torch.autograd.grad(full, leaves, do * keep[None, :, None, None])
+    got = torch.autograd.grad(part, leaves, do[:, positions])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for layer_full, layer_part in zip(htree_selections(q, k, **options),
+                                      htree_selections(q, k, query_positions=positions, **options)):
+        if layer_full.selected is not None:
+            assert torch.equal(layer_part.selected, layer_full.selected[:, positions])
+        assert torch.equal(layer_part.candidates, layer_full.candidates[:, positions])
+    for bad, message in (([3, 3], "strictly increasing"), ([45], r"lie in \[0, 45\)"), ([], "non-empty")):
+        with pytest.raises(ValueError, match=message):
+            htree_attention_ref(q, k, v, query_positions=torch.tensor(bad, dtype=torch.long), **options)

@@ -358,6 +358,7 @@ def _htree_forward(
     fixed_selections: tuple[HTreeLayerSelection, ...] | None = None,
     record: bool = False,
     lse_out: list | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, tuple[HTreeLayerSelection, ...] | None]:
     batch, time, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -373,6 +374,7 @@ def _htree_forward(
             lse_out.append(q.new_zeros(batch, 0, heads, dtype=compute_dtype))
         return output, (HTreeLayerSelection(0, empty, empty[..., 0], None, None),) if record else None
 
+    queries = _check_query_positions(query_positions, time, device)
     layer_sizes = htree_layer_sizes(time, r, cfg.max_top_nodes)
     num_layers = len(layer_sizes)
     if fixed_selections is not None and len(fixed_selections) != num_layers:
@@ -391,14 +393,14 @@ def _htree_forward(
     # Largest per-query tensors: gathered blocks W x D, scores G x W, rotated queries top_k x G x K.
     width_max = max(widths)
     per_query = batch * kv_heads * max(width_max * max(head_dim, value_dim, group), cfg.top_k * group * head_dim)
-    chunk = max(1, min(time, CHUNK_ELEMENTS // max(per_query, 1)))
+    chunk = max(1, min(queries.numel(), CHUNK_ELEMENTS // max(per_query, 1)))
     outputs = []
     log_sums = []
     records: list[list[tuple]] = [[] for _ in range(num_layers)]
 
-    for start in range(0, time, chunk):
-        t = torch.arange(start, min(start + chunk, time), device=device)
-        q_chunk = q_grouped[:, :, start : start + t.numel()]
+    for start in range(0, queries.numel(), chunk):
+        t = queries[start : start + chunk]
+        q_chunk = q_grouped[:, :, t]
         row_shape = (batch, kv_heads, t.numel())
         run_max = torch.full((*row_shape, group), float("-inf"), dtype=compute_dtype, device=device)
         run_sum = torch.zeros((*row_shape, group), dtype=compute_dtype, device=device)
@@ -439,7 +441,7 @@ def _htree_forward(
             if layer > 0:
                 if fixed_selections is not None:
                     fixed = fixed_selections[layer].selected
-                    fixed = fixed.permute(0, 2, 1, 3)[:, :, start : start + t.numel()].to(device)
+                    fixed = fixed.permute(0, 2, 1, 3)[:, :, t.to(fixed.device)].to(device)
                     selected_positions = _positions_of_fixed(nodes, valid, fixed, layer)
                 else:
                     with torch.no_grad():
@@ -477,6 +479,23 @@ def _htree_forward(
     return output, selections
 
 
+def _check_query_positions(query_positions: torch.Tensor | None, time: int, device) -> torch.Tensor:
+    """The query positions to evaluate: all of 0..T-1, or the given ones (1-D, strictly
+    increasing, in range), so that a check at a long T costs memory in the positions it looks at."""
+    if query_positions is None:
+        return torch.arange(time, device=device)
+    positions = torch.as_tensor(query_positions, device=device)
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64) or positions.numel() == 0:
+        raise ValueError(f"query_positions: expected a non-empty 1-D integer tensor, got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= time):
+        raise ValueError(f"query_positions: values must lie in [0, {time}), got "
+                         f"[{int(positions.min())}, {int(positions.max())}]")
+    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise ValueError("query_positions: must be strictly increasing")
+    return positions.long()
+
+
 def _stack_records(layer: int, chunks: list[tuple]) -> HTreeLayerSelection:
     """Concatenate one layer's per-chunk records [B, H_kv, Tc, ...] into [B, T, H_kv, ...]."""
 
@@ -502,6 +521,7 @@ def htree_attention_ref(
     sort_mode: str = "exact",
     selections: tuple[HTreeLayerSelection, ...] | None = None,
     return_lse: bool = False,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """htree attention output [B, T, H, V]; differentiable with the selection held constant.
 
@@ -510,13 +530,18 @@ def htree_attention_ref(
     Computes in the inputs' dtype for float32/float64, in float32 for half types.
     return_lse: also return lse [B, T, H] (float32 for half inputs), the log of each output row's
     softmax normaliser over every merged candidate (differentiable too).
+    query_positions: evaluate only these query positions (1-D, strictly increasing): the output
+    is then [B, len(query_positions), H, V] (the tree is still built from every key, and
+    `selections`, if given, still cover all T positions). Memory and time scale with the
+    positions evaluated, so long sequences can be checked at sampled positions.
     """
     cfg = resolve_htree_config(
         q, k, v, compression_rate=compression_rate, top_k=top_k, max_top_nodes=max_top_nodes,
         scale=scale, rope_base=rope_base, causal=causal, sort_mode=sort_mode,
     )
     lse: list = []
-    output, _ = _htree_forward(q, k, v, cfg, fixed_selections=selections, lse_out=lse if return_lse else None)
+    output, _ = _htree_forward(q, k, v, cfg, fixed_selections=selections, lse_out=lse if return_lse else None,
+                               query_positions=query_positions)
     return (output, lse[0]) if return_lse else output
 
 
@@ -531,12 +556,14 @@ def htree_selections(
     rope_base: float = 10000.0,
     causal: bool = False,
     sort_mode: str = "exact",
+    query_positions: torch.Tensor | None = None,
 ) -> tuple[HTreeLayerSelection, ...]:
-    """Per-layer candidates and selections, indexed by layer (0 = tokens, last = top)."""
+    """Per-layer candidates and selections, indexed by layer (0 = tokens, last = top); with
+    query_positions, of those positions only (their T dimension has len(query_positions))."""
     cfg = resolve_htree_config(
         q, k, None, compression_rate=compression_rate, top_k=top_k, max_top_nodes=max_top_nodes,
         scale=scale, rope_base=rope_base, causal=causal, sort_mode=sort_mode,
     )
     with torch.no_grad():
-        _, selections = _htree_forward(q, k, None, cfg, record=True)
+        _, selections = _htree_forward(q, k, None, cfg, record=True, query_positions=query_positions)
     return selections
