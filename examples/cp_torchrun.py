@@ -1,10 +1,13 @@
 """Context parallelism for Gated DeltaNet: every rank holds a slice of the tokens of a packed batch.
 
-    torchrun --nproc-per-node 2 examples/cp_torchrun.py      # GPUs: NCCL; CPU: gloo
+    torchrun --nproc-per-node 2 examples/cp_torchrun.py      # one GPU per rank: NCCL
+    python examples/cp_torchrun.py                           # launches itself with 2 ranks
 
-On CPU the Triton kernels need TRITON_INTERPRET=1 before Python starts (without it the ops run the
-plain-PyTorch reference, which also works). Started without torchrun, the script launches itself
-under torchrun with two processes. Rank 0 checks the CP result against one process on all tokens.
+With a GPU for every rank the ranks use NCCL, one GPU each. With fewer GPUs than ranks (one GPU, or
+none) the ranks run on the CPU with gloo, and the script says so: NCCL cannot put two ranks on one
+GPU. On the CPU the Triton kernels need TRITON_INTERPRET=1 before Python starts (the self-launch
+sets it; without it the ops run the plain-PyTorch reference, which also works). Rank 0 checks the
+CP result against one process on all tokens.
 """
 import os
 import subprocess
@@ -17,10 +20,21 @@ import hccompile
 from hccompile.distributed import build_cp_context, context_parallel
 
 
+RANKS = 2
+
+
+def ranks_get_gpus(world_size: int) -> bool:
+    """NCCL needs a GPU of its own for every rank."""
+    return torch.cuda.device_count() >= world_size
+
+
 def main() -> None:
-    cuda = torch.cuda.is_available()
+    cuda = ranks_get_gpus(int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
+    if rank == 0:
+        print(f"{dist.get_world_size()} ranks on " + ("GPUs (NCCL)" if cuda else
+              f"the CPU (gloo; {torch.cuda.device_count()} GPU(s) for {dist.get_world_size()} ranks)"), flush=True)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -70,7 +84,7 @@ if __name__ == "__main__":
         main()
     else:
         env = dict(os.environ)
-        if not torch.cuda.is_available():
+        if not ranks_get_gpus(RANKS):
             env.setdefault("TRITON_INTERPRET", "1")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__],
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), __file__],
                        env=env, check=True)
