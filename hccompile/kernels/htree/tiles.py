@@ -384,6 +384,13 @@ if triton is not None:
         tl.debug_barrier()
         select_top_k(n, is_top, top_k, keys_ptr, flags_ptr, parents_ptr, next_parents_ptr, r,
                      record_ptr, RECORD, SELECT_PAD, RANK_SELECT)
+        # The flags and the next parents are read next by other threads: the merge of this layer
+        # reads the flags, and the layer below (the token layer has no select_layer, hence no
+        # leading barrier) reads the parents. Without this barrier a thread could read the
+        # previous item's rows, or at a program's first item uninitialised scratch, as node
+        # indices: the illegal memory accesses seen on the H100 (compute-sanitizer: out-of-bounds
+        # reads in _htree_forward_kernel under opcheck).
+        tl.debug_barrier()
         tl.debug_barrier()
 
 else:
