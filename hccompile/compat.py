@@ -94,3 +94,10 @@ def all_gather_single(output, input, group=None, async_op: bool = False):
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
+
+
+def has_inductor_option(name: str) -> bool:
+    """Whether this torch's Inductor config has `name` (options come and go between versions)."""
+    from torch._inductor import config as inductor_config
+
+    return hasattr(inductor_config, name)

@@ -348,22 +348,43 @@ def test_inductor_with_dropout_and_block_recompute_equals_unfused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["bsnc", "sbnc", "folded"])
-def test_gpu_bf16_model_fused_equals_unfused(layout):
+def test_gpu_bf16_model_fused_as_accurate_as_unfused(layout):
+    """bf16 on CUDA, fused kernels against Inductor's unfused code, each measured against the
+    float64 eager model: the fused kernels must be as accurate, gradient by gradient.
+
+    Two bf16 runs are not compared with each other: some gradients (the pre-mapping biases, whose
+    per-token terms cancel) are smaller than either run's own rounding error, and the two errors
+    differ by chance (measured on the H100: layer 3's bias_pre has norm 0.077 against float64,
+    the unfused run errs by 0.11 and the fused by 0.12; in another layout the unfused run errs by
+    1.0e-4 of the largest gradient). Hence the floor of 1e-4 of the largest gradient."""
     torch.manual_seed(0)
-    m = MHCGPT(256, 4, 2, n=4, layout=layout, sinkhorn_iters=20, dropout=0.1,
-               contract="sum" if layout == "folded" else "mean").cuda().bfloat16()
-    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    results = []
-    for options in ({}, {"disable_passes": ("hc_fuse",)}):
+    m = MHCGPT(256, 4, 2, n=4, layout=layout, sinkhorn_iters=20, dropout=0.0,
+               contract="sum" if layout == "folded" else "mean").cuda().double()
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.float64)
+    w = torch.randn(2, 512, 256, device="cuda", dtype=torch.float64,
+                    generator=torch.Generator("cuda").manual_seed(7))
+
+    def out_and_grads(model, inputs, backend=None):
+        inputs = inputs.detach().requires_grad_()
+        out = (torch.compile(model, backend=backend) if backend else model)(inputs)
+        return out.detach(), torch.autograd.grad((out.double() * w).sum(), [inputs] + list(model.parameters()))
+
+    out_ref, g_ref = out_and_grads(m, x)
+    m = m.bfloat16()
+    results = {}
+    for name, options in (("fused", {}), ("unfused", {"disable_passes": ("hc_fuse",)})):
         torch._dynamo.reset()
         be = Collect(**options)
-        cm = torch.compile(m, backend=be)
-        torch.manual_seed(1)
-        out = cm(x)
-        w = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
-        grads = torch.autograd.grad((out.float() * w).sum(), [x] + list(m.parameters()))
-        results.append((out.detach(), grads, be))
-    (out_f, g_f, be_f), (out_u, g_u, _) = results
+        results[name] = (*out_and_grads(m, x.bfloat16(), be), be)
+    (out_f, g_f, be_f), (out_u, g_u, _) = results["fused"], results["unfused"]
     assert len([mm for mm in be_f.matches if mm["pattern"] == "mhc_mapping"]) == 4
-    assert_close([out_f], [out_u], 2e-2, "out")
-    assert_close(g_f, g_u, 5e-2, "grad")
+
+    def err(a, b):
+        assert torch.isfinite(a).all()
+        return (a.double() - b).norm().item()
+
+    assert err(out_f, out_ref) <= 1.5 * err(out_u, out_ref)
+    scale = max(g.norm().item() for g in g_ref)
+    for i, (f, u, r) in enumerate(zip(g_f, g_u, g_ref)):
+        assert err(f, r) <= 2 * err(u, r) + 1e-4 * scale, \
+            f"grad[{i}]: fused error {err(f, r):.3g}, unfused {err(u, r):.3g}, norm {r.norm().item():.3g}"

@@ -38,6 +38,8 @@ class GraphReport:
     recompute_plan: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     saved_bytes: dict[str, Any] = dataclasses.field(default_factory=dict)  # from the forward graph
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Inductor settings hc chose for this graph, each with its reason (the user's own win)
+    inductor_settings: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
     dump_dir: str | None = None
 
     def add_time(self, stage: str, seconds: float) -> None:
@@ -62,6 +64,8 @@ class GraphReport:
             "lowered_ops": self.lowered_ops,
             "passes": [dataclasses.asdict(p) for p in self.passes],
             "config": _jsonable(self.config),
+            "inductor_settings": {k: {"value": _jsonable(v), "reason": why}
+                                  for k, (v, why) in self.inductor_settings.items()},
         }
 
     def summary_line(self) -> str:
@@ -104,6 +108,10 @@ class GraphReport:
             for b in self.recompute_plan:
                 out.append(f"| {b['block']} | {b['layers']} | {', '.join(b['saved'])} | "
                            f"{b['recomputed_nodes']} |")
+        if self.inductor_settings:
+            out += ["", "## Inductor settings hc chose", ""]
+            for key, (value, why) in self.inductor_settings.items():
+                out.append(f"- `{key}={value!r}`: {why}")
         if self.saved_bytes:
             sb = self.saved_bytes
             out += ["", f"Saved for backward (forward graph): {sb['bytes'] / 2**20:.2f} MiB in "
