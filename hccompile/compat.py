@@ -1,4 +1,4 @@
-"""Every difference between the torch versions we support (2.11 and 2.13) lives here."""
+"""Every difference between the torch versions we support (2.11, 2.13 and 2.15) lives here."""
 from __future__ import annotations
 
 import contextlib
@@ -41,6 +41,32 @@ def size_hint(value: Any) -> int:
 
 def concrete_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(size_hint(s) for s in t.shape)
+
+
+# --- tensor view attributes in Dynamo graphs ---
+# `x.T`, `x.mT`, `x.H`, `x.mH`: Dynamo on torch 2.11 and 2.13 records `getattr(x, "mT")`; on 2.15 it
+# records a call to the aten op behind the attribute's C++ getter, `torch.ops.aten.mT(x)`
+# (torch/_dynamo/variables/tensor.py, _VIEW_ATTR_TO_ATEN_OP). Both spellings are recognised on every
+# version (the aten ops exist on all of them), so passes ask here instead of testing for getattr.
+_VIEW_ATTR_OPS: dict[Any, str] = {}
+for _attr, _op in (("T", "numpy_T"), ("mT", "mT"), ("H", "matrix_H"), ("mH", "mH")):
+    _packet = getattr(torch.ops.aten, _op)
+    _VIEW_ATTR_OPS[_packet] = _VIEW_ATTR_OPS[_packet.default] = _attr
+del _attr, _op, _packet
+
+
+def view_attribute(node: Any) -> str | None:
+    """"T", "mT", "H" or "mH" when FX node `node` reads that view attribute of a tensor, in either
+    spelling (getattr node on 2.11/2.13, aten op on 2.15); otherwise None."""
+    if getattr(node, "op", None) != "call_function":
+        return None
+    if node.target is getattr:
+        attr = node.args[1] if len(node.args) == 2 else None
+        return attr if attr in ("T", "mT", "H", "mH") else None
+    try:
+        return _VIEW_ATTR_OPS.get(node.target)
+    except TypeError:  # an unhashable target
+        return None
 
 
 def fake_mode_of(example_inputs: Any, gm: torch.fx.GraphModule | None = None):

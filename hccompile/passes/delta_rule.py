@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..compat import concrete_shape, size_hint
+from ..compat import concrete_shape, size_hint, view_attribute
 from ..lowering.delta_rule import keeps_intermediates
 from .base import GraphPass, PassContext, register_pass
 
@@ -138,6 +138,9 @@ def _name(node: fx.Node) -> str:
     if node.op == "call_method":
         return node.target
     if node.op == "call_function":
+        attr = view_attribute(node)  # getattr(x, "mT") or, on torch 2.15, aten.mT(x)
+        if attr is not None:
+            return f"getattr.{attr}"
         target = node.target
         try:
             name = _OPERATOR_NAMES.get(target)

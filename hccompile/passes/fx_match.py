@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from ..compat import size_hint
+from ..compat import size_hint, view_attribute
 
 # canonical op name -> (call_function targets, call_method names)
 _SPELLINGS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
@@ -47,10 +47,9 @@ def kind(node: Any) -> str | None:
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_function":
-        k = _FN_TO_KIND.get(node.target)
-        if k == "getattr" and len(node.args) == 2 and node.args[1] in ("mT", "T"):
+        if view_attribute(node) in ("mT", "T"):  # getattr(x, "mT") or, on torch 2.15, aten.mT(x)
             return "mT"
-        return k
+        return _FN_TO_KIND.get(node.target)
     if node.op == "call_method":
         return _METHOD_TO_KIND.get(node.target)
     return None
