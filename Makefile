@@ -24,10 +24,13 @@ test: $(STAMP)
 # The whole suite on a CUDA machine (the device's command; not part of CI). Uses the machine's own
 # python3 (its preinstalled torch and Triton), installs this package there without dependencies (the
 # `hc` entry point), and writes benchmarks/results/gpu-suite.txt. A copied tree may have no .git:
-# pass the commit, `make test-gpu COMMIT=<sha>`. GPU_MEMORY_GIB is the bound each test must fit in.
+# pass the commit, `make test-gpu COMMIT=<sha>`. GPU_MEMORY_GIB is the bound each test must fit in
+# (14 workers x 4.75 GiB plus their CUDA contexts fit an 80 GB card). tests/gpu_durations.json (seconds
+# per test, per file, from an earlier run; refresh it from .gpu-suite/durations.json) starts the
+# slowest chunks first.
 GPU_PYTHON ?= python3
-GPU_WORKERS ?= 12
-GPU_MEMORY_GIB ?= 5.5
+GPU_WORKERS ?= 14
+GPU_MEMORY_GIB ?= 4.75
 GPU_REPORT ?= benchmarks/results/gpu-suite.txt
 GPU_TESTS ?= tests
 GPU_PYTEST_ARGS ?=
@@ -38,6 +41,7 @@ test-gpu:
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpu-memory-gib $(GPU_MEMORY_GIB) \
 		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
+		--durations tests/gpu_durations.json \
 		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS)
 
 clean:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import queue
 import subprocess
@@ -53,6 +54,15 @@ def chunk(ids: list[str], size: int) -> list[list[str]]:
         else:
             chunks.append([test_id])
     return chunks
+
+
+def longest_first(chunks: list[list[str]], seconds_per_test: dict[str, float]) -> list[list[str]]:
+    """Chunks in decreasing expected time (seconds per test of their file, from an earlier run;
+    1 s for a file without a record), so that the slowest start first and none is left alone at the
+    end (a greedy longest-processing-time schedule)."""
+    def expected(group: list[str]) -> float:
+        return len(group) * seconds_per_test.get(group[0].split("::")[0], 1.0)
+    return sorted(chunks, key=expected, reverse=True)
 
 
 def junit_key(test_id: str) -> tuple[str, str]:
@@ -99,6 +109,11 @@ class Run:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done_chunks: int = 0
+    file_seconds: dict[str, float] = field(default_factory=dict)   # wall time of each file's chunks
+    file_tests: dict[str, int] = field(default_factory=dict)
+
+    def seconds_per_test(self) -> dict[str, float]:
+        return {f: round(self.file_seconds[f] / self.file_tests[f], 2) for f in sorted(self.file_seconds)}
 
 
 def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir: Path, env: dict[str, str],
@@ -122,6 +137,7 @@ def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir:
                 log.flush()
                 command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
                            f"--junitxml={xml}", *extra, *group]
+                began = time.monotonic()
                 try:
                     code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           timeout=chunk_timeout).returncode
@@ -130,6 +146,9 @@ def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir:
                     why = f"chunk {index} did not finish in {chunk_timeout:.0f} s (see worker{slot}.log)"
                 found = read_junit(xml, group)
                 with run.lock:
+                    test_file = group[0].split("::")[0]
+                    run.file_seconds[test_file] = run.file_seconds.get(test_file, 0.0) + time.monotonic() - began
+                    run.file_tests[test_file] = run.file_tests.get(test_file, 0) + len(group)
                     for test_id in group:
                         run.outcomes[test_id] = found.get(test_id) or Outcome(test_id, "error", why)
                     run.done_chunks += 1
@@ -186,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cap each worker's CUDA allocator at this many GiB")
     parser.add_argument("--report", default=None, help="write the suite report to this file")
     parser.add_argument("--commit", default=None, help="the commit the tree holds (required with --report)")
+    parser.add_argument("--durations", default=None,
+                        help="JSON {test file: seconds per test} of an earlier run: the slowest chunks start "
+                             "first; each run writes its own to <log-dir>/durations.json")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("paths", nargs="+")
     options = parser.parse_args(argv)
@@ -203,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pytest-parallel-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     chunks = chunk(ids, options.chunk)
+    if options.durations and Path(options.durations).exists():
+        chunks = longest_first(chunks, json.loads(Path(options.durations).read_text()))
     workers = min(options.workers, len(chunks))
     print(f"{len(ids)} tests in {len(chunks)} chunks over {workers} workers; logs in {log_dir}", flush=True)
     env = dict(os.environ)
@@ -211,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     run = run_chunks(chunks, workers, extra, log_dir, env, options.chunk_timeout, len(ids))
     outcomes = [run.outcomes[i] for i in ids]
     seconds = time.monotonic() - start
+    (log_dir / "durations.json").write_text(json.dumps(run.seconds_per_test(), indent=1) + "\n")
     for o in outcomes:
         if o.status in ("failed", "error"):
             print(f"{o.status.upper()} {o.test_id} - {o.message}")

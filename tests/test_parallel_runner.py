@@ -1,9 +1,10 @@
 """tests/parallel.py, the multi-process pytest runner used on the GPU machine."""
+import json
 import subprocess
 import sys
 from pathlib import Path
 
-from parallel import chunk, junit_key
+from parallel import chunk, junit_key, longest_first
 
 RUNNER = Path(__file__).with_name("parallel.py")
 
@@ -12,6 +13,10 @@ def test_chunks_keep_one_file_and_a_size_limit():
     ids = ["a.py::t1", "a.py::t2", "a.py::t3", "b.py::t1", "c.py::K::t[x]"]
     assert chunk(ids, 2) == [["a.py::t1", "a.py::t2"], ["a.py::t3"], ["b.py::t1"], ["c.py::K::t[x]"]]
     assert junit_key("tests/kernels/test_x.py::TestA::test_b[1-2]") == ("tests.kernels.test_x.TestA", "test_b[1-2]")
+    # longest expected first: 1 x 30 s, then 2 x 5 s, then the unknown file's 3 x 1 s, then 1 x 1 s
+    groups = [["a.py::1"], ["b.py::1", "b.py::2"], ["c.py::1", "c.py::2", "c.py::3"], ["c.py::4"]]
+    assert longest_first(groups, {"a.py": 30.0, "b.py": 5.0}) == [groups[0], groups[1], groups[2], groups[3]]
+    assert longest_first(groups, {"a.py": 0.1})[0] == groups[2]
 
 
 def run_runner(tmp_path, *args):
@@ -54,6 +59,8 @@ def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
     crashed = [line for line in lines if line.startswith("ERROR") and "exited with code 3" in line]
     assert any("test_crash" in line for line in crashed), lines
     assert lines[-1].startswith("5 passed, 1 skipped, 1 failed, 2 errors in "), lines[-1]
+    durations = json.loads((tmp_path / "logs" / "durations.json").read_text())
+    assert list(durations) == ["test_sample.py"] and durations["test_sample.py"] > 0
 
     (tmp_path / "test_sample.py").write_text("def test_ok():\n    pass\n")
     result = run_runner(tmp_path, "-n", "2", "test_sample.py", "--", "-x")
