@@ -1,9 +1,11 @@
 """Block-level recompute for mHC hyper-connections (seed 000), from the layers hc_detect found.
 
-For each block of consecutive hyper-connection layers the plan keeps only the block's input stream
-and every sublayer output f; every hyper-connection intermediate (norm r, projection, H_pre, H_post,
-H_res and its Sinkhorn chain, the aggregate y, the mixed residual, the post-distribution, the
-residual adds, the streams inside the block) is rebuilt in backward. Attention and MLP (the
+For each block of consecutive hyper-connection layers the plan keeps only the block's input stream,
+every sublayer output f and the per-token values the stream is reduced to for the mappings (the
+projection and the norm r: n²+2n+1 values per token, see mapping_inputs); every other
+hyper-connection intermediate (H_pre, H_post, H_res and its Sinkhorn chain, the aggregate y, the
+mixed residual, the post-distribution, the residual adds, the streams inside the block) is rebuilt
+in backward. Attention and MLP (the
 sublayers) are never recomputed.
 
 Mechanism: Dynamo-graph nodes are tagged `meta["recompute"] = MUST_RECOMPUTE` with one
@@ -25,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..compat import size_hint
 from . import fx_match as M
 from .base import GraphPass, PassContext, register_pass
 from .hc_detect import HCLayer, chain_layers, current_layers, view_root
@@ -65,6 +68,43 @@ def sublayer_interior(layer: HCLayer) -> set[fx.Node]:
     return (_forward_closure(layer.aggregate) & _backward_closure(layer.f)) - {layer.aggregate, layer.f}
 
 
+def _numel(node: fx.Node) -> int | None:
+    t = M.example(node)
+    return size_hint(t.numel()) if isinstance(t, torch.Tensor) else None
+
+
+def mapping_inputs(layer: HCLayer, region: set[fx.Node]) -> set[fx.Node]:
+    """Where the stream is reduced to per-token values on its way to the mappings: the
+    projection (n²+2n values per token) and the stream's norm. These are kept, not rebuilt.
+
+    They cost a few bytes per token (4·C·n bytes would be the stream), and a reduction or a
+    matmul rebuilt in backward may land in a kernel that sums in another order than the
+    forward's, which changes the gradients' last bits: measured on the H100, bf16 block
+    recompute of the folded layout changed 39 of 42 gradients. Everything after them (the
+    mappings, Sinkhorn, the aggregate, the post-distribution, the residual adds) is pointwise or
+    one of the fused ops, and is rebuilt bit for bit."""
+    y, h_res = M.example(layer.aggregate), M.example(layer.h_res)
+    if not isinstance(y, torch.Tensor) or not isinstance(h_res, torch.Tensor) or y.dim() == 0:
+        return set()
+    n = size_hint(h_res.shape[-1])
+    limit = size_hint(y.numel()) // max(size_hint(y.shape[-1]), 1) * (n * n + 2 * n + 1)
+
+    def small(node: fx.Node) -> bool:
+        numel = _numel(node)
+        return numel is not None and numel <= limit
+
+    def large(node: fx.Node) -> bool:
+        numel = _numel(node)
+        return numel is not None and numel > limit
+
+    ancestors = set()
+    for h in (layer.h_pre, layer.h_post, layer.h_res):
+        ancestors |= _backward_closure(h)
+    return {node for node in ancestors & region
+            if node.op in ("call_function", "call_method") and small(node)
+            and any(large(a) for a in node.all_input_nodes)}
+
+
 def plan_blocks(seq: list[HCLayer], mode: str, block: int | None) -> list[list[HCLayer]]:
     n = M.example(seq[0].h_res).shape[-1] if M.example(seq[0].h_res) is not None else 4
     size = 1 if mode == "layer" else (block or default_block_length(int(n), len(seq)))
@@ -92,7 +132,9 @@ class HCRecomputePass(GraphPass):
                 start, end = view_root(blk[0].x), blk[-1].x_out
                 region = (_forward_closure(start) & _backward_closure(end)) - {start}
                 keep: set[fx.Node] = set()
+                kept_per_token: set[fx.Node] = set()
                 for layer in blk:
+                    kept_per_token |= mapping_inputs(layer, region)
                     interior = sublayer_interior(layer)
                     keep |= interior | {layer.f}
                     if cfg.hc_recompute_include_norm:
@@ -101,6 +143,7 @@ class HCRecomputePass(GraphPass):
                         keep -= set(first)
                     if not cfg.hc_recompute_include_bda and layer is not blk[-1]:
                         keep.add(layer.x_out)
+                keep |= kept_per_token
                 recomputed = []
                 for n in region - keep:
                     if n.op in ("placeholder", "get_attr", "output") or M.is_impure(n):
@@ -108,6 +151,9 @@ class HCRecomputePass(GraphPass):
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                     n.meta["ac_graph_id"] = next_id
                     recomputed.append(n)
+                for n in kept_per_token:
+                    n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                    n.meta["ac_graph_id"] = next_id
                 for layer in blk:
                     layer.f.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                     layer.f.meta["ac_graph_id"] = next_id
@@ -116,6 +162,7 @@ class HCRecomputePass(GraphPass):
                         layer.x_out.meta["ac_graph_id"] = next_id
                 plan.append({"block": next_id, "layers": [l.index for l in blk],
                              "saved": [start.name] + [l.f.name for l in blk],
+                             "kept_per_token": sorted(n.name for n in kept_per_token),
                              "recomputed_nodes": len(recomputed)})
                 record.match("hc_block_recompute", node=end.name, block=next_id,
                              layers=[l.index for l in blk], input=start.name,
