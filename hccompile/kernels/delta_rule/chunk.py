@@ -161,9 +161,14 @@ if triton is not None:
 
     @triton.jit
     def _load_vector(ptr, row, cols, stride_row, stride_col, valid, n_cols):
-        """ptr[row, cols] as an fp32 vector, zero unless `valid`."""
+        """ptr[row, cols] as an fp32 vector, zero unless `valid` (a scalar).
+
+        The mask is one block comparison against a column count that is 0 when the row is not
+        valid (cols >= 0), not `valid & (cols < n_cols)`: a scalar condition joined to a block
+        mask is splat into it, and Triton's interpreter gives that splat the compared operands'
+        integer dtype instead of int1 (a mask Triton 3.9's interpreter rejects)."""
         ptrs = ptr + row.to(tl.int64) * stride_row + cols * stride_col
-        return tl.load(ptrs, mask=valid & (cols < n_cols), other=0.0).to(tl.float32)
+        return tl.load(ptrs, mask=cols < tl.where(valid, n_cols, 0), other=0.0).to(tl.float32)
 
     @triton.jit
     def _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows, row_valid, g_rows, stride_kt, stride_kk,
@@ -353,7 +358,8 @@ if triton is not None:
         t = first + r
         row_valid = t < length
         token = start + t
-        l_row = tl.load(kdot_ptr + token * row_stride + first + sub, mask=row_valid & (sub < r), other=0.0)
+        # Columns j < r of a valid row: one block comparison (see _load_vector), no scalar splat.
+        l_row = tl.load(kdot_ptr + token * row_stride + first + sub, mask=sub < tl.where(row_valid, r, 0), other=0.0)
         beta_t = tl.load(beta_ptr + token * stride_bt, mask=row_valid, other=0.0).to(tl.float32)
         new_row = -beta_t * tl.sum(l_row[:, None] * inverse, axis=0)
         return tl.where(sub[:, None] == r, inverse + new_row[None, :], inverse)

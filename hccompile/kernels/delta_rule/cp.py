@@ -136,6 +136,10 @@ if triton is not None:
         is_value = tile < V_TILES
         cols = tl.where(is_value, tile, tile - V_TILES) * BC + tl.arange(0, BC)
         width = tl.where(is_value, V, K)
+        # Value columns read: V in H's tiles, none in M's (U~ = 0). A column count rather than
+        # `& is_value` on the masks: that would splat a scalar condition into a block mask, which
+        # Triton's interpreter types as an integer (Triton 3.9's rejects such masks).
+        value_width = tl.where(is_value, V, 0)
         kc = tl.arange(0, BKF)
         local = tl.arange(0, BT)
         identity = tl.where((kc[:, None] == cols[None, :]) & (kc[:, None] < K), 1.0, 0.0)
@@ -146,7 +150,7 @@ if triton is not None:
             tokens = start + local
             valid = local < length
             w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
-            u = _load_rows(u_tilde_ptr, tokens, cols, HV * V, 1, valid & is_value, V)
+            u = _load_rows(u_tilde_ptr, tokens, cols, HV * V, 1, valid, value_width)
             u -= _dot(w, state, dot_dtype, DOT_PRECISION)
             if GATE != 0:
                 k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
@@ -205,20 +209,23 @@ if triton is not None:
         is_value = tile < V_TILES
         cols = tl.where(is_value, tile, tile - V_TILES) * BC + tl.arange(0, BC)
         width = tl.where(is_value, V, K)
+        # Value columns read: V in dH's tiles, none in M^T's (dO = 0, no dht); a column count, as
+        # in _summary_forward_kernel.
+        value_width = tl.where(is_value, V, 0)
         kc = tl.arange(0, BKF)
         local = tl.arange(0, BT)
         identity = tl.where((kc[:, None] == cols[None, :]) & (kc[:, None] < K), 1.0, 0.0)
         dstate = tl.where(is_value, 0.0, identity)
         if HAS_FINAL_STATE_GRAD:
             dstate += _load_rows(dht_ptr + segment * stride_dhtn + head * stride_dhth, kc, cols, stride_dhtk,
-                                 stride_dhtv, (kc < K) & is_value, V)
+                                 stride_dhtv, kc < K, value_width)
         num_chunks = tl.cdiv(eos - bos, BT)
         for step in range(0, num_chunks):
             start = bos + (num_chunks - 1 - step) * BT
             length = tl.minimum(eos - start, BT)
             tokens = start + local
             valid = local < length
-            do_tile = _load_stored_rows(do_ptr, tokens, cols, stride_dot, stride_dov, valid & is_value, V)
+            do_tile = _load_stored_rows(do_ptr, tokens, cols, stride_dot, stride_dov, valid, value_width)
             scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
             scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
             du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)

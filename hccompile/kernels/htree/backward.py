@@ -51,7 +51,10 @@ if triton is not None:
                 p0, n, is_top, parents_ptr, r, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
                 pooled_offset, cos_ptr, sin_ptr, cols_k, KH, BLOCK_C, DOT_DTYPE)
             scores = tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION, UPCAST_OPERANDS)
-            selected = tl.load(flags_ptr + positions, mask=valid & (layer > 0), other=0)
+            # Token layer: no selection. Above it, the flags of the candidates (positions < n), masked
+            # by one block comparison: `valid & (layer > 0)` would splat a scalar condition into the
+            # mask, which Triton's interpreter types as an integer (Triton 3.9's rejects such masks).
+            selected = tl.load(flags_ptr + positions, mask=positions < tl.where(layer > 0, n, 0), other=0)
             merge = valid & (selected == 0)
             keep = row_ok[:, None] & merge[None, :]
             probs = tl.where(keep, tl.exp(tl.where(keep, scores - lse[:, None], 0.0)), 0.0)

@@ -212,7 +212,10 @@ if triton is not None:
         """
         positions = p0 + tl.arange(0, BLOCK_C)
         valid = positions < n
-        parent = tl.load(parents_ptr + positions // r, mask=valid & (is_top == 0), other=0)
+        # valid below the top layer, nothing at the top, as one block comparison: `valid & (is_top == 0)`
+        # would splat a scalar condition into the mask, which Triton's interpreter types as an integer
+        # (Triton 3.9's rejects such masks).
+        parent = tl.load(parents_ptr + positions // r, mask=positions < tl.where(is_top == 0, n, 0), other=0)
         nodes = tl.where(is_top != 0, positions, parent * r + positions % r)
         return positions, valid, nodes
 
@@ -358,7 +361,9 @@ if triton is not None:
             tie_rank = tl.cumsum(ties, axis=0) - ties
             selected = above | ((ties != 0) & (tie_rank < room))
         rank = tl.cumsum(selected.to(tl.int32), axis=0) - 1
-        parent = tl.load(parents_ptr + positions // r, mask=selected & (is_top == 0), other=0)
+        # selected below the top layer, nothing at the top (no scalar splat, as in tile_nodes).
+        below_top = positions < tl.where(is_top == 0, SELECT_PAD, 0)
+        parent = tl.load(parents_ptr + positions // r, mask=selected & below_top, other=0)
         nodes = tl.where(is_top != 0, positions, parent * r + positions % r)
         tl.store(next_parents_ptr + rank, nodes, mask=selected)
         tl.store(flags_ptr + positions, selected.to(tl.int32), mask=valid)
