@@ -2,7 +2,9 @@
 interpreter checks, and two small jit helpers."""
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 
 import torch
 
@@ -29,8 +31,37 @@ def triton_available(device: torch.device | str) -> bool:
     if device_type == "cuda":
         return True
     if device_type == "cpu":
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        return os.environ.get("TRITON_INTERPRET") == "1" and interpreter_problem() is None
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels in this environment, or None.
+
+    Every sweep kernel loops to a bound read at run time. Triton 3.6's interpreter converts such a
+    bound with int() of a 1-element array, which NumPy 2.4 made an error (triton-lang/triton#9171;
+    Triton 3.8 squeezes first): the kernels would fail deep inside Triton with "only 0-dimensional
+    arrays can be converted to Python scalars". A tiny kernel with such a loop is run once; if it
+    fails, CPU tensors use the plain-PyTorch references (the documented fallback), with one warning.
+    A kernel defined without the interpreter (TRITON_INTERPRET set too late) is require_triton's
+    case, not this one."""
+    if triton is None or not interpreted(_runtime_loop_probe):
+        return None
+    try:
+        out = torch.zeros(1, dtype=torch.int32)
+        _runtime_loop_probe[(1,)](out, 3)
+        problem = None if int(out.item()) == 3 else f"a loop of 3 steps counted {int(out.item())}"
+    except Exception as error:  # noqa: BLE001 - whatever the interpreter raises is the reason
+        problem = f"{type(error).__name__}: {error}"
+    if problem is not None:
+        import numpy
+
+        warnings.warn(
+            f"hccompile: Triton {triton.__version__}'s interpreter cannot run the kernels with NumPy "
+            f"{numpy.__version__} ({problem}); CPU tensors use the plain-PyTorch references. Triton 3.6 "
+            f"needs numpy<2.4 (triton-lang/triton#9171); Triton >= 3.8 has no such limit.", stacklevel=2)
+    return problem
 
 
 def interpreted(kernel) -> bool:
@@ -74,8 +105,16 @@ if triton is not None:
             b = b.to(tl.float32)
         return tl.dot(a, b, input_precision=DOT_PRECISION)
 
+    @triton.jit
+    def _runtime_loop_probe(out_ptr, n):
+        """Counts a loop whose bound is a run-time argument (see interpreter_problem)."""
+        count = 0
+        for _ in range(0, n):
+            count += 1
+        tl.store(out_ptr, count)
+
 else:
-    load_tile = dot = None
+    load_tile = dot = _runtime_loop_probe = None
 
 
 def compiled_resources(kernel) -> list[dict]:

@@ -17,6 +17,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: interpreter_compat
+
+import interpreter_compat  # noqa: E402
+
+interpreter_compat.apply()  # before any kernel runs (TRITON_INTERPRET=1 in every rank)
 
 import hccompile  # noqa: E402
 from hccompile.distributed import build_cp_context, context_parallel  # noqa: E402
