@@ -20,8 +20,11 @@ def check_torch_version() -> None:
 def custom_pass_hook_value(pass_obj: Any) -> Any:
     """Value for `joint_custom_pre_pass` / `post_grad_custom_pre_pass`.
 
-    2.11 takes exactly one CustomGraphPass per hook; 2.13 also accepts a list. We always install
-    one composite pass, so a single object works on both.
+    2.11 takes exactly one CustomGraphPass per hook; 2.13 and 2.15 also accept a list. We always
+    install one composite pass, so a single object works on all three. (2.15's hooks are 2.13's:
+    same torch/_inductor/custom_graph_pass.py, the passes run through get_custom_graph_passes() and
+    each CustomGraphPass's uuid() goes into the FX-graph cache key; it has no other pass-registration
+    mechanism that refuses the config hooks.)
     """
     return pass_obj
 
