@@ -79,3 +79,38 @@ def test_info_log_line_per_graph(caplog):
         torch.compile(attn, backend="hc")(*_inputs(grad=False))
     lines = [r.getMessage() for r in caplog.records if r.name == "hccompile" and r.levelno == logging.INFO]
     assert len(lines) == 1 and "matched causal_linear_attn×1" in lines[0] and "compile" in lines[0]
+
+
+def _sine(x):
+    return torch.sin(x) + 1
+
+
+def _cosine(x):
+    return torch.cos(x) * 2
+
+
+def _tanh(x):
+    return torch.tanh(x) - 1
+
+
+def _exp(x):
+    return torch.exp(x) / 3
+
+
+def test_depyf_sources_only_for_the_compile_that_asked(tmp_path):
+    """dump_dir's decompiled bytecode covers the frames compiled with that dump_dir, not every
+    later compile of the process (the bytecode hook used to stay on for all of them, even for
+    backend="inductor")."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    x = torch.randn(4)
+    torch.compile(_sine, backend="hc", options={"dump_dir": str(first)})(x)
+    torch.compile(_cosine, backend="inductor")(x)
+    torch.compile(_tanh, backend="hc")(x)
+    torch.compile(_exp, backend="hc", options={"dump_dir": str(second)})(x)
+
+    def written(root):
+        return sorted(p.name for p in (root / "depyf").iterdir())
+
+    assert written(first) == ["__original_code_0__sine.py", "__transformed_code_0_for__sine.py"]
+    assert written(second) == ["__original_code_0__exp.py", "__transformed_code_0_for__exp.py"]
+    assert len(list(first.glob("graph_*"))) == 1 and len(list(second.glob("graph_*"))) == 1

@@ -7,7 +7,8 @@ Layout: <dump_dir>/graph_<id>/ holds
   aot_<forward|backward|inference>.py the graphs AOTAutograd handed Inductor
   inductor_<...>_code.py              Inductor's generated code
   report.json, report.md
-and <dump_dir>/depyf/ holds depyf's decompiled Dynamo bytecode for each transformed frame.
+and <dump_dir>/depyf/ holds depyf's decompiled Dynamo bytecode of each frame whose graphs were compiled
+with this dump_dir (install_depyf_hook), and of no other.
 """
 from __future__ import annotations
 
@@ -56,44 +57,92 @@ class Dumper:
 
 
 _depyf_lock = threading.Lock()
-_depyf_hooks: dict[str, Any] = {}
+_depyf_handle: Any = None  # the one bytecode hook, registered on first use and never removed
+_depyf_requests: dict[Any, set[str]] = {}  # (compile id, code) -> dump roots that asked in that compile
+_depyf_counters: dict[str, int] = {}  # dump root -> files written so far (their index)
+
+
+def _current_compile(code: Any = None) -> Any:
+    """A key for the frame compile running now: Dynamo's compile id (frame id, recompile count)
+    and the frame's code object (ids restart after torch._dynamo.reset(); the pair does not repeat
+    while a request is pending), or None outside a Dynamo compile. The bytecode hook passes the
+    code it was given; the backend's call finds it on the instruction translator tracing it."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+        if compile_id is None:
+            return None
+        if code is None:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+
+            code = InstructionTranslator.current_tx().f_code
+    except (ImportError, AttributeError):  # no translator: not inside a Dynamo frame compile
+        return None
+    return compile_id, code
 
 
 def install_depyf_hook(root: str) -> bool:
-    """Write depyf's decompilation of every frame Dynamo transforms from now on (the current frame
-    included: Dynamo calls bytecode hooks after the backend returns). Returns False without depyf."""
+    """Write depyf's decompilation of the frame Dynamo is compiling now into <root>/depyf/.
+
+    Dynamo calls bytecode hooks once per frame, after the backend has returned, with the compile
+    context of that frame still current. The hook is registered once, globally, but only writes for
+    compiles that asked: this call (from the backend, for a graph of the frame) files the request
+    under the current compile's key, the hook takes it off when that frame's bytecode arrives. A
+    later compile (another frame, a recompile without dump_dir, backend="inductor") has no request
+    and is not dumped; nor is a frame from which Dynamo hands the backend no graph. Outside a
+    Dynamo compile (the backend called by hand) nothing is decompiled. Returns False without depyf."""
+    global _depyf_handle
     root = os.path.abspath(root)
     with _depyf_lock:
-        if root in _depyf_hooks:
-            return True
         try:
-            import depyf
+            import depyf  # noqa: F401
             from torch._dynamo.convert_frame import register_bytecode_hook
         except ImportError:
             log.warning("hccompile: depyf is not installed; dumps will lack decompiled sources")
             return False
-        out = os.path.join(root, "depyf")
-        os.makedirs(out, exist_ok=True)
-        counter = [0]
+        key = _current_compile()
+        if key is None:
+            return True
+        os.makedirs(os.path.join(root, "depyf"), exist_ok=True)
+        _depyf_requests.setdefault(key, set()).add(root)
+        if _depyf_handle is None:
+            _depyf_handle = register_bytecode_hook(_depyf_hook)
+        return True
 
-        def hook(old_code, new_code):
-            idx = counter[0]
-            counter[0] += 1
-            name = f"__transformed_code_{idx}_for_{old_code.co_name}.py"
-            try:
-                src = depyf.decompile(new_code)
-            except Exception as e:  # noqa: BLE001 - decompilation is advisory; never break compile
-                src = f"# depyf could not decompile {old_code.co_name}: {e}\n"
-            try:
-                orig = depyf.decompile(old_code)
-            except Exception:  # noqa: BLE001
-                orig = None
-            with open(os.path.join(out, name), "w") as f:
+
+def _depyf_hook(old_code, new_code):
+    key = _current_compile(old_code)
+    with _depyf_lock:
+        roots = _depyf_requests.pop(key, None) if key is not None else None
+        if not roots:
+            return None
+        # requests of frames whose compile failed after our backend returned never get their
+        # hook call: drop them here, so they cannot outlive their compile for long
+        _depyf_requests.clear()
+        indices = {}
+        for root in roots:
+            indices[root] = _depyf_counters.get(root, 0)
+            _depyf_counters[root] = indices[root] + 1
+    import depyf
+
+    try:
+        src = depyf.decompile(new_code)
+    except Exception as e:  # noqa: BLE001 - decompilation is advisory; never break compile
+        src = f"# depyf could not decompile {old_code.co_name}: {e}\n"
+    try:
+        orig = depyf.decompile(old_code)
+    except Exception:  # noqa: BLE001
+        orig = None
+    for root, idx in indices.items():
+        out = os.path.join(root, "depyf")
+        try:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, f"__transformed_code_{idx}_for_{old_code.co_name}.py"), "w") as f:
                 f.write(src)
             if orig:
                 with open(os.path.join(out, f"__original_code_{idx}_{old_code.co_name}.py"), "w") as f:
                     f.write(orig)
-            return None
-
-        _depyf_hooks[root] = register_bytecode_hook(hook)
-        return True
+        except OSError as e:  # a dump must never break the compile
+            log.warning("hccompile: could not write depyf sources under %s: %s", out, e)
+    return None
