@@ -287,3 +287,112 @@ def test_training_calls_keep_the_intra_chunk_matrices_for_the_backward(monkeypat
     monkeypatch.undo()
     with torch.no_grad():
         assert not lowering.keeps_intermediates(case["q"].requires_grad_())
+
+
+# ----------------------------------------------------------------------------------------
+# Gate values and the layout guard (issue 23)
+
+
+def _gdn_inputs(B=1, T=20, H=2, K=8):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    return q, k, v, F.logsigmoid(torch.randn(B, T, H, generator=gen)), torch.rand(B, T, H, generator=gen)
+
+
+def test_positive_or_non_finite_log_gates_raise_naming_g(monkeypatch):
+    """GDN/KDA log-gates must be finite and <= 0; the error names g, the first bad value and where
+    it is. Checked in the op, so also where a compiled graph calls it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the check runs before dispatch: the reference is enough
+    q, k, v, g, beta = _gdn_inputs()
+    bad = g.clone()
+    bad[0, 3, 1] = 0.5
+    with pytest.raises(ValueError, match=r"g: log-gates must be <= 0 .*got 0\.5 at index \(0, 3, 1\) \(1 of 40"):
+        chunk_gated_delta_rule(q, k, v, bad, beta)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        bad = g.clone()
+        bad[0, 7, 0] = value
+        with pytest.raises(ValueError, match=r"g: log-gates must be finite, got .* at index \(0, 7, 0\)"):
+            chunk_gated_delta_rule(q, k, v, bad, beta)
+    channel = F.logsigmoid(torch.randn(1, 20, 2, 8) + 2)
+    with pytest.raises(ValueError, match=r"g: log-gates must be <= 0 .*use_gate_in_kernel=True"):
+        chunk_kda(q, k, v, channel.abs(), beta)
+    # a gate of exactly 0 (no decay) is valid; raw activations of the in-kernel gate are unchecked
+    chunk_gated_delta_rule(q, k, v, torch.zeros_like(g), beta)
+    chunk_kda(q, k, v, torch.randn(1, 20, 2, 8).abs(), beta, A_log=torch.zeros(2), use_gate_in_kernel=True)
+
+    def f(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled(q, k, v, g, beta)
+    with pytest.raises(ValueError, match=r"g: log-gates must be <= 0"):
+        compiled(q, k, v, -g, beta)
+
+    # the op without check_gates (what the delta_rule pass emits for the user's own recurrence,
+    # whose math holds for any finite gate) runs
+    case = dict(q=q, k=k, v=v, beta=beta, g=-g, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None)
+    o, *_ = chunk_delta_rule_op(*op_args(case, "scalar", output_final_state=False))
+    ref, _ = naive_recurrent_delta_rule(q.double(), k.double(), v.double(), beta.double(), -g.double(),
+                                        gate="scalar", scale=0.3, use_qk_l2norm_in_kernel=True)
+    assert relative_rms_error(o, ref) < TOLERANCE
+
+
+def test_gate_values_on_other_devices_are_read_only_when_asked(monkeypatch):
+    """Off the CPU, reading the gates synchronises: unchecked unless HCCOMPILE_CHECK_GATES=1 (a
+    meta tensor stands in for a CUDA one: it has no values, so reading them fails)."""
+    from hccompile.lowering.delta_rule import _check_gate_values
+
+    g = torch.empty(1, 4, 2, device="meta")
+    _check_gate_values(g, "scalar", None)
+    monkeypatch.setenv("HCCOMPILE_CHECK_GATES", "1")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        _check_gate_values(g, "scalar", None)
+
+
+@pytest.mark.parametrize("swapped, blamed", [
+    (("q", "k", "v"), "q, k, v look head-first"),
+    (("beta",), "beta looks head-first"),
+    (("v",), "v looks head-first"),
+    (("k",), "k looks head-first"),
+    (("g",), "g looks head-first"),
+])
+def test_head_first_tensors_are_named(swapped, blamed, monkeypatch):
+    """A [B, H, T, D] tensor among FLA-layout ones: the shape error says which tensors look
+    head-first and how to fix them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    names = ("q", "k", "v", "g", "beta")
+    args = dict(zip(names, _gdn_inputs()))
+    for name in swapped:
+        args[name] = args[name].transpose(1, 2)
+    fix = ", ".join(f"{n}.transpose(1, 2)" for n in swapped)
+    with pytest.raises(ValueError, match=f"{blamed} .*T=20, HV=2.*Pass {fix.replace('(', '[(]').replace(')', '[)]')}$"):
+        chunk_gated_delta_rule(**args)
+
+
+def test_head_first_hint_under_torch_compile():
+    """The fake implementation (what torch.compile traces) gives the same hint."""
+    q, k, v, g, beta = _gdn_inputs()
+
+    def f(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+    with pytest.raises(Exception, match=r"q, k, v look head-first"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), g, beta)
+
+
+def test_shape_errors_without_a_layout_explanation_have_no_hint(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, g, beta = _gdn_inputs()
+    with pytest.raises(ValueError) as raised:
+        chunk_gated_delta_rule(q, k, v, g, beta[:, :5])
+    assert "head-first" not in str(raised.value)
+
+
+def test_all_head_first_with_implausible_head_count_warns(monkeypatch):
+    """Every tensor head-first gives consistent shapes; when that reading has more heads than any
+    model (and than steps), a warning says what to check."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(1, 4, 300, 8)  # 4 heads of 300 steps, passed head-first
+    with pytest.warns(UserWarning, match=r"reads as T=4 steps of H=300 heads.*transpose dims 1 and 2"):
+        chunk_gated_delta_rule(x, x, x, -torch.rand(1, 4, 300), torch.rand(1, 4, 300))

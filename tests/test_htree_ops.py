@@ -142,33 +142,41 @@ def test_compile_graph_has_our_ops():
 
 
 def _bad_calls():
+    """(call, the exception it raises, its message): a wrong dtype is a TypeError, as for the other
+    ops; a wrong shape or option value a ValueError."""
     q, k, v = make_inputs(T=8, H_kv=2, G=2)
 
     def zeros(*shape):
         return torch.zeros(*shape, device=DEVICE)
 
     return [
-        (lambda: htree_attention(q[0], k, v), r"q: expected a 4-D tensor"),
-        (lambda: htree_attention(q, k[:, :, :1].expand(-1, -1, 3, -1), v), r"k: query heads H=4 must be a multiple"),
-        (lambda: htree_attention(q, k, v[:, :5]), r"v: batch, time"),
-        (lambda: htree_attention(q[..., :7], k[..., :7], v), r"q: head dim K=7 must be even"),
-        (lambda: htree_attention(q, k.half(), v), r"k: dtype torch.float16 differs"),
-        (lambda: htree_attention(q, k, v, compression_rate=1), r"compression_rate: must be >= 2"),
-        (lambda: htree_attention(q, k, v, top_k=0), r"top_k: must be >= 1"),
-        (lambda: htree_attention(q, k, v, sort_mode="bitonic"), r"sort_mode: must be one of"),
-        (lambda: htree_attention(q, k, v, causal=1), r"causal: must be a bool"),
-        (lambda: htree_attention(q, k, v, scale=float("inf")), r"scale: must be a finite number"),
-        (lambda: htree_attention(q.int(), k.int(), v.int()), r"q: expected a floating-point tensor"),
-        (lambda: htree_attention(zeros(1, 8, 2, 300), zeros(1, 8, 2, 300), v),
+        (lambda: htree_attention(q[0], k, v), ValueError, r"q: expected a 4-D tensor"),
+        (lambda: htree_attention(q, k[:, :, :1].expand(-1, -1, 3, -1), v), ValueError,
+         r"k: query heads H=4 must be a multiple"),
+        (lambda: htree_attention(q, k, v[:, :5]), ValueError, r"v: batch, time"),
+        (lambda: htree_attention(q[..., :7], k[..., :7], v), ValueError, r"q: head dim K=7 must be even"),
+        (lambda: htree_attention(q, k.half(), v), TypeError, r"k: dtype torch.float16 differs"),
+        (lambda: htree_attention(q, k, v.double()), TypeError, r"v: dtype torch.float64 differs"),
+        (lambda: htree_attention(q, k, v, compression_rate=1), ValueError, r"compression_rate: must be >= 2"),
+        (lambda: htree_attention(q, k, v, top_k=0), ValueError, r"top_k: must be >= 1"),
+        (lambda: htree_attention(q, k, v, sort_mode="bitonic"), ValueError, r"sort_mode: must be one of"),
+        (lambda: htree_attention(q, k, v, causal=1), ValueError, r"causal: must be a bool"),
+        (lambda: htree_attention(q, k, v, scale=float("inf")), ValueError, r"scale: must be a finite number"),
+        (lambda: htree_attention(q.int(), k.int(), v.int()), TypeError, r"q: expected a floating-point tensor"),
+        (lambda: htree_attention(q, k, v.int()), TypeError, r"v: expected a floating-point tensor"),
+        (lambda: htree_attention_op(q, k.half(), v, 2, 2, 4, 0.5, 1e4, False, "exact"), TypeError,
+         r"k: dtype torch.float16 differs"),
+        (lambda: htree_attention(zeros(1, 8, 2, 300), zeros(1, 8, 2, 300), v), ValueError,
          r"head dim 300 exceeds the supported maximum 256"),
         (lambda: htree_attention_backward_op(q, k, v, zeros(1, 8, 4, 3), zeros(1, 8, 4), zeros(1, 8, 4, 3), None,
-                                             2, 2, 4, 0.5, 1e4, False, "exact"),
+                                             2, 2, 4, 0.5, 1e4, False, "exact"), ValueError,
          r"o: shape \(1, 8, 4, 3\) differs from the expected \(1, 8, 4, 8\)"),
     ]
 
 
 @pytest.mark.parametrize("index", range(len(_bad_calls())))
 def test_bad_inputs_raise_clear_errors(index):
-    call, message = _bad_calls()[index]
-    with pytest.raises((ValueError, TypeError), match=message):
+    call, error, message = _bad_calls()[index]
+    with pytest.raises(error, match=message) as raised:
         call()
+    assert type(raised.value) is error

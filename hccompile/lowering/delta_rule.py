@@ -19,6 +19,12 @@ Custom ops cannot return None, so: the forward op's `final_state` is a zero-size
 dtype) for every gradient whose input is absent. The public functions turn both back into None.
 The final state is float32 (float64 when q is float64), as FLA's.
 
+The public functions' log-gates must be finite and <= 0 (the state decays by exp(g) <= 1 per
+step): the forward op, called by them with check_gates=True, raises a ValueError naming g
+otherwise, for CPU tensors always and for CUDA tensors only with HCCOMPILE_CHECK_GATES=1 (reading
+the values synchronises the GPU). Tensors in the head-first
+layout [B, H, T, D] among FLA-layout ones make the shape error name them (see _layout_hint).
+
 On CUDA, and on CPU under TRITON_INTERPRET=1, the ops run our Triton kernels
 (kernels/delta_rule/chunk.py) when every floating input is float16, bfloat16 or float32; otherwise
 (CPU without the interpreter, or any float64 input) they run the chunked plain-PyTorch reference,
@@ -41,6 +47,8 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -83,6 +91,11 @@ def _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_
     """The shape contract of check_delta_rule_inputs without reading cu_seqlens values or turning a
     size into a Python int: safe on fake tensors with symbolic sizes (it only adds equality guards).
     The real ops run the kernel package's full check as well."""
+    with _layout_hints(q, k, v, beta, g):
+        _check_shapes(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, do, dht)
+
+
+def _check_shapes(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, do, dht) -> None:
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _require(name, tensor, 4, "[batch, time, heads, head_dim]")
     _require("beta", beta, 3, "[batch, time, value_heads]")
@@ -162,6 +175,110 @@ def _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size) 
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
 
 
+# Layout guard. These ops take FLA's layout, time before heads ([B, T, H, D]); attention code
+# written for F.scaled_dot_product_attention keeps heads before time ([B, H, T, D]). Passing such
+# q, k, v with FLA-layout beta and g gives a shape error, which _layout_hints completes with the
+# likely mistake. When every tensor is head-first the shapes agree and only a heuristic can tell:
+# the public functions warn when the "heads" axis is longer than the "time" axis and longer than
+# any model's head count (_PLAUSIBLE_HEADS).
+_PLAUSIBLE_HEADS = 128
+
+
+def _layout_hint(q, k, v, beta, g) -> str | None:
+    """The sentence naming the tensors whose dims 1 and 2 look swapped (heads before time), when
+    that swap is what makes the shapes disagree; None when the shapes cannot be explained so. The
+    time length is taken from beta, or from beta with its own dims swapped; of the readings that
+    explain every shape, the one with the longer time wins (sequences are longer than head counts).
+    Runs on the error path only: it compares sizes, which adds guards on symbolic ones."""
+    named = [("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)]
+    if g is not None:
+        named.append(("g", g, None))
+    for _, tensor, dim in named:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 3 or (dim is not None and tensor.dim() != dim):
+            return None
+
+    def reads(name, tensor, time, heads, flipped):
+        steps, count = (tensor.shape[2], tensor.shape[1]) if flipped else (tensor.shape[1], tensor.shape[2])
+        if name in ("q", "k"):  # H key heads, a divisor of the HV value heads
+            return steps == time and count > 0 and heads % count == 0
+        return steps == time and count == heads
+
+    explained = []
+    for time, heads in ((beta.shape[1], beta.shape[2]), (beta.shape[2], beta.shape[1])):
+        swapped = []
+        for name, tensor, _ in named:
+            if reads(name, tensor, time, heads, flipped=False):
+                continue
+            if not reads(name, tensor, time, heads, flipped=True):
+                break
+            swapped.append(name)
+        else:
+            if not swapped:
+                return None  # the shapes agree on the layout: the error is something else
+            explained.append((time, heads, swapped))
+    if not explained:
+        return None
+    time, heads, swapped = max(explained, key=lambda e: e[0])
+    others = [name for name, _, _ in named if name not in swapped]
+    names = ", ".join(swapped)
+    return (f"{names} {'looks' if len(swapped) == 1 else 'look'} head-first [B, H, T, ...] (heads before "
+            f"time, as for scaled_dot_product_attention) while {', '.join(others)} "
+            f"{'is' if len(others) == 1 else 'are'} time-first (T={time}, HV={heads}); these ops take FLA's "
+            f"layout, time before heads: q, k [B, T, H, K], v [B, T, HV, V], beta [B, T, HV], g [B, T, HV] "
+            f"or [B, T, HV, K]. Pass {', '.join(f'{n}.transpose(1, 2)' for n in swapped)}")
+
+
+@contextlib.contextmanager
+def _layout_hints(q, k, v, beta, g):
+    """Completes a shape error with _layout_hint's sentence when it applies."""
+    try:
+        yield
+    except ValueError as error:
+        hint = _layout_hint(q, k, v, beta, g)
+        if hint is None:
+            raise
+        raise ValueError(f"{error}. {hint}") from None
+
+
+def _warn_if_head_first(q: Tensor, cu_seqlens: Tensor | None) -> None:
+    """Every tensor head-first gives consistent shapes; warn when the reading is implausible."""
+    if cu_seqlens is None and q.dim() == 4 and q.shape[1] < q.shape[2] and q.shape[2] > _PLAUSIBLE_HEADS:
+        warnings.warn(
+            f"q: shape {tuple(q.shape)} reads as T={q.shape[1]} steps of H={q.shape[2]} heads; if it is "
+            f"[B, H, T, K] (heads before time), transpose dims 1 and 2 of q, k, v, beta and g: these ops "
+            f"take FLA's layout [B, T, H, K]", stacklevel=4)
+
+
+# Gate values. A log-gate g > 0 makes the state grow by exp(g) > 1 per step, which no GDN/KDA
+# parameterisation produces (logsigmoid, -exp(A_log) * softplus(...)) and which the chunked
+# kernels, built on exp of cumulative gate differences, do not support; a NaN or infinite gate
+# poisons the whole chunk. Reading the values needs them on the host: free on the CPU, a
+# synchronisation on a GPU. So, as lightning_attn does for its decay, CPU gates are always checked
+# and CUDA gates only with HCCOMPILE_CHECK_GATES=1 (read at every call). The check belongs to the
+# FLA-style public functions (the op's check_gates=True, also under torch.compile, where the op
+# checks at run time): the delta_rule pass lowers the user's own recurrence, whose gate may be any
+# finite tensor (the op's math holds for it), so the op it emits does not check.
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _check_gate_values(g: Tensor | None, gate: str, A_log: Tensor | None) -> None:
+    """Raise ValueError naming g when a log-gate is positive or not finite (CPU always; CUDA with
+    HCCOMPILE_CHECK_GATES=1). The in-kernel gate (A_log given) takes raw activations: unchecked."""
+    if g is None or gate == "none" or A_log is not None or not isinstance(g, torch.Tensor):
+        return
+    if g.device.type != "cpu" and os.environ.get("HCCOMPILE_CHECK_GATES", "0").lower() not in _TRUE:
+        return
+    g = g.detach()
+    for bad, what in ((~torch.isfinite(g), "must be finite"), (g > 0, "must be <= 0 (log-decays: exp(g) <= 1)")):
+        if bad.any():
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"g: log-gates {what}, got {g[index].item():g} at index {index} ({int(bad.sum())} of "
+                f"{g.numel()} values); gates are usually logsigmoid(x) or -exp(A_log) * softplus(x + dt_bias)"
+                + ("; chunk_kda computes the latter from raw g with use_gate_in_kernel=True" if gate == "channel"
+                   else ""))
+
+
 def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Tensor | None):
     # N from the shape of cu_seqlens, never from its values: valid for fake tensors.
     num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -206,12 +323,16 @@ def chunk_delta_rule_op(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, gate: str, scale: float,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
-    save_intermediates: bool = False,
+    save_intermediates: bool = False, check_gates: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, final state, kdot, scores, inverse). With save_intermediates the last three are the
     kernels' intra-chunk matrices, fp32 [B, T, HV, chunk_size], kept for the backward so that it
     does not recompute them (zeros where the reference or CP path ran: their backwards recompute);
-    without, zero-size placeholders."""
+    without, zero-size placeholders. check_gates: raise unless the log-gates are finite and <= 0
+    (_check_gate_values); the public functions ask for it, the delta_rule pass does not (the math
+    it lowers is the user's own, any finite gate included)."""
+    if check_gates:
+        _check_gate_values(g, gate, A_log)
     # Context parallelism (hccompile.distributed.context_parallel) when a CP context is active.
     parallel = _context_parallel.forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
                                          output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
@@ -249,7 +370,7 @@ def _kept_placeholders(q: Tensor, v: Tensor, chunk_size: int, save_intermediates
 @chunk_delta_rule_op.register_fake
 def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
                            output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size,
-                           save_intermediates=False):
+                           save_intermediates=False, check_gates=False):
     _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound)
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     batch, time, value_heads, value_dim = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
@@ -343,7 +464,7 @@ def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens,
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale, output_final_state,
-     use_qk_l2norm_in_kernel, lower_bound, chunk_size, *save_intermediates) = inputs
+     use_qk_l2norm_in_kernel, lower_bound, chunk_size, *_flags) = inputs  # save_intermediates, check_gates
     # The backward recomputes the forward's intermediates from its inputs, except the intra-chunk
     # matrices the forward kept (save_intermediates): those are saved as they are.
     kept = output[2:]
@@ -370,7 +491,7 @@ def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None, *kept_grads):
         None if x is None else grad for x, grad in zip((q, k, v, beta, g, initial_state, A_log, dt_bias), grads)
     )
     # Order of the op's arguments; cu_seqlens and the non-tensor options get None.
-    return dq, dk, dv, dbeta, dg, dh0, None, dA_log, ddt_bias, None, None, None, None, None, None, None
+    return dq, dk, dv, dbeta, dg, dh0, None, dA_log, ddt_bias, None, None, None, None, None, None, None, None
 
 
 chunk_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
@@ -385,15 +506,17 @@ def _run(q, k, v, beta, g, gate, scale, initial_state, output_final_state, cu_se
     if not torch.compiler.is_compiling():
         # The kernel package's full check (it reads cu_seqlens, so eager only); under torch.compile
         # the fake runs the trace-safe subset, and the real op the full check at run time.
-        check_delta_rule_inputs(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound)
+        with _layout_hints(q, k, v, beta, g):
+            check_delta_rule_inputs(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound)
         _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+        _warn_if_head_first(q, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o, final_state, *_ = chunk_delta_rule_op(
         q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, float(scale),
         bool(output_final_state), bool(use_qk_l2norm_in_kernel),
         None if lower_bound is None else float(lower_bound), int(chunk_size),
-        keeps_intermediates(q, k, v, beta, g, initial_state, A_log, dt_bias),
+        keeps_intermediates(q, k, v, beta, g, initial_state, A_log, dt_bias), True,
     )
     return o, (final_state if output_final_state else None)
 
@@ -430,7 +553,8 @@ def chunk_gated_delta_rule(
     cu_seqlens: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Gated DeltaNet: the delta rule with a scalar log-decay per token and value head, g [B, T, HV]
-    (natural log, <= 0), applied to the state before the delta correction as in FLA.
+    (natural log, finite and <= 0: a ValueError otherwise, checked for CPU tensors, and for CUDA
+    ones with HCCOMPILE_CHECK_GATES=1), applied to the state before the delta correction as in FLA.
 
     Arguments and results as chunk_delta_rule; also differentiable in g. The arguments after
     output_final_state are keyword-only because FLA's releases order them differently.
@@ -445,7 +569,8 @@ def chunk_kda(
     cu_seqlens: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False, A_log: Tensor | None = None,
     dt_bias: Tensor | None = None, lower_bound: float | None = None, use_gate_in_kernel: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Kimi Delta Attention: the delta rule with a per-channel log-decay g [B, T, HV, K].
+    """Kimi Delta Attention: the delta rule with a per-channel log-decay g [B, T, HV, K] (finite and
+    <= 0, checked as for chunk_gated_delta_rule).
 
     With use_gate_in_kernel=True, g holds raw activations and the log-decay is computed in the
     kernel (FLA's names; there A_log and dt_bias travel in **kwargs):

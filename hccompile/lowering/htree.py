@@ -65,9 +65,22 @@ DEFAULT_TOP_K = 64
 def _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode) -> HTreeConfig:
     """The reference's validation (argument names and limits in every message). Reads shapes only,
     so it also runs on fake tensors."""
+    _check_dtype_kinds(q, k, v)
     return resolve_htree_config(q, k, v, compression_rate=compression_rate, top_k=top_k,
                                 max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base, causal=causal,
                                 sort_mode=sort_mode)
+
+
+def _check_dtype_kinds(q, k, v) -> None:
+    """A wrong dtype is a TypeError, as for the other ops (the reference's resolve_htree_config,
+    shared with the kernels' tests, raises ValueError for everything): checked first."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor):
+            continue  # resolve_htree_config names it
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
+        if isinstance(q, torch.Tensor) and tensor.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {tensor.dtype} differs from q's {q.dtype}")
 
 
 def _check_dtypes(q, k, v, **others) -> None:
