@@ -2,7 +2,6 @@
 backend="hc", check it against eager, print the report and compare with backend="inductor"."""
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -149,15 +148,25 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hccompile demo", description=__doc__)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--dump-dir", default=None, help="also write the dumps here")
+    import os
+
+    from .cli import Parser, device_arg, positive_int
+
+    p = Parser(prog="hccompile demo", description=__doc__)
+    p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--seq", type=positive_int, default=128, help="sequence length T (default: 128)")
+    p.add_argument("--batch", type=positive_int, default=2, help="batch size B (default: 2)")
+    p.add_argument("--dim", type=positive_int, default=64, help="model width C, a multiple of --heads (default: 64)")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (default: 4)")
+    p.add_argument("--layers", type=positive_int, default=2,
+                   help="blocks of the linear-attention model (default: 2; the mHC model has 2)")
+    p.add_argument("--iters", type=positive_int, default=5,
+                   help="timed steps per backend; the table shows their median (default: 5)")
+    p.add_argument("--dump-dir", default=None, help="also write the dumps (docs/dumps.md) here")
     a = p.parse_args(argv)
+    if a.dim % a.heads:
+        p.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
+    if a.dump_dir and os.path.exists(a.dump_dir) and not os.path.isdir(a.dump_dir):
+        p.error(f"--dump-dir: {a.dump_dir} exists and is not a directory")
     result = run(a.device, a.batch, a.seq, a.dim, a.heads, a.layers, a.iters, a.dump_dir)
     return 0 if result["ok"] else 1
