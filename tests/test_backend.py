@@ -119,9 +119,9 @@ def test_mode_and_inductor_options_accepted():
 
 def test_registry_has_stages():
     assert {"hc_detect", "recompute", "linear_attn", "op_inventory"} <= set(all_pass_names())
-    # detection annotates first; recompute tags last, on the final graph
+    # detection annotates first; recompute tags blocks on the final graph; saved_views tags what is left
     assert [p.name for p in passes_for_stage("dynamo")] == ["hc_detect", "hc_fuse", "delta_rule", "htree", "linear_attn",
-                                                               "recompute"]
+                                                               "recompute", "saved_views"]
     assert [p.name for p in passes_for_stage("post_grad")] == ["op_inventory"]
 
 

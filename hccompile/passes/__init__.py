@@ -13,6 +13,7 @@ PASS_MODULES = (
     "htree",
     "linear_attn",
     "recompute",
+    "saved_views",
     "op_inventory",
 )
 

@@ -219,3 +219,38 @@ def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = ref64.norm().item()
     num = (out64 - ref64).norm().item()
     return num / denom if denom > 0 else (0.0 if num == 0 else float("inf"))
+
+
+# Ops whose result aliases their first argument's storage (a view), in Dynamo-graph spellings.
+_VIEW_METHODS = {"view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "flatten",
+                 "unflatten", "expand", "contiguous", "t", "view_as", "reshape_as", "swapaxes",
+                 "swapdims", "movedim", "narrow", "select", "unfold"}
+_VIEW_FUNCTIONS = {torch.reshape, torch.permute, torch.transpose, torch.unsqueeze, torch.squeeze,
+                   torch.flatten, torch.swapaxes, torch.swapdims, torch.movedim, torch.narrow,
+                   torch.select, torch.t}
+
+
+def is_view(node: Any) -> bool:
+    """Whether an FX node of the Dynamo graph makes a view of its first argument (reshape too:
+    it is one whenever the strides allow, which is where it matters)."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        if view_attribute(node) is not None:
+            return True
+        if node.target is operator.getitem:
+            return isinstance(example(node.args[0]), torch.Tensor)
+        return node.target in _VIEW_FUNCTIONS
+    return False
+
+
+def view_chain(node: Any) -> list[fx.Node]:
+    """The views `node` is made of, from `node` back to (not including) the first value that is not
+    a view (a computed tensor or a graph input)."""
+    chain = []
+    while is_view(node):
+        chain.append(node)
+        node = node.args[0]
+    return chain
