@@ -29,6 +29,12 @@ Limits (refused, never wrong): a symbolic stream width n·C; more than two token
 product that is not a matmul/bmm/einsum; α that is not a one-element tensor, a bias that is not a
 tensor; the three parts dividing by different norms; n > 16 streams; more than 256 Sinkhorn
 normalisations; an aggregate or sublayer output that is not token-major (the probe refuses it).
+A mapping that computes something else than the kernel (`_mapping_differences`: each stream
+normalised on its own before the projection, H_post from a projection of its own, Sinkhorn steps
+that floor Σ|m| at ε (F.normalize(p=1)), an exp(z − max z) start; the `hyper-connections`
+package's mHC has all four) is refused with those reasons; its post and aggregate still fuse,
+also where H_pre and H_res are applied in one product sliced into y and the mixed streams, and
+where the mapping values are [1, B, S, 1, n, ...] rather than [tokens, n].
 """
 from __future__ import annotations
 
@@ -43,7 +49,8 @@ import torch.fx as fx
 from ..compat import concrete_shape, size_hint
 from . import fx_match as M
 from .base import GraphPass, PassContext, register_pass
-from .hc_detect import HCLayer, current_layers, is_view, norm_step_parts, view_root
+from .hc_detect import (HCLayer, current_layers, is_view, norm_step_parts, normalize_l1_parts,
+                        view_root)
 
 PATTERNS = ("mhc_mapping", "mhc_post", "mhc_aggregate")
 MAX_PROBE_NODES = 4096
@@ -207,27 +214,57 @@ class StreamLayout:
         return tuple(self.sym_sizes[d] for d in self.order)
 
 
+def _per_stream_view(v: fx.Node, n: int) -> tuple[int, int, int]:
+    """v holds [tokens.., 1.., n, C] (the input of a per-stream norm): (token dims, ones, C)."""
+    shape = _shape(v)
+    if len(shape) < 3 or shape[-2] != n:
+        raise Refusal(f"{v.name}: the per-stream norm's input {shape} is not [tokens.., n, C]")
+    if not _static(_sym_shape(v)[-1]):
+        raise Refusal("the stream width C is symbolic")
+    k = len(shape) - 2
+    while k > 0 and shape[k - 1] == 1 and k > 1:
+        k -= 1
+    return k, len(shape) - 2 - k, shape[-1]
+
+
 def stream_layout(layer: HCLayer, n: int) -> StreamLayout:
-    v = layer.proj.args[0]
-    lead = _shape(layer.proj)[:-1]
+    """How the stream tensor holds [T1, T2, n, C], found from the view of it the mapping reads:
+    the flattened v = vec(x) of the projection, or the input of a per-stream norm
+    ([tokens.., n, C], the `hyper-connections` package)."""
+    per_stream = layer.stream_norm is not None
+    v = layer.v if layer.v is not None else layer.proj.args[0]
+    if per_stream:
+        n_lead, ones, C = _per_stream_view(v, n)
+        token_node = v
+        lead = _shape(v)[:n_lead]
+    else:
+        token_node = layer.proj
+        lead = _shape(layer.proj)[:-1]
     if len(lead) not in (1, 2):
         raise Refusal(f"the projection has {len(lead)} token dims (1 or 2 are fused)")
-    nc = _shape(v)[-1]
-    if not _static(_sym_shape(v)[-1]):
-        raise Refusal("the flattened stream width n·C is symbolic")
-    if nc % n:
-        raise Refusal(f"flattened stream width {nc} is not a multiple of n={n}")
-    C = nc // n
+    if not per_stream:
+        nc = _shape(v)[-1]
+        if not _static(_sym_shape(v)[-1]):
+            raise Refusal("the flattened stream width n·C is symbolic")
+        if nc % n:
+            raise Refusal(f"flattened stream width {nc} is not a multiple of n={n}")
+        C = nc // n
     T1, T2 = (1, lead[0]) if len(lead) == 1 else lead
     sizes = (T1, T2, n, C)
-    sym_lead = _sym_shape(layer.proj)[:-1]
+    sym_lead = _sym_shape(token_node)[:len(lead)]
     sym_sizes = ((1,) + sym_lead if len(lead) == 1 else sym_lead) + (n, C)
     canon = _sample_indices(sizes)
-    # v[t, j·C + c]: the flattened stream is stream-major, as vec(x) of x ∈ R^{n×C}
     v_idx = torch.stack([canon[:, 1]] if len(lead) == 1 else [canon[:, 0], canon[:, 1]], 1)
-    v_idx = torch.cat([v_idx, (canon[:, 2] * C + canon[:, 3])[:, None]], 1)
+    if per_stream:  # v[t.., 0.., j, c]
+        zeros = torch.zeros(canon.shape[0], ones, dtype=torch.int64)
+        v_idx = torch.cat([v_idx, zeros, canon[:, 2:4]], 1)
+    else:  # v[t, j·C + c]: the flattened stream is stream-major, as vec(x) of x ∈ R^{n×C}
+        v_idx = torch.cat([v_idx, (canon[:, 2] * C + canon[:, 3])[:, None]], 1)
     candidates, node = [v], v
-    while is_view(node):
+    # not past an identity dropout (the probe cannot evaluate it) nor past a view that reads a
+    # second tensor (`y.type_as(f)`: the probe would have to evaluate f's region too)
+    while is_view(node) and not _reads_other_tensor(node) and \
+            (node.op != "call_function" or node.target not in _DROPOUTS):
         node = node.args[0]
         candidates.append(node)
     found = []
@@ -243,7 +280,7 @@ def stream_layout(layer: HCLayer, n: int) -> StreamLayout:
         for order in ORDERS:
             want = _ravel(canon[:, list(order)], tuple(sizes[d] for d in order))
             if torch.equal(flat, want):
-                found.append(StreamLayout(cand, sizes, order, lead, sym_sizes, layer.proj))
+                found.append(StreamLayout(cand, sizes, order, lead, sym_sizes, token_node))
                 break
     if not found:
         raise Refusal("the flattened stream v is not a view of a [tokens, n, C] stream tensor")
@@ -252,6 +289,15 @@ def stream_layout(layer: HCLayer, n: int) -> StreamLayout:
     # view of it, e.g. the previous layer's fused output before its reshape).
     like_out = [lay for lay in found if _same_shape(_sym_shape(lay.x), _sym_shape(layer.x_out))]
     return (like_out or found)[0]
+
+
+_DROPOUTS = {torch.nn.functional.dropout, torch.dropout}
+
+
+def _reads_other_tensor(node: fx.Node) -> bool:
+    """A view op with a tensor argument besides its input (type_as, view_as, expand_as...)."""
+    return any(isinstance(a, fx.Node) and isinstance(M.example(a), torch.Tensor)
+               for a in list(node.args[1:]) + list(node.kwargs.values()))
 
 
 def _inverse(order) -> list[int]:
@@ -328,8 +374,48 @@ class Affine:
     bias: fx.Node | None = None
 
 
-def _slice_of_proj(node: fx.Node, proj: fx.Node) -> tuple[int, int]:
-    """(offset, width) of a last-dim slice of proj that `node` views without reordering."""
+_SPLITS = {torch.split, torch.functional.split, torch.Tensor.split}
+
+
+def _scaled_projection(node: Any, proj: fx.Node) -> list[tuple[Any, int]] | None:
+    """`node` = proj times/divided by factors that broadcast over its last dim (a per-token norm
+    [tokens.., 1] or a number, e.g. DeepSeek-style `F.linear(v, φ) * rsqrt(mean(v²))` split
+    afterwards): the factors with their powers (+1 multiplied, -1 divided), else None."""
+    factors: list[tuple[Any, int]] = []
+    cur = node
+    for _ in range(8):
+        if cur is proj:
+            return factors
+        if not isinstance(cur, fx.Node):
+            return None
+        k = M.kind(cur)
+        if k in ("cast", "contiguous") and cur.op == "call_method" and \
+                _shape(cur.args[0]) == _shape(cur):
+            cur = cur.args[0]
+            continue
+        if k not in ("mul", "div") or len(cur.args) != 2 or cur.kwargs:
+            return None
+        a, b = cur.args
+        if _reaches(a, proj) and not _reaches(b, proj):
+            main, other, power = a, b, (1 if k == "mul" else -1)
+        elif k == "mul" and _reaches(b, proj) and not _reaches(a, proj):
+            main, other, power = b, a, 1
+        else:
+            return None
+        if isinstance(other, fx.Node):
+            shape = _shape(other)
+            if shape and shape[-1] != 1:
+                return None
+        elif M.scalar(other) is None:
+            return None
+        factors.append((other, power))
+        cur = main
+    return None
+
+
+def _slice_of_proj(node: fx.Node, proj: fx.Node) -> tuple[int, int, list[tuple[Any, int]]]:
+    """(offset, width, factors) of a last-dim slice of proj (or of proj scaled per token, see
+    _scaled_projection) that `node` views without reordering."""
     width_total = _shape(proj)[-1]
     cur = node
     while is_view(cur) and cur is not proj:
@@ -339,7 +425,8 @@ def _slice_of_proj(node: fx.Node, proj: fx.Node) -> tuple[int, int]:
         cur = cur.args[0]
     if cur.op == "call_function" and cur.target is operator.getitem:
         base, index = cur.args
-        if base is proj:
+        factors = _scaled_projection(base, proj)
+        if factors is not None:
             index = index if isinstance(index, tuple) else (index,)
             nd = len(_shape(proj))
             if len(index) == 2 and index[0] is Ellipsis:
@@ -351,17 +438,22 @@ def _slice_of_proj(node: fx.Node, proj: fx.Node) -> tuple[int, int]:
             if not isinstance(sl, slice) or sl.step not in (None, 1):
                 raise Refusal(f"{cur.name}: not a contiguous last-dim slice")
             start, stop, _ = sl.indices(width_total)
-            return start, stop - start
-        if M.kind(base) is None and base.op == "call_method" and base.target == "split" and \
-                base.args[0] is proj and isinstance(index, int):
-            sizes = M.arg(base, 1, "split_size")
+            return start, stop - start, factors
+        is_split = (base.op == "call_method" and base.target == "split") or \
+            (base.op == "call_function" and base.target in _SPLITS)
+        factors = _scaled_projection(base.args[0], proj) if is_split else None
+        if is_split and factors is not None and isinstance(index, int):
+            sizes = M.arg(base, 1, "split_size_or_sections" if base.op == "call_function" else
+                          "split_size")
+            if sizes is None:
+                sizes = base.kwargs.get("split_size", base.kwargs.get("split_size_or_sections"))
             dim = M.arg(base, 2, "dim", 0)
             if dim not in (-1, len(_shape(proj)) - 1):
                 raise Refusal(f"{base.name}: split is not along the last dim")
             if isinstance(sizes, int):
-                return index * sizes, min(sizes, width_total - index * sizes)
+                return index * sizes, min(sizes, width_total - index * sizes), factors
             if isinstance(sizes, (list, tuple)) and all(isinstance(s, int) for s in sizes):
-                return sum(sizes[:index]), sizes[index]
+                return sum(sizes[:index]), sizes[index], factors
         raise Refusal(f"{cur.name}: the projection part is not a slice or split of proj")
     raise Refusal(f"{cur.name}: the projection part is not a slice of proj")
 
@@ -403,7 +495,12 @@ def parse_affine(z: fx.Node, proj: fx.Node, token_dependent: set[fx.Node]) -> Af
     p = [(n, pw) for n, pw in leaves if _reaches(n, proj)]
     if len(p) != 1 or p[0][1] != 1:
         raise Refusal(f"{z.name}: expected the projection part once, as a factor")
-    offset, width = _slice_of_proj(p[0][0], proj)
+    offset, width, factors = _slice_of_proj(p[0][0], proj)
+    for factor, pw in factors:
+        if M.scalar(factor) is not None:
+            coef *= M.scalar(factor) ** pw
+        else:
+            leaves.append((factor, pw))
     aff = Affine(offset, width, coef=coef, bias=bias)
     for node, pw in leaves:
         if node is p[0][0]:
@@ -496,9 +593,38 @@ def _parse_init(m0: fx.Node) -> tuple[str, float, fx.Node]:
     raise Refusal(f"{m0.name}: Sinkhorn init is neither exp nor softmax(-1)(+ε)")
 
 
+def _mapping_differences(layer: HCLayer) -> list[str]:
+    """Where a detected mapping computes something else than the fused kernel's
+    z = α·(v·φ)/r + b, H = a·σ(z) + b', H_res = Sinkhorn(exp(z) or softmax(z)+ε) with
+    m / (Σ m + ε) steps: each entry names the difference (the report's refusal reason)."""
+    out = []
+    if layer.stream_norm is not None:
+        out.append(f"the mapping reads each stream normalised on its own ({layer.stream_norm}) and "
+                   f"projects every stream with the same weights, not the projection of the "
+                   f"flattened stream v = vec(x) divided by its norm r = ‖v‖/√(nC)")
+    if len(layer.projs) > 1:
+        out.append(f"H_post comes from a projection of its own ({', '.join(p.name for p in layer.projs[1:])}), "
+                   f"not from the same v·φ as H_pre and H_res")
+    if any(normalize_l1_parts(node) is not None for node in layer.sinkhorn[1:]):
+        out.append("the Sinkhorn steps are F.normalize(m, p=1), which divides by max(Σ|m|, ε), not "
+                   "by Σ m + ε")
+    start = layer.sinkhorn[0]
+    if (start.op == "call_function" and start.target is torch.exp) or \
+            (start.op == "call_method" and start.target == "exp"):
+        arg = start.args[0]
+        if M.kind(arg) is None and isinstance(arg, fx.Node) and \
+                arg.op == "call_function" and arg.target in (operator.sub, torch.sub):
+            out.append("the Sinkhorn start is exp(z − max z) (a detached shift), which the kernel "
+                       "does not subtract")
+    return out
+
+
 def plan_mapping(layer: HCLayer, token_dependent: set[fx.Node]) -> MappingPlan:
     from ..kernels.mhc import MappingSpec
 
+    differences = _mapping_differences(layer)
+    if differences:
+        raise Refusal("the mapping differs from the fused kernel's: " + "; ".join(differences))
     proj = layer.proj
     chain = layer.sinkhorn
     n = _shape(chain[-1])[-1]
@@ -562,6 +688,8 @@ def plan_mapping(layer: HCLayer, token_dependent: set[fx.Node]) -> MappingPlan:
     for v in values:
         if M.example(v).dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise Refusal(f"{v.name}: dtype {M.example(v).dtype} is not a float type")
+    anchor = _earliest(proj.graph, values)
+    _late_inputs(proj.graph, [p.alpha for p in parts] + [p.bias for p in parts], anchor)
     return MappingPlan(spec, proj, r, [p.alpha for p in parts], [p.bias for p in parts], values, lead)
 
 
@@ -592,60 +720,200 @@ class PostPlan:
     x_out: fx.Node
 
 
-def _operand_labels(product: fx.Node, operand: fx.Node) -> tuple[int, int] | None:
-    """For a product using `operand` as the mixing matrix: (dim of operand that indexes the
-    output stream, dim that is contracted)."""
-    k = M.kind(product)
-    if k == "matmul":
-        nd = len(_shape(operand))
-        if product.args[0] is operand:
-            return nd - 2, nd - 1
-        if product.args[1] is operand:
-            return nd - 1, nd - 2
-        return None
-    if k == "einsum":
-        eq = product.args[0]
+def _product_operands(product: fx.Node) -> list[Any]:
+    if M.kind(product) == "einsum":
         ops = list(product.args[1:])
         if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
             ops = list(ops[0])
-        if not isinstance(eq, str) or "->" not in eq or "..." in eq or len(ops) != 2:
+        return ops
+    return [a for a in product.args[:2]]
+
+
+def _einsum_terms(product: fx.Node) -> tuple[list[str], str] | None:
+    """The einsum's operand terms and output term with each `...` written out as one character per
+    dim (right-aligned across the terms, as einsum broadcasts them), or None."""
+    eq = product.args[0]
+    ops = _product_operands(product)
+    if not isinstance(eq, str) or "->" not in eq:
+        return None
+    ins, out = eq.replace(" ", "").split("->")
+    terms = ins.split(",")
+    if len(terms) != len(ops):
+        return None
+    fill = "0123456789"
+    widths = []
+    expanded = []
+    for term, op in zip(terms, ops):
+        if "..." not in term:
+            expanded.append(term)
+            continue
+        k = len(_shape(op)) - (len(term) - 3)
+        if k < 0 or k > len(fill):
             return None
-        ins, out = eq.replace(" ", "").split("->")
-        la, lb = ins.split(",")
-        mine, other = (la, lb) if ops[0] is operand else (lb, la)
+        widths.append(k)
+        expanded.append(term.replace("...", fill[len(fill) - k:]))
+    if "..." in out:
+        k = max(widths, default=0)
+        out = out.replace("...", fill[len(fill) - k:])
+    return expanded, out
+
+
+def _operand_labels(product: fx.Node, operand: fx.Node) -> tuple[int, int, int] | None:
+    """For a product using `operand` as the mixing matrix: (dim of operand that indexes the
+    output stream, dim that is contracted, dim of the product's output that the output stream
+    is)."""
+    k = M.kind(product)
+    if k == "matmul":
+        nd = len(_shape(operand))
+        out_nd = len(_shape(product))
+        if product.args[0] is operand:
+            return nd - 2, nd - 1, out_nd - 2
+        if product.args[1] is operand:
+            return nd - 1, nd - 2, out_nd - 1
+        return None
+    if k == "einsum":
+        ops = _product_operands(product)
+        terms = _einsum_terms(product)
+        if terms is None or len(ops) != 2:
+            return None
+        (la, lb), out = terms
         if ops[0] is not operand and ops[1] is not operand:
             return None
-        contracted = [c for c in mine if c in other and c not in out]
-        out_stream = [c for c in mine if c in out and c not in other]
+        mine, other = (la, lb) if ops[0] is operand else (lb, la)
+        sizes = dict(zip(mine, _shape(operand)))
+        # size-1 dims (the package's fraction dims) are neither contracted nor a stream
+        contracted = [c for c in mine if c in other and c not in out and sizes[c] != 1]
+        out_stream = [c for c in mine if c in out and c not in other and sizes[c] != 1]
         if len(contracted) != 1 or len(out_stream) != 1:
             return None
-        return mine.index(out_stream[0]), mine.index(contracted[0])
+        return mine.index(out_stream[0]), mine.index(contracted[0]), out.index(out_stream[0])
     return None
+
+
+def _is_cat(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in (torch.cat,
+                                                                                       torch.concat)
+
+
+def _leads_to(target: fx.Node, node: Any, depth: int = 16) -> bool:
+    """`node` is `target` seen through views and concatenations."""
+    for _ in range(depth):
+        if node is target:
+            return True
+        if _is_cat(node):
+            return any(_leads_to(target, p, depth) for p in node.args[0])
+        if not is_view(node):
+            return False
+        node = node.args[0]
+    return False
+
+
+def _index_in(target: fx.Node, node: Any, idx: torch.Tensor, depth: int = 16
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Indices [K, ndim] of `node` -> (the same elements as indices of `target`, which rows come
+    from target at all), back through views and concatenations; None if target is not reached."""
+    if not _leads_to(target, node, depth):
+        return None
+    valid = torch.ones(idx.shape[0], dtype=torch.bool)
+    for _ in range(depth):
+        if node is target:
+            return idx, valid
+        if _is_cat(node):
+            dim = M.arg(node, 1, "dim", 0) % len(_shape(node))
+            offset = 0
+            for part in node.args[0]:
+                width = _shape(part)[dim]
+                if _leads_to(target, part, depth):
+                    valid = valid & (idx[:, dim] >= offset) & (idx[:, dim] < offset + width)
+                    idx = idx.clone()
+                    idx[:, dim] = (idx[:, dim] - offset).clamp(0, width - 1)
+                    node = part
+                    break
+                offset += width
+            continue
+        idx = map_index([node], idx)
+        node = node.args[0]
+    return None
+
+
+def _getitem_slice(node: fx.Node, dim: int) -> tuple[int, int] | None:
+    """(start, stop) of `base[index]` along `dim`, every other dim taken whole; else None."""
+    if not (node.op == "call_function" and node.target is operator.getitem):
+        return None
+    base, index = node.args
+    nd = len(_shape(base))
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(i is Ellipsis for i in index) > 1:
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (nd - len(index) + 1) + index[at + 1:]
+    index = index + (slice(None),) * (nd - len(index))
+    if len(index) != nd:
+        return None
+    for d, i in enumerate(index):
+        if d == dim:
+            continue
+        if i != slice(None):
+            return None
+    i = index[dim]
+    size = _shape(base)[dim]
+    if isinstance(i, int):
+        return None
+    if not isinstance(i, slice) or i.step not in (None, 1):
+        return None
+    start, stop, _ = i.indices(size)
+    return start, stop
+
+
+def _mixing_orientation(mixed: fx.Node, product: fx.Node, h_res: fx.Node, n: int,
+                        combined: bool) -> bool:
+    """Whether the mixing computes H_resᵀ·x (True) or H_res·x (False), read off the product's
+    labels and the views (and, for H_pre and H_res applied in one product, the concatenation and
+    the slice) between H_res and the product's operand."""
+    if M.kind(product) not in ("matmul", "einsum"):
+        raise Refusal(f"{mixed.name}: the mixing is not a matmul/bmm/einsum ({M.describe(product)})")
+    for operand in _product_operands(product):
+        if not isinstance(operand, fx.Node):
+            continue
+        dims = _operand_labels(product, operand)
+        if dims is None:
+            continue
+        out_dim, in_dim, product_dim = dims
+        start = 0
+        if combined:
+            sl = _getitem_slice(mixed, product_dim)
+            if sl is None or sl[1] - sl[0] != n:
+                raise Refusal(f"{mixed.name}: the mixed streams are not one slice of {n} outputs of "
+                              f"the product {product.name}")
+            start = sl[0]
+        idx = torch.zeros(2, len(_shape(operand)), dtype=torch.int64)
+        idx[0, out_dim], idx[0, in_dim] = start + 0, 1      # A[out=0, in=1]
+        idx[1, out_dim], idx[1, in_dim] = start + 1, 0      # A[out=1, in=0]
+        found = _index_in(h_res, operand, idx)
+        if found is None:
+            continue
+        src, valid = found
+        if not bool(valid.all()):
+            raise Refusal(f"{mixed.name}: the mixed streams do not come from H_res's part of the "
+                          f"product {product.name}")
+        pq = [tuple(r) for r in src[:, -2:].tolist()]
+        if pq == [(0, 1), (1, 0)]:
+            return False
+        if pq == [(1, 0), (0, 1)]:
+            return True
+        raise Refusal(f"{mixed.name}: cannot tell how the mixing indexes H_res")
+    raise Refusal(f"{mixed.name}: the mixing product's H_res operand is not a view of H_res, or the "
+                  f"mixing has not one contracted stream dim ({M.describe(product)})")
 
 
 def plan_post(layer: HCLayer, layout: StreamLayout, h_res: fx.Node, h_post: fx.Node) -> PostPlan:
     mixed = layer.mixed
-    operands = [a for a in mixed.args if isinstance(a, fx.Node)]
-    if M.kind(mixed) == "einsum" and len(mixed.args) == 2 and isinstance(mixed.args[1], (list, tuple)):
-        operands = list(mixed.args[1])
-    ho = [a for a in operands if view_chain(h_res, a) is not None]
-    if len(ho) != 1:
-        raise Refusal(f"{mixed.name}: the mixing product's H_res operand is not a view of H_res")
-    ho = ho[0]
-    dims = _operand_labels(mixed, ho)
-    if dims is None:
-        raise Refusal(f"{mixed.name}: the mixing is not a matmul/bmm/einsum with one contracted "
-                      f"stream dim ({M.describe(mixed)})")
-    idx = torch.zeros(1, len(_shape(ho)), dtype=torch.int64)
-    idx[0, dims[0]], idx[0, dims[1]] = 0, 1           # A[out=0, in=1]
-    src = map_index(view_chain(h_res, ho), idx)       # the same element as an index of H_res
-    pq = tuple(src[0, -2:].tolist())
-    if pq == (0, 1):
-        transpose = False
-    elif pq == (1, 0):
-        transpose = True
-    else:
-        raise Refusal(f"{mixed.name}: cannot tell how the mixing indexes H_res")
+    product = mixed.args[0] if layer.combined else mixed
+    if not isinstance(product, fx.Node):
+        raise Refusal(f"{mixed.name}: no mixing product")
+    n = layout.sizes[2]
+    transpose = _mixing_orientation(mixed, product, h_res, n, layer.combined)
     x_out = layer.x_out
     X = layout.x
     if M.example(x_out).dtype != M.example(X).dtype:
@@ -688,16 +956,24 @@ def _canonical_stream(layout: StreamLayout, emit, x):
     return x
 
 
-def _tokens2(layout: StreamLayout, emit, t):
-    """[lead..., k] -> [T1, T2, k]"""
-    return emit("unsqueeze", t, 0) if len(layout.lead) == 1 else t
+def _tokens2(layout: StreamLayout, emit, t, node: fx.Node, tail: tuple[int, ...]):
+    """A mapping value [lead..., *tail] -> [T1, T2, *tail]. Any other shape holding the same
+    values in token-major order (the `hyper-connections` package's H_pre is [1, B, S, 1, n, 1])
+    is reshaped; the probe checks the order."""
+    src = _sym_shape(node)
+    if len(layout.lead) == 1 and _same_shape(src, tuple(layout.sym_sizes[1:2]) + tail):
+        return emit("unsqueeze", t, 0)
+    want = tuple(layout.sym_sizes[:2]) + tail
+    if _same_shape(src, want):
+        return t
+    return emit("reshape_to", t, src, want)
 
 
 def build_post(plan: PostPlan, emit, x, h_res, h_post, f):
     lay = plan.layout
-    C = lay.sizes[3]
+    n, C = lay.sizes[2], lay.sizes[3]
     x4 = _canonical_stream(lay, emit, x)
-    h4, hp = _tokens2(lay, emit, h_res), _tokens2(lay, emit, h_post)
+    h4, hp = _tokens2(lay, emit, h_res, plan.h_res, (n, n)), _tokens2(lay, emit, h_post, plan.h_post, (n,))
     f3 = emit("reshape_to", f, _sym_shape(plan.f), lay.sym_sizes[:2] + (C,))
     out = emit("op:mhc_post", x4, h4, hp, f3, plan.transpose_res, list(lay.order))
     if tuple(lay.order) != (0, 1, 2, 3):
@@ -725,7 +1001,8 @@ def plan_aggregate(layer: HCLayer, layout: StreamLayout, h_pre: fx.Node) -> Aggr
 def build_aggregate(plan: AggregatePlan, emit, x, h_pre):
     lay = plan.layout
     x4 = _canonical_stream(lay, emit, x)
-    y = emit("op:mhc_aggregate", x4, _tokens2(lay, emit, h_pre), list(lay.order))
+    y = emit("op:mhc_aggregate", x4, _tokens2(lay, emit, h_pre, plan.h_pre, (lay.sizes[2],)),
+             list(lay.order))
     return emit("reshape_to", y, lay.sym_sizes[:2] + (lay.sizes[3],), _sym_shape(plan.node))
 
 
@@ -959,10 +1236,31 @@ def _tag(node: fx.Node, layer: int, role: str) -> None:
     node.meta["hc"] = {"layer": layer, "role": role}
 
 
+def _late_inputs(g: fx.Graph, nodes: list[Any], anchor: fx.Node) -> list[fx.Node]:
+    """The nodes (and their inputs) that come after `anchor` in the graph, in graph order: e.g.
+    `hc_scale[2]`, an α read where the code first needs it, after H_pre is already computed.
+    Refused unless each is a pure function of parameters (placeholders, get_attr)."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    late: set[fx.Node] = set()
+    todo = [n for n in nodes if isinstance(n, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in late or order[n] < order[anchor] or n.op in ("placeholder", "get_attr"):
+            continue
+        if n.op not in ("call_function", "call_method") or M.is_impure(n):
+            raise Refusal(f"{n.name}: an α or bias computed after the mapping starts, not from "
+                          f"parameters alone")
+        late.add(n)
+        todo.extend(n.all_input_nodes)
+    return sorted(late, key=order.__getitem__)
+
+
 def rewrite_mapping(plan: MappingPlan, layer: HCLayer, gm: fx.GraphModule, ctx: PassContext
                     ) -> list[fx.Node]:
     g = gm.graph
     anchor = _earliest(g, plan.values)
+    for node in _late_inputs(g, plan.alphas + plan.biases, anchor):
+        anchor.prepend(node)  # graph order kept among them; they read parameters only
     emit = GraphEmitter(gm, ctx, layer.index, anchor)
     with g.inserting_before(anchor):
         outs = build_mapping(plan, emit, plan.proj, plan.r, plan.alphas, plan.biases)

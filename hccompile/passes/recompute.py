@@ -2,7 +2,10 @@
 
 For each block of consecutive hyper-connection layers the plan keeps only the block's input stream,
 every sublayer output f and the per-token values the stream is reduced to for the mappings (the
-projection and the norm r: n²+2n+1 values per token, see mapping_inputs); every other
+projection and the norm r: n²+2n+1 values per token, see mapping_inputs; a projection written as
+an einsum or matmul is rebuilt instead, see copies_operand; where each stream is normalised
+before the projections, as in the `hyper-connections` package, that norm's output is kept, see
+HCRecomputePass); every other
 hyper-connection intermediate (H_pre, H_post, H_res and its Sinkhorn chain, the aggregate y, the
 mixed residual, the post-distribution, the residual adds, the streams inside the block) is rebuilt
 in backward. Attention and MLP (the
@@ -105,6 +108,45 @@ def mapping_inputs(layer: HCLayer, region: set[fx.Node]) -> set[fx.Node]:
             and any(large(a) for a in node.all_input_nodes)}
 
 
+def copies_operand(node: fx.Node) -> bool:
+    """A mapping input that cannot be kept alone. A Dynamo node's tag lands on every ATen op it
+    decomposes into; `einsum` decomposes into permutes and reshapes that copy an operand the
+    batched matmul cannot view in its order, and `matmul` with a vector (or batched, broadcast
+    operands) into a copy and a multiply-and-sum (or expands and a copy). Kept (MUST_SAVE), such a
+    node keeps that stream-sized copy too: the `hyper-connections` package's `einsum(normed, φ)`
+    and `normed @ w` kept two copies of the normalised stream per sublayer (measured on CPU:
+    0.63x Inductor's saved bytes instead of 0.31x, before its norm was kept, see HCRecomputePass).
+    These are rebuilt in backward with the rest of the block (the plan lists them as
+    `rebuilt_per_token`). Kept: `linear` and a matmul of a contiguous activation with a 2-D
+    parameter (one mm on a view, as the paper's v·φ), and the norm's reductions."""
+    kind = M.kind(node)
+    if kind == "einsum":
+        return True
+    if kind != "matmul":
+        return False
+    a, b = (M.example(x) for x in node.args[:2])
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return True
+    return not (b.dim() == 2 and a.dim() >= 2 and a.is_contiguous())
+
+
+def expansion_source(start: fx.Node) -> fx.Node:
+    """The first block's input stream, when it is input_expand (the [tokens, C] embedding
+    replicated to n streams by `repeat`, e.g. DeepSeek-style `h.unsqueeze(2).repeat(1, 1, n, 1)`
+    or Megatron-style `x.repeat(1, 1, n)`): the tensor it replicates, so that the block keeps that
+    (C per token, nothing when it is the graph's input) and rebuilds the copy (n·C per token) in
+    backward. A copy, so rebuilt bit for bit. Views (`expand`) already lead back to it."""
+    node = start
+    is_repeat = (node.op == "call_method" and node.target == "repeat") or \
+        (node.op == "call_function" and node.target is torch.Tensor.repeat)
+    if is_repeat and isinstance(node.args[0], fx.Node):
+        src = view_root(node.args[0])
+        small, big = _numel(src), _numel(node)
+        if small is not None and big is not None and small < big and not M.is_impure(node):
+            return src
+    return start
+
+
 def plan_blocks(seq: list[HCLayer], mode: str, block: int | None) -> list[list[HCLayer]]:
     n = M.example(seq[0].h_res).shape[-1] if M.example(seq[0].h_res) is not None else 4
     size = 1 if mode == "layer" else (block or default_block_length(int(n), len(seq)))
@@ -113,6 +155,17 @@ def plan_blocks(seq: list[HCLayer], mode: str, block: int | None) -> list[list[H
 
 @register_pass
 class HCRecomputePass(GraphPass):
+    """Tags each block (see the module docstring).
+
+    A per-stream norm before the projections (the `hyper-connections` package's
+    `F.normalize(x_i, dim=-1)·√C·(γ+1)`, hc_detect's `norm_node`) is kept, stream-sized as it is:
+    rebuilt, its reductions into γ's gradient (over tokens and streams) read the stream in its own
+    memory order ((b·n), t, C, folded) where the plan without recompute reads the normalised
+    stream in the order the package permuted it to ((b, t, n, C)), so Inductor sums in another
+    order: measured on CPU, the γ gradients of 3 of 4 layers differed in their last bits
+    (relative 1e-7) with it rebuilt, none with it kept, at 0.47x Inductor's saved bytes instead
+    of 0.31x."""
+
     name = "recompute"
     stage = "dynamo"
     order = 200
@@ -129,7 +182,7 @@ class HCRecomputePass(GraphPass):
         plan = []
         for seq in chain_layers(layers):
             for blk in plan_blocks(seq, cfg.hc_recompute, cfg.hc_recompute_block):
-                start, end = view_root(blk[0].x), blk[-1].x_out
+                start, end = expansion_source(view_root(blk[0].x)), blk[-1].x_out
                 region = (_forward_closure(start) & _backward_closure(end)) - {start}
                 keep: set[fx.Node] = set()
                 kept_per_token: set[fx.Node] = set()
@@ -143,7 +196,10 @@ class HCRecomputePass(GraphPass):
                         keep -= set(first)
                     if not cfg.hc_recompute_include_bda and layer is not blk[-1]:
                         keep.add(layer.x_out)
-                keep |= kept_per_token
+                rebuilt_per_token = {n for n in kept_per_token if copies_operand(n)}
+                kept_per_token -= rebuilt_per_token
+                kept_norms = {l.norm_node for l in blk if l.norm_node is not None and l.norm_node in region}
+                keep |= kept_per_token | kept_norms
                 recomputed = []
                 for n in region - keep:
                     if n.op in ("placeholder", "get_attr", "output") or M.is_impure(n):
@@ -151,7 +207,7 @@ class HCRecomputePass(GraphPass):
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                     n.meta["ac_graph_id"] = next_id
                     recomputed.append(n)
-                for n in kept_per_token:
+                for n in kept_per_token | kept_norms:
                     n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                     n.meta["ac_graph_id"] = next_id
                 for layer in blk:
@@ -163,6 +219,8 @@ class HCRecomputePass(GraphPass):
                 plan.append({"block": next_id, "layers": [l.index for l in blk],
                              "saved": [start.name] + [l.f.name for l in blk],
                              "kept_per_token": sorted(n.name for n in kept_per_token),
+                             "rebuilt_per_token": sorted(n.name for n in rebuilt_per_token),
+                             "kept_stream_norms": sorted(n.name for n in kept_norms),
                              "recomputed_nodes": len(recomputed)})
                 record.match("hc_block_recompute", node=end.name, block=next_id,
                              layers=[l.index for l in blk], input=start.name,
