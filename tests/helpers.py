@@ -50,3 +50,30 @@ def fwd_bwd(fn, *inputs: torch.Tensor, seed: int = 0):
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     grads = torch.autograd.grad((out * w).sum(), leaves)
     return out.detach(), grads
+
+
+def train_step(model, x, backend=None, **options):
+    """One compiled training step, dropout masks from a fixed seed: (saved-for-backward bytes seen
+    by saved_tensors_hooks, activations only; the backend; the output; the gradients of a fixed
+    random projection of it with respect to x and every parameter). `backend` defaults to hc
+    (Collect) with the given options and Inductor's caches off."""
+    torch._dynamo.reset()
+    be = backend or Collect(force_disable_caches=True, **options)
+    cm = torch.compile(model, backend=be)
+    torch.manual_seed(123)
+    cm(x)  # compile
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    torch.manual_seed(123)  # the same dropout masks in every run
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = cm(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad((out * w).sum(), [x] + list(model.parameters()))
+    return sum(storages.values()), be, out.detach(), grads

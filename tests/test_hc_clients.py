@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hccompile.passes.hc_fuse  # noqa: F401  (registers the pass)
-from helpers import Collect
+from helpers import Collect, train_step
 from test_hc_fuse import (OPS, assert_close, dynamo_graph, matches, op_nodes, outputs_and_grads,
                           refusals, run_dynamo_passes)
 
@@ -352,37 +352,12 @@ def test_v4_near_misses_not_taken_for_mhc(mixing):
 # Inductor: the plan's saved bytes, bit-identical gradients with dropout, equality with eager
 
 
-def _train_step(model, x, backend=None, **options):
-    """Saved-for-backward bytes (hooks; activations only), the backend, output and gradients of
-    one training step, dropout masks from the same seed."""
-    torch._dynamo.reset()
-    be = backend or Collect(force_disable_caches=True, **options)
-    cm = torch.compile(model, backend=be)
-    torch.manual_seed(123)
-    cm(x)  # compile
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    torch.manual_seed(123)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = cm(x)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-    grads = torch.autograd.grad((out * w).sum(), [x] + list(model.parameters()))
-    return sum(storages.values()), be, out.detach(), grads
-
-
 def _inductor_runs(model):
     """backend="inductor", then hc with recompute off and block (fusion on), dropout 0.1."""
     x = torch.randn(2, 16, 32, requires_grad=True)
-    runs = {"inductor": _train_step(model, x, backend="inductor")}
+    runs = {"inductor": train_step(model, x, backend="inductor")}
     for name, opts in {"off": {"hc_recompute": "off"}, "block": {}}.items():
-        runs[name] = _train_step(model, x, **opts)
+        runs[name] = train_step(model, x, **opts)
     return runs
 
 
@@ -414,7 +389,7 @@ def _stream_sized_saved(report, tokens=2 * 16, n=4, C=32):
 def _check_equal_to_eager(model):
     """fp32, no dropout: the compiled step (fusion and block recompute) against eager."""
     x = torch.randn(2, 16, 32, requires_grad=True)
-    _, be, out, grads = _train_step(model, x)
+    _, be, out, grads = train_step(model, x)
     assert [b["layers"] for b in be.reports[0].recompute_plan] == [[0, 1], [2, 3]]
     want = outputs_and_grads(model, [x], [x] + list(model.parameters()))
     assert_close([out], [want[0]], 1e-4, "out")

@@ -18,7 +18,7 @@ from hccompile.nn.mhc import MHCGPT
 from hccompile.passes import passes_for_stage
 from hccompile.passes.base import PassContext
 from hccompile.passes.hc_detect import chain_layers
-from helpers import Collect
+from helpers import Collect, train_step
 
 OPS = {"mhc_mapping": torch.ops.hccompile.mhc_mapping.default,
        "mhc_post": torch.ops.hccompile.mhc_post.default,
@@ -288,35 +288,12 @@ def test_disable_passes_turns_fusion_off():
     assert_close([out_on], [out_off], 1e-5, "out")
 
 
-def _train_step(model, x, **options):
-    torch._dynamo.reset()
-    be = Collect(force_disable_caches=True, **options)
-    cm = torch.compile(model, backend=be)
-    torch.manual_seed(123)
-    cm(x)
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    torch.manual_seed(123)  # the same dropout masks in every run
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = cm(x)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-    grads = torch.autograd.grad((out * w).sum(), [x] + list(model.parameters()))
-    return sum(storages.values()), be, out.detach(), grads
-
-
 def test_inductor_fused_step_equals_eager_and_keeps_the_plan():
     torch.manual_seed(0)
     m = MHCGPT(32, 2, 1, n=4, sinkhorn_iters=2)
     x = torch.randn(2, 16, 32, requires_grad=True)
     want = outputs_and_grads(m, [x], [x] + list(m.parameters()))
-    saved, be, out, grads = _train_step(m, x)
+    saved, be, out, grads = train_step(m, x)
     report = be.reports[0]
     assert not report.fallback and not be.refusals
     assert saved == report.saved_bytes["bytes"]        # the plan is what autograd keeps
@@ -336,8 +313,8 @@ def test_inductor_fused_step_equals_eager_and_keeps_the_plan():
 def test_inductor_with_dropout_and_block_recompute_equals_unfused():
     m = _model("bsnc", dropout=0.1, iters=2)
     x = torch.randn(2, 16, 32, requires_grad=True)
-    saved_f, be_f, out_f, g_f = _train_step(m, x)
-    saved_u, be_u, out_u, g_u = _train_step(m, x, disable_passes=("hc_fuse",))
+    saved_f, be_f, out_f, g_f = train_step(m, x)
+    saved_u, be_u, out_u, g_u = train_step(m, x, disable_passes=("hc_fuse",))
     report = be_f.reports[0]
     assert not report.fallback
     assert saved_f == report.saved_bytes["bytes"]     # the plan is what autograd keeps

@@ -9,7 +9,7 @@ import hccompile.passes.hc_fuse  # noqa: F401  (registered whether or not PASS_M
 from hccompile.nn import TinyLinearTransformer
 from hccompile.nn.mhc import MHCGPT
 from hccompile.passes.recompute import default_block_length
-from helpers import Collect
+from helpers import Collect, train_step
 
 
 def _detect(model, x):
@@ -78,30 +78,6 @@ def test_default_block_length_is_papers():
     assert default_block_length(1, 1) == 1
 
 
-def _train_step(model, x, **options):
-    """Saved-for-backward bytes (hooks, activations only), the report, output and gradients."""
-    torch._dynamo.reset()
-    be = Collect(force_disable_caches=True, **options)
-    cm = torch.compile(model, backend=be)
-    torch.manual_seed(123)
-    cm(x)  # compile
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    torch.manual_seed(123)  # same dropout masks in every run
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = cm(x)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-    grads = torch.autograd.grad((out * w).sum(), [x] + list(model.parameters()))
-    return sum(storages.values()), be.reports[0], out.detach(), grads
-
-
 @pytest.fixture(scope="module")
 def mhc_runs():
     torch.manual_seed(0)
@@ -112,7 +88,8 @@ def mhc_runs():
                        "block3": {"hc_recompute_block": 3},
                        "no_norm": {"hc_recompute_include_norm": False},
                        "no_bda": {"hc_recompute_include_bda": False}}.items():
-        runs[name] = _train_step(m, x, **opts)
+        saved, be, out, grads = train_step(m, x, **opts)
+        runs[name] = (saved, be.reports[0], out, grads)
     return runs
 
 
