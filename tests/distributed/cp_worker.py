@@ -1,5 +1,5 @@
 """One rank of the multi-process CP tests (gloo on CPU). Started by harness.run_ranks with RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TRITON_INTERPRET=1 and CP_SUITE / CP_RESULTS in the environment.
+WORLD_SIZE, CP_INIT_FILE (a file store), TRITON_INTERPRET=1 and CP_SUITE / CP_RESULTS in the environment.
 
 Every rank runs the suite's cases through the public functions inside context_parallel (so through
 the custom ops' CP dispatch), gathers outputs, final states and gradients onto rank 0, and rank 0
@@ -174,7 +174,8 @@ def run_case(name: str) -> dict[str, float] | None:
 
 def main() -> None:
     suite = os.environ["CP_SUITE"]
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['CP_INIT_FILE']}",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     results = {}
     for name in SUITES[suite]:
         start = time.perf_counter()
@@ -190,6 +191,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.environ["CP_RESULTS"], "w") as f:
             json.dump(results, f)
+    dist.barrier()  # no rank tears down while another is still in a collective
     dist.destroy_process_group()
 
 

@@ -1,11 +1,12 @@
 """Starts N ranks of tests/distributed/cp_worker.py as separate processes on CPU (gloo) and returns
 rank 0's results. TRITON_INTERPRET=1 goes into each child's environment before its Python starts,
-so the Triton kernels run in the interpreter there."""
+so the Triton kernels run in the interpreter there. The ranks meet through a file store, not a TCP
+store: a TCP store lives in rank 0, and when rank 0 finished first and exited, rank 1's store
+connection died under it in CI ("terminate called without an active exception", exit -6)."""
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +15,9 @@ WORKER = Path(__file__).with_name("cp_worker.py")
 ROOT = Path(__file__).parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world_size: int, suite: str, results: Path, timeout: float = 600) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", HCCOMPILE_CP_POISON="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size), CP_SUITE=suite, CP_RESULTS=str(results),
+    env = dict(os.environ, TRITON_INTERPRET="1", HCCOMPILE_CP_POISON="1", CP_INIT_FILE=str(results.with_name("rendezvous")),
+               WORLD_SIZE=str(world_size), CP_SUITE=suite, CP_RESULTS=str(results),
                OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     processes = []
     for rank in range(world_size):
