@@ -10,6 +10,9 @@ from .lowering import (causal_linear_attn, chunk_delta_rule, chunk_gated_delta_r
                        chunk_kda, htree_attention, lightning_attn)
 from .backend import hc_backend  # noqa: E402  (also reachable as backend="hc")
 from . import distributed  # noqa: E402  (context parallelism)
+from . import substitutes as _substitutes  # noqa: E402
+
+_substitutes.install()  # library functions Dynamo would unroll, traced as our ops under hc
 
 __version__ = "0.1.0"
 

@@ -146,6 +146,9 @@ def hc_backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | Non
     return compile_graph(gm, example_inputs, cfg)
 
 
+hc_backend.__hccompile_backend__ = True  # hccompile.substitutes asks whether hc traces the frame
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

@@ -130,3 +130,36 @@ def has_inductor_option(name: str) -> bool:
     from torch._inductor import config as inductor_config
 
     return hasattr(inductor_config, name)
+
+
+# --- the backend of the frame Dynamo is tracing ---
+# Read at trace time by hccompile.substitutes (a constant-folded call, so no guard): Dynamo keeps the
+# backend on the current InstructionTranslator's output graph (2.11-2.15), wrapped by
+# WrapBackendDebug (`_torchdynamo_orig_backend`); torch.compile(backend="hc", options=...) adds a
+# _TorchCompileWrapper (`compiler_fn`, `kwargs`); a functools.partial may carry keyword options.
+def tracing_backend() -> tuple[Any, dict[str, Any]] | None:
+    """(the innermost backend callable, the keyword arguments it will be called with) of the frame
+    Dynamo is tracing now, or None outside a trace."""
+    import functools
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except (AttributeError, ImportError):
+        return None
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None) if tx is not None else None
+    kwargs: dict[str, Any] = {}
+    for _ in range(8):
+        if fn is None:
+            return None
+        if hasattr(fn, "_torchdynamo_orig_backend"):
+            fn = fn._torchdynamo_orig_backend
+        elif isinstance(fn, functools.partial):
+            kwargs = {**fn.keywords, **kwargs}
+            fn = fn.func
+        elif hasattr(fn, "compiler_fn") and hasattr(fn, "kwargs"):  # torch's _TorchCompileWrapper
+            kwargs = {**fn.kwargs, **kwargs}
+            fn = fn.compiler_fn
+        else:
+            break
+    return fn, kwargs

@@ -19,6 +19,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 class Collect:
     """torch.compile(fn, backend=Collect(...)) records every GraphReport."""
 
+    __hccompile_backend__ = True  # hc's substitutes apply (hccompile.substitutes reads self.cfg)
+
     def __init__(self, **options: Any):
         self.cfg = resolve(options)
         self.reports: list[Any] = []

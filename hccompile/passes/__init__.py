@@ -7,6 +7,8 @@ import importlib
 from .base import GraphPass, PassContext, register_pass, registered_passes
 
 PASS_MODULES = (
+    "substitutes",
+    "depthwise_conv",
     "hc_detect",
     "hc_fuse",
     "delta_rule",

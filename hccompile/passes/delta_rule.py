@@ -55,6 +55,7 @@ import torch.fx as fx
 
 from ..compat import concrete_shape, size_hint, view_attribute
 from ..lowering.delta_rule import keeps_intermediates
+from . import fx_match as M
 from .base import GraphPass, PassContext, register_pass
 
 PATTERN = "delta_rule"
@@ -1240,7 +1241,7 @@ class _Emitter:
         else:
             node = self.graph.call_function(target, args)
         node.meta["stack_trace"] = self.meta_source.meta.get("stack_trace")
-        node.meta["example_value"] = _fake_value(node, self.fake_mode)
+        node.meta["example_value"] = M.fake_value(node, self.fake_mode)
         self.created.append(node)
         return node
 
@@ -1264,21 +1265,6 @@ class _Emitter:
 
     def call(self, target, *args):
         return self._node("function", target, args)
-
-
-def _fake_value(node: fx.Node, fake_mode: Any) -> Any:
-    """Example value for a new node, in the fake mode of its own inputs (Dynamo graphs can hold
-    values of more than one fake mode)."""
-    args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
-    flat = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-    mode = next((a.fake_mode for a in flat if hasattr(a, "fake_mode")), None) or fake_mode
-    if mode is None:
-        return None
-    with mode:
-        if node.op == "call_function":
-            return node.target(*args)
-        self_arg, *rest = args
-        return getattr(self_arg, node.target)(*rest)
 
 
 _OP_ORDER = ("b0", "t", "b1", "d")

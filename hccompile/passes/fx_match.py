@@ -254,3 +254,24 @@ def view_chain(node: Any) -> list[fx.Node]:
         chain.append(node)
         node = node.args[0]
     return chain
+
+
+def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
+    """Example value for a node a pass created, computed in the fake mode of its own inputs (Dynamo
+    graphs can hold values of more than one fake mode, e.g. for lifted parameters; not
+    detect_fake_mode(), which prefers the tracing context's mode); `fake_mode` when no input has one.
+    The Python dispatcher is on, as while Dynamo traces: without it some ops' C++ meta functions
+    read symbolic sizes as ints and pin them (constant_pad_nd guarded T == 21)."""
+    args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value"))
+    flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    mode = next((a.fake_mode for a in flat if hasattr(a, "fake_mode")), None) or fake_mode
+    if mode is None:
+        return None
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with mode, enable_python_dispatcher():
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        self_arg, *rest = args
+        return getattr(self_arg, node.target)(*rest, **kwargs)

@@ -1096,8 +1096,6 @@ class GraphEmitter:
         return x
 
     def __call__(self, what: str, *args) -> fx.Node:
-        from .linear_attn import _fake_value
-
         if what == "reshape_to":
             return self.reshape_to(*args)
         if what.startswith("op:"):
@@ -1112,7 +1110,7 @@ class GraphEmitter:
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in self.meta_from.meta:
                 node.meta[key] = self.meta_from.meta[key]
-        node.meta["example_value"] = _fake_value(node, self.ctx)
+        node.meta["example_value"] = M.fake_value(node, self.ctx.fake_mode)
         node.meta["hc"] = {"layer": self.layer, "role": role}
         self.nodes.append(node)
         return node

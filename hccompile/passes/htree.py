@@ -456,7 +456,7 @@ def rewrite(inst: Instance, gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
         else:
             node = g.call_method(what, (x, *args))
         node.meta["stack_trace"] = stack_trace
-        node.meta["example_value"] = _fake_value(node, ctx)
+        node.meta["example_value"] = M.fake_value(node, ctx.fake_mode)
         return node
 
     with g.inserting_before(inst.output):
@@ -474,20 +474,6 @@ def rewrite(inst: Instance, gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
         if not node.users and node.op not in ("placeholder", "output", "get_attr") and not M.is_impure(node):
             g.erase_node(node)
     return out
-
-
-def _fake_value(node: fx.Node, ctx: PassContext) -> Any:
-    """Example value of a new node, in the fake mode of its own inputs."""
-    args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
-    flat = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-    mode = next((a.fake_mode for a in flat if hasattr(a, "fake_mode")), None) or ctx.fake_mode
-    if mode is None:
-        return None
-    with mode:
-        if node.op == "call_function":
-            return node.target(*args)
-        self_arg, *rest = args
-        return getattr(self_arg, node.target)(*rest)
 
 
 def _static(value: torch.Tensor) -> bool:

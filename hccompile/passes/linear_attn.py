@@ -1003,7 +1003,7 @@ class _Fx:
 
     def _node(self, node: fx.Node) -> fx.Node:
         node.meta["stack_trace"] = self.stack_trace
-        node.meta["example_value"] = _fake_value(node, self.ctx)
+        node.meta["example_value"] = M.fake_value(node, self.ctx.fake_mode)
         return node
 
     def input(self, node: fx.Node) -> fx.Node:
@@ -1230,23 +1230,6 @@ def _sweep_dead(g: fx.Graph) -> None:
             (n.op == "call_method" and n.target in _PURE_METHODS)
         if known and _mutation_target(n) is None and not _impurity(n) and not n.is_impure():
             g.erase_node(n)
-
-
-def _fake_value(node: fx.Node, ctx: PassContext) -> Any:
-    """Example value for a new node, computed in the fake mode of its own inputs (Dynamo graphs can
-    hold values from more than one fake mode, e.g. for lifted parameters)."""
-    args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
-    kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value"))
-    flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    # not detect_fake_mode(): it prefers the tracing context's mode, which can differ
-    mode = next((a.fake_mode for a in flat if hasattr(a, "fake_mode")), None) or ctx.fake_mode
-    if mode is None:
-        return None
-    with mode:
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        self_arg, *rest = args
-        return getattr(self_arg, node.target)(*rest, **kwargs)
 
 
 def _is_candidate_anchor(node: fx.Node, lead_memo: dict) -> bool:
