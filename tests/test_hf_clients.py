@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from helpers import Collect, rel_err
+from helpers import Collect, fwd_bwd, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -240,3 +240,30 @@ def test_a_changed_signature_is_not_substituted(tmp_path, monkeypatch):
     substitutes.register(_client(name))
     assert "not the one this substitute was written for" in substitutes.installed()[f"{name}.chunk_rule"]
     sys.modules.pop(name, None)
+
+
+def test_minimax_lightning_blocks_are_lowered(reference_op):
+    """HF MiniMax's lightning attention: its block loop is inline in forward (no function to
+    substitute) and its decay a precomputed buffer (diagonal_decay). The linear_attn pass lowers each
+    block's decayed intra-block attention, the decay read off the buffer and the whole buffer checked
+    against exp(γ_h (t−s)); the inter-block part stays as written (issue 21: not one loop yet)."""
+    from transformers import MiniMaxConfig, MiniMaxModel
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MiniMaxModel(MiniMaxConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=32, num_local_experts=2, num_experts_per_tok=1, block_size=16,
+        layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    layer = model.layers[0].self_attn
+
+    def attention(x):
+        return layer(x, None, None)[0]
+
+    be = Collect(compiler="aot_eager")
+    x = torch.randn(1, 40, 64)
+    out, (dx,) = fwd_bwd(torch.compile(attention, backend=be, fullgraph=True), x)
+    ref, (rx,) = fwd_bwd(attention, x)
+    matches = [(m["pattern"], m["op"]) for m in be.matches if m["pass"] == "linear_attn"]
+    assert matches == [("decayed_linear_attn", "lightning_attn")] * 3, be.refusals  # 40 tokens: 3 blocks
+    assert rel_err(out, ref) < 1e-5 and rel_err(dx, rx) < 1e-5

@@ -151,7 +151,8 @@ def test_check_exit_codes(tmp_path, results):
     assert kimi["measured"] == pytest.approx(25.0) and kimi["measured_text"] == "25 s (T=4096)"
     # One module not lowered: the graphs target fails.
     write(tmp_path / "compile_2026-12-02_cpu.jsonl", [
-        {"bench": "graphs", "model": "HF MiniMax lightning", "graphs": 1, "lowered": False, "date": "2026-12-02"}])
+        {"bench": "graphs", "model": "HF MiniMax lightning", "lengths": [96, 160, 288], "graphs": 1, "lowered": False,
+         "date": "2026-12-02"}])
     assert run("--family", "compile", "--check", results=tmp_path).returncode == 1
 
 

@@ -368,12 +368,15 @@ class Operand:
     labels: list[str]
 
 
+TABLE = "table"  # a precomputed decay-mask buffer D = exp(γ_h (t−s)) (HF MiniMax's diagonal_decay)
+
+
 @dataclass
 class Decay:
     """γ_h = coeff · Π heads, each head factor a node (or its log) with one value per head or
     one for all; `values` is γ evaluated on the real example inputs."""
 
-    heads: list[tuple[fx.Node, bool]]  # (node, take the log)
+    heads: list[tuple[fx.Node, bool | str]]  # (node, take the log), or (D, TABLE): γ = log D[t=1, s=0]
     coeff: float
     values: torch.Tensor
 
@@ -750,8 +753,21 @@ class _DecayAnalysis:
                 raise Refusal("decay mask: where() without a zero branch")
         elif self._is_binary(node):
             return  # a 0/1 (causal) mask; the probe checks which entries it keeps
+        elif self._is_table(node):
+            # γ is read off the table, and the whole table is compared with exp(γ (t−s)) below
+            self.terms.append(_Term(heads=[(node, TABLE)]))
         else:
             self._refuse_leaf(node, "is not part of a decay mask exp(γ·(t−s))")
+
+    def _is_table(self, node: fx.Node) -> bool:
+        """A constant tensor (a buffer: no graph input behind it) with extent along t and s."""
+        return not self.facts.deps(node) and self._table_shape_ok(node)
+
+    def _table_shape_ok(self, node: fx.Node) -> bool:
+        shape = _aligned_shape(node, self.rank)
+        value = self.facts.value(node)
+        return shape[self.ti] >= 2 and shape[self.si] >= 2 and isinstance(value, torch.Tensor) \
+            and not value.requires_grad and bool(torch.isfinite(value).all())
 
     def exponent(self, node: Any, term: _Term) -> _Term:
         """Decompose the exponent into coeff · per-head factors · position factors."""
@@ -822,12 +838,18 @@ class _DecayAnalysis:
         if len(self.terms) > 1:
             raise Refusal("decay mask with more than one exponential factor")
         (term,) = self.terms
-        if not term.positions:
+        table = any(mode == TABLE for _, mode in term.heads)
+        if not term.positions and not table:
             raise Refusal("decay exponent does not depend on the positions t, s")
-        distance = self._position_factor(term.positions)
+        distance = self._position_factor(term.positions) if term.positions else 1.0
         heads = [(n, log) for n, log in term.heads]
         gamma = torch.tensor([term.coeff * distance], dtype=torch.float64)
         for node, log in heads:
+            if log == TABLE:
+                d = _aligned(self.facts.value(node), self.rank, self.ti, self.si)
+                value = d.narrow(self.ti, 1, 1).narrow(self.si, 0, 1).log().reshape(-1)
+                gamma = gamma * value
+                continue
             value = self.facts.value(node)
             value = torch.as_tensor(value).detach().to("cpu", torch.float64).reshape(-1)
             if log:
@@ -1070,6 +1092,15 @@ def _emit_decay(em: Any, cand: Candidate, q4: Any) -> Any:
         return em.method("new_zeros", q4, [heads], dtype=torch.float32)
     gamma = None
     for node, log in decay.heads:
+        if log == TABLE:  # γ_h = log D[..., t=1, s=0], in D's own dims (aligned to the right)
+            lead = len(cand.p_labels) - len(_shape(node))
+            ti, si = cand.p_labels.index("t") - lead, cand.p_labels.index("s") - lead
+            entry = em.input(node)
+            for dim, index in sorted(((ti, 1), (si, 0)), reverse=True):
+                entry = em.method("select", entry, dim, index)
+            x = em.call(torch.log, em.method("to", em.method("reshape", entry, -1), torch.float32))
+            gamma = x if gamma is None else em.call(operator.mul, gamma, x)
+            continue
         x = em.method("to", em.method("reshape", em.input(node), -1), torch.float32)
         if log:
             x = em.call(torch.log, x)
