@@ -58,3 +58,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for o in obj for t in _tensors(o)]
     return []
+
+
+_backend.__hccompile_backend__ = True  # hccompile.substitutes applies under explain too

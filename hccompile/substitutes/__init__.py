@@ -139,7 +139,8 @@ def _hc_options() -> dict[str, Any] | None:
         return None
     fn, kwargs = found
     if getattr(fn, "__hccompile_backend__", False):
-        cfg = getattr(fn, "cfg", None)  # a backend object that carries resolved options (tests)
+        # resolved options: on a backend object (tests' Collect) or bound by partial (explain)
+        cfg = getattr(fn, "cfg", None) or kwargs.get("cfg")
         if cfg is not None:
             return dict(cfg.values)
         return dict(kwargs.get("options") or {})
