@@ -163,3 +163,15 @@ def tracing_backend() -> tuple[Any, dict[str, Any]] | None:
         else:
             break
     return fn, kwargs
+
+
+def shown(value: Any) -> str:
+    """A size for an error message: the number, and for a symbolic size (dynamic shapes) also the
+    symbol Dynamo gave it, so that 'head dim s77' reads 'head dim 300 (s77: symbolic under dynamic
+    shapes)'."""
+    if isinstance(value, torch.SymInt):
+        try:
+            return f"{size_hint(value)} ({value.node.expr}: symbolic under dynamic shapes)"
+        except Exception:  # noqa: BLE001 - an unbacked size has no example value
+            return f"{value.node.expr} (symbolic, no example value)"
+    return str(value)

@@ -92,3 +92,16 @@ def test_bad_input_names_argument(bad, match):
     q, k, v = _qkv()
     with pytest.raises((ValueError, TypeError), match=match):
         causal_linear_attn_op(*bad(q, k, v), 1.0)
+
+
+def test_limit_errors_under_dynamic_shapes_show_the_size_not_only_its_symbol():
+    """Under dynamic=True a head dim is a symbol (s77); the error says its value too (issue 21, item 5)."""
+    def f(q, k, v, g, beta):
+        return hccompile.chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+    q, k = torch.randn(1, 20, 2, 300), torch.randn(1, 20, 2, 300)
+    v, g, beta = torch.randn(1, 20, 2, 16), -torch.rand(1, 20, 2), torch.rand(1, 20, 2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"q: head dim 300 \(s\d+: symbolic under dynamic shapes\) exceeds "
+                                        r"the supported maximum 256"):
+        torch.compile(f, backend="hc", dynamic=True, fullgraph=True)(q, k, v, g, beta)

@@ -59,6 +59,7 @@ from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_d
                                   chunk_delta_rule_ref, triton_available)
 from ..kernels.delta_rule.chunk import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES
 from ..kernels.delta_rule.reference import GATE_KINDS
+from .. import compat as _compat
 
 __all__ = [
     "chunk_delta_rule",
@@ -169,7 +170,7 @@ def _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size) 
             raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
     for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
+            raise ValueError(f"{name}: head dim {_compat.shown(dim)} exceeds the supported maximum {MAX_HEAD_DIM}")
     # The kernels' chunk sizes, also for the reference: the two paths must accept the same calls.
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")

@@ -46,6 +46,7 @@ from ..kernels.htree.backward import htree_backward
 from ..kernels.htree.forward import htree_forward
 from ..kernels.htree.reference import HTreeConfig, htree_attention_ref, resolve_htree_config
 from ..kernels.htree.tiles import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from .. import compat as _compat
 
 __all__ = [
     "htree_attention",
@@ -88,7 +89,7 @@ def _check_dtypes(q, k, v, **others) -> None:
         raise TypeError(f"q: dtype {q.dtype} is not supported (float16, bfloat16, float32, float64)")
     for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
+            raise ValueError(f"{name}: head dim {_compat.shown(dim)} exceeds the supported maximum {MAX_HEAD_DIM}")
     for name, tensor in others.items():
         if tensor is not None and tensor.device != q.device:
             raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
