@@ -60,6 +60,33 @@ test-gpu:
 		--durations tests/gpu_durations.json \
 		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS)
 
+# The GPU suite over more than one device call (a call may run 10 minutes; the suite takes ~14 on the
+# H100): `make test-gpu-start COMMIT=<sha>` copies the tree to GPU_COPY (the next call re-copies the
+# working tree under running workers) and starts `make test-gpu` there in its own session; each
+# following call runs `make test-gpu-wait`, which waits up to GPU_WAIT_S seconds for the report and,
+# once it is written, copies it to benchmarks/results/gpu-suite.txt (and to $$OUT when set) with the
+# logs. Issue the next call at once: the machine is given back after 30 s idle.
+GPU_COPY ?= /tmp/hccompile-gpu-suite
+GPU_WAIT_S ?= 540
+
+.PHONY: test-gpu-start test-gpu-wait
+test-gpu-start:
+	@test -n "$(COMMIT)" || { echo "make test-gpu-start: no .git here; pass COMMIT=<sha>"; exit 2; }
+	rm -rf $(GPU_COPY) && mkdir -p $(GPU_COPY) && cp -a . $(GPU_COPY)/
+	cd $(GPU_COPY) && setsid nohup $(MAKE) test-gpu COMMIT=$(COMMIT) GPU_REPORT=$(GPU_COPY)/gpu-suite.txt \
+		> $(GPU_COPY)/suite.log 2>&1 < /dev/null &
+	@echo "started in $(GPU_COPY); follow with: make test-gpu-wait"
+
+test-gpu-wait:
+	@for i in $$(seq $(GPU_WAIT_S)); do test -s $(GPU_COPY)/gpu-suite.txt && break; sleep 1; done; \
+	tail -3 $(GPU_COPY)/suite.log; \
+	if test -s $(GPU_COPY)/gpu-suite.txt; then \
+		cp $(GPU_COPY)/gpu-suite.txt benchmarks/results/gpu-suite.txt; \
+		if test -n "$$OUT"; then cp $(GPU_COPY)/gpu-suite.txt $(GPU_COPY)/suite.log "$$OUT"/; \
+			cp -r $(GPU_COPY)/.gpu-suite "$$OUT"/logs 2>/dev/null || true; fi; \
+		echo "report written"; \
+	else echo "still running: call make test-gpu-wait again"; exit 3; fi
+
 # The CPU suite on torch 2.15 (the current release), in a venv of its own so that .venv (torch 2.13)
 # stays as it is; constraints-cpu.txt's Triton 3.9 is also 2.15's. On a CPU machine torch 2.15 is its
 # CUDA build (~540 MB plus ~5 GB of CUDA packages from PyPI). Where the global pip configuration caps
