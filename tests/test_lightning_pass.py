@@ -157,6 +157,28 @@ def test_quadratic_decay_dynamic_length_compiles_once(fn, layout):
     assert [m["pattern"] for m in be.matches] == ["decayed_linear_attn"]
 
 
+def test_lightning_module_with_a_float_scale_attribute_compiles_once_under_dynamic_shapes():
+    """dynamic=True turns the module's float attribute `scale` into a symbol (`.item()` of a lifted
+    scalar): the pass used to refuse ('.item() has no tensor example value'); the symbol now
+    multiplies the op's output instead of being baked into it."""
+    from hccompile.nn.lightning import LightningAttention
+
+    torch.manual_seed(0)
+    m = LightningAttention(32, 2, form="quadratic")
+    be = Collect(compiler="aot_eager")
+    compiled = torch.compile(m, backend=be, fullgraph=True, dynamic=True)
+    for T in (19, 28):
+        x = torch.randn(1, T, 32, generator=torch.Generator().manual_seed(T))
+        out, (gx,) = fwd_bwd(compiled, x)
+        ref, (rx,) = fwd_bwd(m, x)
+        assert rel_err(out, ref) < 1e-5 and rel_err(gx, rx) < 1e-5
+    assert len(be.reports) == 1, "recompiled for a new sequence length"
+    assert [x["pattern"] for x in be.matches] == ["decayed_linear_attn"], be.refusals
+    m.scale = m.scale * 1.5  # a changed scale still gives the right answer
+    x = torch.randn(1, 23, 32)
+    assert rel_err(compiled(x), m(x)) < 1e-5
+
+
 def test_quadratic_decay_inductor_forward_and_backward_ops():
     be = Collect(force_disable_caches=True)
     fn = AlibiBthdEinsum()

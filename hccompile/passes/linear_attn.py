@@ -394,6 +394,9 @@ class Candidate:
     p_labels: list[str] = field(default_factory=list)  # the score matrix's dims (quadratic)
     score_shape: tuple[int, ...] | None = None
     mask_factors: list[fx.Node] = field(default_factory=list)  # tensors multiplying the scores
+    # scalar graph values multiplying (or dividing) the scores, e.g. a float attribute that
+    # dynamic=True turned into a symbol (`self.scale` -> `.item()`): applied to the op's output
+    scale_nodes: list[tuple[fx.Node, str]] = field(default_factory=list)
     mask_conditions: list[Any] = field(default_factory=list)  # conditions of where/masked_fill
     decay: Decay | None = None
     head_label: str | None = None  # the batch label along which the decay varies
@@ -566,6 +569,12 @@ def _walk_scores(p: Any, cand: Candidate, lead_memo: dict) -> tuple[fx.Node, boo
             elif ca is not None and k == "mul" and isinstance(b, fx.Node):
                 cand.scale *= ca
                 node = b
+            elif _is_scalar_node(b) and isinstance(a, fx.Node):
+                cand.scale_nodes.append((b, k))
+                node = a
+            elif _is_scalar_node(a) and k == "mul" and isinstance(b, fx.Node):
+                cand.scale_nodes.append((a, k))
+                node = b
             elif k == "div":
                 raise Refusal("division by a tensor (a normaliser) between QKᵀ and V")
             else:
@@ -583,6 +592,11 @@ def _walk_scores(p: Any, cand: Candidate, lead_memo: dict) -> tuple[fx.Node, boo
             node = node.args[0]
         else:
             raise Refusal(f"{M.describe(node)} between QKᵀ and V is not part of linear attention")
+
+
+def _is_scalar_node(x: Any) -> bool:
+    """A graph value that is a number, not a tensor (a SymFloat from a float attribute)."""
+    return isinstance(x, fx.Node) and isinstance(M.example(x), (torch.SymFloat, torch.SymInt, float, int))
 
 
 _LEAD_THROUGH = ("tril", "triu", "softmax", "masked_fill", "cast", "contiguous", "transpose",
@@ -1120,6 +1134,8 @@ def build(cand: Candidate, em: Any, q: Any, k: Any, v: Any) -> Any:
     op_name = cand.op
     decay = _emit_decay(em, cand, q4) if op_name == "lightning_attn" else None
     o4 = em.attention(op_name, q4, k4, v4, cand.scale, decay)
+    for node, how in cand.scale_nodes:  # linear in the scores: the output carries the factor
+        o4 = em.call(operator.mul if how == "mul" else operator.truediv, o4, em.input(node))
     return _from_op_layout(em, o4, cand.out_labels, plan)
 
 
