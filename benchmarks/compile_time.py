@@ -8,7 +8,7 @@ For each layer: one torch.compile(backend="hc", dynamic=True) object run at ever
       whether an hccompile op reached the forward graph
 and the same with backend="inductor" for comparison. Layers: HF transformers' Qwen3-Next GDN,
 Qwen3.5 GDN, OLMo-hybrid GDN, Kimi-Linear KDA (tiny configs through their config classes, as
-tests/test_hf_clients.py builds them; sizes from --hidden/--heads/--head-dim).
+tests/test_hf_clients.py builds them), and hccompile.nn's plain-PyTorch attention modules.
 
     python benchmarks/compile_time.py --out benchmarks/results/compile_<date>_<device>.jsonl
 """
@@ -35,13 +35,30 @@ HIDDEN = 64  # the tiny configs' hidden size
 # On the CPU, Inductor's C++ reductions guard 16 * B * T <= 4096 (codegen/cpp.py, need_use_acc_helper)
 # and recompile past it: there, pass --lengths 96,160,250 to count our graphs, not that guard's.
 MODELS = {"qwen3_next": "HF Qwen3-Next GatedDeltaNet", "qwen3_5": "HF Qwen3.5 GatedDeltaNet",
-          "olmo_hybrid": "HF OLMo-hybrid GatedDeltaNet", "kimi_linear": "HF Kimi-Linear KDA"}
+          "olmo_hybrid": "HF OLMo-hybrid GatedDeltaNet", "kimi_linear": "HF Kimi-Linear KDA",
+          "nn_gdn": "hccompile.nn GatedDeltaNet (plain)", "nn_kda": "hccompile.nn KimiDeltaAttention (plain)",
+          "nn_lightning": "hccompile.nn LightningAttention (quadratic, decay)",
+          "nn_linear": "hccompile.nn PlainCausalLinearAttention"}
 
 
 def _layer(family: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    from test_hf_clients import _tiny
-
-    return _tiny(family).to(device=device, dtype=dtype)
+    torch.manual_seed(0)
+    if family == "nn_gdn":
+        from hccompile.nn.delta_net import GatedDeltaNet
+        layer = GatedDeltaNet(hidden_size=HIDDEN, num_heads=2, head_dim=16, num_v_heads=4, mode="plain")
+    elif family == "nn_kda":
+        from hccompile.nn.delta_net import KimiDeltaAttention
+        layer = KimiDeltaAttention(hidden_size=HIDDEN, num_heads=2, head_dim=16, mode="plain")
+    elif family == "nn_lightning":
+        from hccompile.nn.lightning import LightningAttention
+        layer = LightningAttention(HIDDEN, 2, form="quadratic")
+    elif family == "nn_linear":
+        from hccompile.nn.linear_attention import PlainCausalLinearAttention
+        layer = PlainCausalLinearAttention(HIDDEN, 2)
+    else:
+        from test_hf_clients import _tiny
+        layer = _tiny(family)
+    return layer.to(device=device, dtype=dtype)
 
 
 def run(family: str, backend: str, lengths: list[int], device: str, dtype: torch.dtype, batch: int) -> list[dict]:
