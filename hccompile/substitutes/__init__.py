@@ -36,6 +36,7 @@ from .. import compat
 
 PROBE_TOLERANCE = 1e-4  # float32 against float32: the chunked and token-by-token forms differ by ~1e-6
 PASS_NAME = "substitutes"
+_REQUIRED = object()  # a parameter without a default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Client:
 
 _CLIENTS: dict[str, list[Client]] = {}
 _installed: dict[str, str] = {}  # client name -> "substituted" or the reason it was not
+_originals: dict[str, Any] = {}  # client name -> the function substituted (what the probe runs)
 _probes: dict[tuple, tuple[bool, str, float | None]] = {}
 _decisions = threading.local()
 _lock = threading.RLock()
@@ -93,9 +95,6 @@ def _signature_matches(fn: Any, parameters: tuple[tuple[str, Any], ...]) -> str 
     return None
 
 
-_REQUIRED = object()
-
-
 def required(*names: str) -> tuple[tuple[str, Any], ...]:
     return tuple((n, _REQUIRED) for n in names)
 
@@ -126,9 +125,6 @@ def _install(client: Client, module: types.ModuleType) -> None:
     substitute_in_graph(fn, skip_signature_check=True)(substitute)
     _originals[client.name] = fn
     _installed[client.name] = "substituted"
-
-
-_originals: dict[str, Any] = {}
 
 
 # --- the trace-time decision -----------------------------------------------------------------------
@@ -173,8 +169,7 @@ def _decide(client: str, *config: Any) -> bool:
         if key not in _probes:
             _probes[key] = _run_probe(client, config)
     ok, reason, error = _probes[key]
-    decision = {"client": client, "config": config, "error": error}
-    _record({**decision, "substituted": ok, "reason": reason})
+    _record({"client": client, "config": config, "error": error, "substituted": ok, "reason": reason})
     return ok
 
 

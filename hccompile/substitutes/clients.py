@@ -28,34 +28,28 @@ def _state(initial_state):
     return None if initial_state is None else initial_state.float()
 
 
-def _gated_delta_rule_substitute(original: Callable[..., Any], client: str) -> Callable[..., Any]:
-    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-        if use_substitute(client, query.shape[2], value.shape[2], query.shape[3], value.shape[3],
-                          chunk_size, bool(use_qk_l2norm_in_kernel), initial_state is not None):
-            o, state = chunk_gated_delta_rule(
-                query, key, value, g.float(), beta, initial_state=_state(initial_state),
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-            return o.to(query.dtype), state
-        return original(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
-                        use_qk_l2norm_in_kernel, **kwargs)
+def _substitute_with(op: Callable[..., Any]) -> Callable[[Callable[..., Any], str], Callable[..., Any]]:
+    """The substitute factory for HF's chunked delta rules (one signature), calling `op` (the scalar
+    gate's chunk_gated_delta_rule or KDA's per-channel chunk_kda; the same arguments otherwise)."""
+    def make(original: Callable[..., Any], client: str) -> Callable[..., Any]:
+        def substitute(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **kwargs):
+            if use_substitute(client, query.shape[2], value.shape[2], query.shape[3], value.shape[3],
+                              chunk_size, bool(use_qk_l2norm_in_kernel), initial_state is not None):
+                o, state = op(query, key, value, g.float(), beta, initial_state=_state(initial_state),
+                              output_final_state=output_final_state,
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                return o.to(query.dtype), state
+            return original(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, **kwargs)
 
-    return torch_chunk_gated_delta_rule
+        return substitute
+
+    return make
 
 
-def _kda_substitute(original: Callable[..., Any], client: str) -> Callable[..., Any]:
-    def chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                                   output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-        if use_substitute(client, query.shape[2], value.shape[2], query.shape[3], value.shape[3],
-                          chunk_size, bool(use_qk_l2norm_in_kernel), initial_state is not None):
-            o, state = chunk_kda(
-                query, key, value, g.float(), beta, initial_state=_state(initial_state),
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-            return o.to(query.dtype), state
-        return original(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
-                        use_qk_l2norm_in_kernel, **kwargs)
-
-    return chunk_kimi_delta_attention
+_gated_delta_rule_substitute = _substitute_with(chunk_gated_delta_rule)
+_kda_substitute = _substitute_with(chunk_kda)
 
 
 def _relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
