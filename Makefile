@@ -83,7 +83,7 @@ test-gpu-wait:
 	if test -s $(GPU_COPY)/gpu-suite.txt; then \
 		cp $(GPU_COPY)/gpu-suite.txt benchmarks/results/gpu-suite.txt; \
 		if test -n "$$OUT"; then cp $(GPU_COPY)/gpu-suite.txt $(GPU_COPY)/suite.log "$$OUT"/; \
-			cp -r $(GPU_COPY)/.gpu-suite "$$OUT"/logs 2>/dev/null || true; fi; \
+			tar czf "$$OUT"/gpu-suite-logs.tar.gz -C $(GPU_COPY) .gpu-suite 2>/dev/null || true; fi; \
 		echo "report written"; \
 	else echo "still running: call make test-gpu-wait again"; exit 3; fi
 

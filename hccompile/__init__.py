@@ -3,6 +3,7 @@ lowers plain-PyTorch attention subgraphs to Triton kernels."""
 from . import compat as _compat
 
 _compat.check_torch_version()
+_compat.trace_through_einops()
 
 from . import lowering  # noqa: E402  (registers torch.ops.hccompile.*)
 from .debug import Report, explain  # noqa: E402

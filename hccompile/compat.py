@@ -175,3 +175,57 @@ def shown(value: Any) -> str:
         except Exception:  # noqa: BLE001 - an unbacked size has no example value
             return f"{value.node.expr} (symbolic, no example value)"
     return str(value)
+
+
+# --- einops: traced into its torch calls, on every supported torch ---
+# torch 2.13 traces einops >= 0.8.2 into the reshapes, permutes and einsums it makes. torch 2.11 keeps
+# rearrange/repeat/einsum/... as opaque nodes of the Dynamo graph: einops registers them with
+# allow_in_graph because its own check compares version strings ("2.11" < "2.8"), and 2.11's Dynamo
+# does not override it. No pass can read the math of an opaque einops node (the hyper-connections
+# package is written in einops: on 2.11 no mHC layer was found). Where torch lacks 2.13's rule, apply
+# it: after torch's lazy einops set-up (which imports einops' registration), take the functions out of
+# the allowed set. Process-wide, as in torch 2.13: any backend then sees the einops calls traced.
+EINOPS_TRACED_FROM = (0, 8, 2)  # torch 2.13's _EINOPS_DYNAMO_TRACING_MIN_VERSION
+
+
+def trace_through_einops() -> None:
+    import sys
+
+    from torch._dynamo import decorators, trace_rules
+
+    if hasattr(decorators, "_einops_supports_dynamo_tracing"):  # torch >= 2.13 decides itself
+        return
+    lazy = getattr(trace_rules, "_lazy_module_init", None)
+    allowed = getattr(trace_rules, "_allowed_callable_ids", None)
+    if lazy is None or allowed is None:
+        return
+
+    def untrap() -> None:
+        import warnings
+
+        try:
+            import einops
+        except ImportError:
+            return
+        try:
+            version = tuple(int(p) for p in einops.__version__.split(".")[:3])
+        except ValueError:
+            return
+        if version < EINOPS_TRACED_FROM:
+            return
+        # einops registers its torch backend on first use and Dynamo guards on that registry: use it
+        # once now, as torch 2.13 does, or the second compiled call recompiles
+        einops.rearrange(torch.empty(1), "i -> i")
+        for name in ("rearrange", "reduce", "repeat", "einsum", "pack", "unpack"):
+            fn = getattr(einops, name, None)
+            if fn is not None:
+                allowed.remove(id(fn))
+        # torch 2.13 silences this warning for einops' pure recipe caches only; so do we
+        warnings.filterwarnings(
+            "ignore", category=UserWarning,
+            message=r"Dynamo detected a call to a `functools.lru_cache`-wrapped function at 'einops\.py")
+
+    if "einops" in lazy or "einops" not in sys.modules:
+        lazy["einops"].append(untrap)  # after torch's own set-up, on the first einops lookup
+    else:
+        untrap()

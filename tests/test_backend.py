@@ -142,3 +142,32 @@ def test_custom_pass_uuid_is_stable_and_tracks_config():
     assert uuid() != uuid(hc_recompute="off") != uuid(hc_recompute="layer")
     assert uuid() != uuid(hc_recompute_block=3)
     assert uuid() == uuid(dump_dir="/tmp/somewhere")
+
+
+def test_einops_calls_are_traced_into_torch_ops():
+    """hyper-connections and many attention layers are written in einops. torch 2.11 kept einops'
+    functions as opaque graph nodes (no pass could read them); hccompile.compat applies torch 2.13's
+    rule there. On every supported torch the Dynamo graph holds the torch ops einops makes, one graph
+    over several lengths, equal to eager."""
+    einops = pytest.importorskip("einops")
+
+    def f(x, w):
+        y = einops.rearrange(x, "b t (h d) -> b h t d", h=2)
+        y = einops.einsum(y, w, "b h t d, d e -> b h t e")
+        return einops.reduce(einops.repeat(y, "b h t e -> b h t e r", r=2), "b h t e r -> b t (h e)", "sum")
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    fn = torch.compile(f, backend=record, fullgraph=True, dynamic=True)
+    w = torch.randn(4, 3)
+    for t in (5, 7, 11):
+        x = torch.randn(2, t, 8)
+        torch.testing.assert_close(fn(x, w), f(x, w))
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if getattr(t, "__module__", "").startswith("einops")], targets
+    assert torch.einsum in targets or any("einsum" in str(t) for t in targets), targets

@@ -242,4 +242,7 @@ def test_bench_table_and_json(tmp_path, capsys):
     result = json.loads(path.read_text())
     assert [(r["op"], r["impl"]) for r in result["rows"]] == [
         ("linear", "plain"), ("linear", "hccompile"), ("gdn", "plain"), ("gdn", "hccompile")]
-    assert all(r["rel_err"] < 1e-3 for r in result["rows"] if r["impl"] == "hccompile")
+    # against eager PyTorch in the same dtype: bfloat16 on CUDA (both sides round), float32 on the CPU
+    bound = 1e-3 if result["dtype"] == "float32" else 2e-2
+    errs = {r["op"]: r["rel_err"] for r in result["rows"] if r["impl"] == "hccompile"}
+    assert all(e < bound for e in errs.values()), (result["dtype"], errs)
