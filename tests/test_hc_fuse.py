@@ -365,3 +365,31 @@ def test_gpu_bf16_model_fused_as_accurate_as_unfused(layout):
     for i, (f, u, r) in enumerate(zip(g_f, g_u, g_ref)):
         assert err(f, r) <= 2 * err(u, r) + 1e-4 * scale, \
             f"grad[{i}]: fused error {err(f, r):.3g}, unfused {err(u, r):.3g}, norm {r.norm().item():.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_code_launches_the_mhc_kernels_directly():
+    """Issue 24: on CUDA the mHC ops are traced into their kernel launches, so Inductor's output
+    code launches our kernels itself (no call through torch.ops.hccompile), and the report still
+    names the ops, forward and backward, as on the CPU."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    m = MHCGPT(64, 2, 1, n=4, sinkhorn_iters=4).cuda().bfloat16()
+    x = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    be = Collect()
+    fn = torch.compile(m, backend=be)
+    _, codes = run_and_get_code(lambda: fn(x).float().square().sum().backward())
+    code = "\n".join(codes)
+    for kernel in ("_mhc_mapping_fwd_kernel", "_mhc_aggregate_fwd_kernel", "_mhc_post_fwd_kernel",
+                   "_mhc_mapping_bwd_kernel", "_mhc_mapping_param_grads_kernel",
+                   "_mhc_aggregate_bwd_kernel", "_mhc_post_bwd_kernel"):
+        assert kernel in code, kernel
+    assert "hccompile" not in code.replace("hccompile/", "").replace("hccompile.kernels", ""), \
+        [line for line in code.splitlines() if "hccompile" in line][:5]
+    fwd, bwd = be.ops("forward"), be.ops("backward")
+    for name in OPS:
+        assert fwd.count(f"hccompile.{name}.default") == 2, (name, fwd)
+        assert bwd.count(f"hccompile.{name}_backward.default") == 2, (name, bwd)
+    with torch.no_grad():
+        assert_close([fn(x)], [m(x)], 2e-2, "out")

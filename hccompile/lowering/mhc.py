@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
+from ._launch import launched_by, traced_launch, triton_op, wrap_triton
 from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
 from ..kernels.mhc import mapping as K_map
@@ -95,8 +96,8 @@ def _into(value: Tensor, shape, dtype, device, order=None) -> Tensor:
 # post
 
 
-@torch.library.custom_op("hccompile::mhc_post", mutates_args=())
-def mhc_post_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool,
+@torch.library.custom_op("hccompile::mhc_post_host", mutates_args=())
+def mhc_post_host_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool,
                 out_order: Sequence[int]) -> Tensor:
     K_post.check_post_inputs(x, h_res, h_post, f)
     order = common.check_order(out_order, 4)
@@ -108,14 +109,14 @@ def mhc_post_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_r
     return _into(out, x.shape, x.dtype, x.device, order)
 
 
-@mhc_post_op.register_fake
+@mhc_post_host_op.register_fake
 def _mhc_post_fake(x, h_res, h_post, f, transpose_res, out_order):
     K_post.check_post_inputs(x, h_res, h_post, f)
     return _alloc(x.shape, x.dtype, x.device, common.check_order(out_order, 4))
 
 
-@torch.library.custom_op("hccompile::mhc_post_backward", mutates_args=())
-def mhc_post_backward_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
+@torch.library.custom_op("hccompile::mhc_post_backward_host", mutates_args=())
+def mhc_post_backward_host_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
                          transpose_res: bool, out_order: Sequence[int]
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
@@ -129,12 +130,38 @@ def mhc_post_backward_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, do
             *(_into(g, t.shape, t.dtype, t.device) for g, t in zip(grads[1:], (h_res, h_post, f))))
 
 
-@mhc_post_backward_op.register_fake
+@mhc_post_backward_host_op.register_fake
 def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order):
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     order = common.check_order(out_order, 4)
     return (_alloc(x.shape, x.dtype, x.device, order), _alloc(h_res.shape, h_res.dtype, x.device),
             _alloc(h_post.shape, h_post.dtype, x.device), _alloc(f.shape, f.dtype, x.device))
+
+
+# the ops: on CUDA the body's launches are what a compiled graph holds (lowering/_launch.py)
+@triton_op("hccompile::mhc_post", mutates_args=())
+def mhc_post_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool,
+                out_order: Sequence[int]) -> Tensor:
+    if not traced_launch(x, common.SUPPORTED_DTYPES):
+        return mhc_post_host_op(x, h_res, h_post, f, transpose_res, out_order)
+    K_post.check_post_inputs(x, h_res, h_post, f)
+    return K_post.launch_post_fwd(x, h_res, h_post, f, transpose_res, common.check_order(out_order, 4),
+                                  wrap=wrap_triton)
+
+
+@triton_op("hccompile::mhc_post_backward", mutates_args=())
+def mhc_post_backward_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
+                         transpose_res: bool, out_order: Sequence[int]
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if not traced_launch(x, common.SUPPORTED_DTYPES):
+        return mhc_post_backward_host_op(x, h_res, h_post, f, dout, transpose_res, out_order)
+    K_post.check_post_inputs(x, h_res, h_post, f, dout)
+    return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res,
+                                  common.check_order(out_order, 4), wrap=wrap_triton)
+
+
+launched_by("hccompile.mhc_post.default", getattr(K_post, "_mhc_post_fwd_kernel", None))
+launched_by("hccompile.mhc_post_backward.default", getattr(K_post, "_mhc_post_bwd_kernel", None))
 
 
 def _post_setup(ctx, inputs, output) -> None:
@@ -164,8 +191,8 @@ def mhc_post(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res:
 # aggregate
 
 
-@torch.library.custom_op("hccompile::mhc_aggregate", mutates_args=())
-def mhc_aggregate_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
+@torch.library.custom_op("hccompile::mhc_aggregate_host", mutates_args=())
+def mhc_aggregate_host_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
     K_agg.check_aggregate_inputs(x, h_pre)
     common.check_order(x_order, 4, "x_order")
     if _uses_triton(x):
@@ -176,7 +203,7 @@ def mhc_aggregate_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor
     return _into(R.mhc_aggregate_ref(x.to(ct), h_pre.to(ct)), (T1, T2, C), x.dtype, x.device)
 
 
-@mhc_aggregate_op.register_fake
+@mhc_aggregate_host_op.register_fake
 def _mhc_aggregate_fake(x, h_pre, x_order):
     K_agg.check_aggregate_inputs(x, h_pre)
     common.check_order(x_order, 4, "x_order")
@@ -184,8 +211,8 @@ def _mhc_aggregate_fake(x, h_pre, x_order):
     return _alloc((T1, T2, C), x.dtype, x.device)
 
 
-@torch.library.custom_op("hccompile::mhc_aggregate_backward", mutates_args=())
-def mhc_aggregate_backward_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
+@torch.library.custom_op("hccompile::mhc_aggregate_backward_host", mutates_args=())
+def mhc_aggregate_backward_host_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
                               ) -> tuple[Tensor, Tensor]:
     K_agg.check_aggregate_inputs(x, h_pre, dy)
     order = common.check_order(x_order, 4, "x_order")
@@ -198,11 +225,34 @@ def mhc_aggregate_backward_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Seq
             _into(dh, h_pre.shape, h_pre.dtype, x.device))
 
 
-@mhc_aggregate_backward_op.register_fake
+@mhc_aggregate_backward_host_op.register_fake
 def _mhc_aggregate_backward_fake(x, h_pre, dy, x_order):
     K_agg.check_aggregate_inputs(x, h_pre, dy)
     order = common.check_order(x_order, 4, "x_order")
     return _alloc(x.shape, x.dtype, x.device, order), _alloc(h_pre.shape, h_pre.dtype, x.device)
+
+
+@triton_op("hccompile::mhc_aggregate", mutates_args=())
+def mhc_aggregate_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
+    if not traced_launch(x, common.SUPPORTED_DTYPES):
+        return mhc_aggregate_host_op(x, h_pre, x_order)
+    K_agg.check_aggregate_inputs(x, h_pre)
+    common.check_order(x_order, 4, "x_order")
+    return K_agg.launch_aggregate_fwd(x, h_pre, wrap=wrap_triton)
+
+
+@triton_op("hccompile::mhc_aggregate_backward", mutates_args=())
+def mhc_aggregate_backward_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
+                              ) -> tuple[Tensor, Tensor]:
+    if not traced_launch(x, common.SUPPORTED_DTYPES):
+        return mhc_aggregate_backward_host_op(x, h_pre, dy, x_order)
+    K_agg.check_aggregate_inputs(x, h_pre, dy)
+    return K_agg.launch_aggregate_bwd(x, h_pre, dy, common.check_order(x_order, 4, "x_order"),
+                                      wrap=wrap_triton)
+
+
+launched_by("hccompile.mhc_aggregate.default", getattr(K_agg, "_mhc_aggregate_fwd_kernel", None))
+launched_by("hccompile.mhc_aggregate_backward.default", getattr(K_agg, "_mhc_aggregate_bwd_kernel", None))
 
 
 def _aggregate_setup(ctx, inputs, output) -> None:
@@ -263,8 +313,8 @@ def _reference_mapping(proj, r, alphas, biases, spec):
                              tuple(b.to(ct) for b in biases), spec)
 
 
-@torch.library.custom_op("hccompile::mhc_mapping", mutates_args=())
-def mhc_mapping_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+@torch.library.custom_op("hccompile::mhc_mapping_host", mutates_args=())
+def mhc_mapping_host_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                    alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor, n: int,
                    offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
                    pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
@@ -283,7 +333,7 @@ def mhc_mapping_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tenso
     return tuple(_into(o, o.shape, dt, proj.device) for o, dt in zip(outs, dtypes))
 
 
-@mhc_mapping_op.register_fake
+@mhc_mapping_host_op.register_fake
 def _mhc_mapping_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res, n,
                       offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
                       row_first, norm_eps, pre_dtype, post_dtype, res_dtype):
@@ -296,8 +346,8 @@ def _mhc_mapping_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_
             _alloc(lead + (n, n), res_dtype, proj.device))
 
 
-@torch.library.custom_op("hccompile::mhc_mapping_backward", mutates_args=())
-def mhc_mapping_backward_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+@torch.library.custom_op("hccompile::mhc_mapping_backward_host", mutates_args=())
+def mhc_mapping_backward_host_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                             alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor,
                             dh_pre: Tensor, dh_post: Tensor, dh_res: Tensor, n: int,
                             offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
@@ -323,7 +373,7 @@ def mhc_mapping_backward_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_po
                  for g, leaf, t in zip(got, leaves, inputs))
 
 
-@mhc_mapping_backward_op.register_fake
+@mhc_mapping_backward_host_op.register_fake
 def _mhc_mapping_backward_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post,
                                bias_res, dh_pre, dh_post, dh_res, n, offsets, coefs, r_divides,
                                pre_affine, post_affine, init, init_eps, steps, row_first, norm_eps):
@@ -335,6 +385,52 @@ def _mhc_mapping_backward_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_p
 
 
 _MAPPING_TENSORS = 8
+
+
+@triton_op("hccompile::mhc_mapping", mutates_args=())
+def mhc_mapping_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+                   alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor, n: int,
+                   offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
+                   pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
+                   init_eps: float, steps: int, row_first: bool, norm_eps: float,
+                   pre_dtype: torch.dtype, post_dtype: torch.dtype, res_dtype: torch.dtype
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    args = (proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res, n, offsets,
+            coefs, r_divides, pre_affine, post_affine, init, init_eps, steps, row_first, norm_eps)
+    if not traced_launch(proj, common.SUPPORTED_DTYPES):
+        return mhc_mapping_host_op(*args, pre_dtype, post_dtype, res_dtype)
+    spec = _spec(*args[_MAPPING_TENSORS:])
+    alphas, biases = (alpha_pre, alpha_post, alpha_res), (bias_pre, bias_post, bias_res)
+    K_map.check_mapping_inputs(proj, r, alphas, biases, spec, validate_spec=False)
+    return K_map.launch_mapping_fwd(proj, r, alphas, biases, spec, (pre_dtype, post_dtype, res_dtype),
+                                    wrap=wrap_triton)
+
+
+@triton_op("hccompile::mhc_mapping_backward", mutates_args=())
+def mhc_mapping_backward_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+                            alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor,
+                            dh_pre: Tensor, dh_post: Tensor, dh_res: Tensor, n: int,
+                            offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
+                            pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
+                            init_eps: float, steps: int, row_first: bool, norm_eps: float
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    tensors = (proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res)
+    scalars = (n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
+               row_first, norm_eps)
+    grads = (dh_pre, dh_post, dh_res)
+    if not traced_launch(proj, common.SUPPORTED_DTYPES):
+        return mhc_mapping_backward_host_op(*tensors, *grads, *scalars)
+    spec = _spec(*scalars)
+    alphas, biases = tensors[2:5], tensors[5:8]
+    K_map.check_mapping_inputs(proj, r, alphas, biases, spec, grads, validate_spec=False)
+    dproj, dr, dalphas, dbiases = K_map.launch_mapping_bwd(proj, r, alphas, biases, *grads, spec,
+                                                           wrap=wrap_triton)
+    return (dproj, dr, *dalphas, *dbiases)
+
+
+launched_by("hccompile.mhc_mapping.default", getattr(K_map, "_mhc_mapping_fwd_kernel", None))
+launched_by("hccompile.mhc_mapping_backward.default", getattr(K_map, "_mhc_mapping_bwd_kernel", None),
+            getattr(K_map, "_mhc_mapping_param_grads_kernel", None))
 
 
 def _mapping_setup(ctx, inputs, output) -> None:

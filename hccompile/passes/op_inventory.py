@@ -23,11 +23,39 @@ def graph_role(graph: fx.Graph) -> str:
 
 
 def hccompile_ops(graph: fx.Graph) -> list[str]:
+    """Our ops in a post-grad graph, in order, by the public op name: a call of the op (or of its
+    `_host` twin: CPU, Triton's interpreter, float64), or, where AOTAutograd traced the op into
+    its kernel launches (CUDA, lowering/_launch.py), the launch of the op's first kernel."""
     ops = []
     for n in graph.nodes:
-        if n.op == "call_function" and str(n.target).startswith("hccompile."):
-            ops.append(str(n.target))
+        if n.op != "call_function":
+            continue
+        target = str(n.target)
+        if target.startswith("hccompile."):
+            ops.append(target.replace("_host.", ".", 1))
+        elif _is_kernel_launch(n):
+            name = _launched_op(n)
+            if name:
+                ops.append(name)
     return ops
+
+
+def _is_kernel_launch(n: fx.Node) -> bool:
+    return getattr(n.target, "__name__", "") in ("triton_kernel_wrapper_functional",
+                                                 "triton_kernel_wrapper_mutation")
+
+
+def _launched_op(n: fx.Node) -> str:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from ..lowering._launch import kernel_op_names
+
+    try:
+        kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+    except (KeyError, AssertionError, IndexError):
+        return ""
+    # an autotuned kernel wraps its JITFunction
+    return kernel_op_names().get(id(kernel), "") or kernel_op_names().get(id(getattr(kernel, "fn", None)), "")
 
 
 @register_pass

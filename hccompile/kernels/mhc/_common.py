@@ -20,6 +20,12 @@ SWEEP_LANES = 8
 SWEEP_WARPS = 4
 
 
+def direct(kernel):
+    """The launchers' `wrap` default: launch the kernel itself. hccompile.lowering passes
+    torch.library.wrap_triton instead, so that a traced op records the launch for Inductor."""
+    return kernel
+
+
 def new_output(shape, dtype: torch.dtype, device: torch.device, order=None) -> torch.Tensor:
     """An uninitialised output of `shape` whose memory holds the dims in `order` (outer to inner;
     None: contiguous). Every kernel output is allocated here; tests replace this function with one

@@ -105,14 +105,14 @@ def mhc_aggregate_fwd(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
     return launch_aggregate_fwd(x, h_pre)
 
 
-def launch_aggregate_fwd(x, h_pre) -> torch.Tensor:
+def launch_aggregate_fwd(x, h_pre, wrap=common.direct) -> torch.Tensor:
     """mhc_aggregate_fwd without the checks (the ops check once, then call this)."""
     T1, T2, n, C = x.shape
     y = common.new_output((T1, T2, C), x.dtype, x.device)
     if T1 * T2 == 0 or C == 0:
         return y
     bt, bc = common.channel_blocks(C)
-    _mhc_aggregate_fwd_kernel[(triton.cdiv(T1 * T2, bt), triton.cdiv(C, bc))](
+    wrap(_mhc_aggregate_fwd_kernel)[(triton.cdiv(T1 * T2, bt), triton.cdiv(C, bc))](
         x, h_pre, y, T1 * T2, T2, C, *x.stride(), *h_pre.stride(), *y.stride(),
         N=n, BLOCK_T=bt, BLOCK_C=bc,
     )
@@ -130,7 +130,7 @@ def mhc_aggregate_bwd(x: torch.Tensor, h_pre: torch.Tensor, dy: torch.Tensor, x_
     return launch_aggregate_bwd(x, h_pre, dy, order)
 
 
-def launch_aggregate_bwd(x, h_pre, dy, order):
+def launch_aggregate_bwd(x, h_pre, dy, order, wrap=common.direct):
     """mhc_aggregate_bwd without the checks (the ops check once, then call this)."""
     T1, T2, n, C = x.shape
     dx = common.new_output(tuple(x.shape), x.dtype, x.device, order)
@@ -140,7 +140,7 @@ def launch_aggregate_bwd(x, h_pre, dy, order):
     if C == 0:
         return dx, dh.zero_()
     bt, bc, bp, warps = common.sweep_blocks(C, x.element_size(), n)
-    _mhc_aggregate_bwd_kernel[(triton.cdiv(T1 * T2, bt),)](
+    wrap(_mhc_aggregate_bwd_kernel)[(triton.cdiv(T1 * T2, bt),)](
         x, h_pre, dy, dx, dh, T1 * T2, T2, C,
         *x.stride(), *h_pre.stride(), *dy.stride(), *dx.stride(), *dh.stride(),
         N=n, BLOCK_P=bp, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps,

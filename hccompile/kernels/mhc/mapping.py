@@ -83,6 +83,14 @@ if triton is not None:
         N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, STEPS: tl.constexpr,
         ROW_FIRST: tl.constexpr, SOFTMAX_INIT: tl.constexpr, R_DIVIDES: tl.constexpr,
     ):
+        # float32 whatever the launcher typed them: Inductor passes Python floats as fp64, which
+        # would turn the arithmetic below (and its loop-carried values) into fp64
+        coef_pre = tl.cast(coef_pre, tl.float32)
+        coef_post = tl.cast(coef_post, tl.float32)
+        coef_res = tl.cast(coef_res, tl.float32)
+        pre_scale, pre_shift = tl.cast(pre_scale, tl.float32), tl.cast(pre_shift, tl.float32)
+        post_scale, post_shift = tl.cast(post_scale, tl.float32), tl.cast(post_shift, tl.float32)
+        init_eps, norm_eps = tl.cast(init_eps, tl.float32), tl.cast(norm_eps, tl.float32)
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tok_ok = tok < T
         i = tl.arange(0, BLOCK_N)
@@ -155,6 +163,12 @@ if triton is not None:
     ):
         """dproj [T, n²+2n] and dr [T] per token; per program one row of partial sums
         [dα_pre, dα_post, dα_res, dbias_pre (n), dbias_post (n), dbias_res (n²)]."""
+        # float32 whatever the launcher typed them (Inductor: fp64), as in the forward
+        coef_pre = tl.cast(coef_pre, tl.float32)
+        coef_post = tl.cast(coef_post, tl.float32)
+        coef_res = tl.cast(coef_res, tl.float32)
+        pre_scale, post_scale = tl.cast(pre_scale, tl.float32), tl.cast(post_scale, tl.float32)
+        init_eps, norm_eps = tl.cast(init_eps, tl.float32), tl.cast(norm_eps, tl.float32)
         pid = tl.program_id(0)
         tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
         tok_ok = tok < T
@@ -332,7 +346,7 @@ def mhc_mapping_fwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, spec: M
     return launch_mapping_fwd(proj, r, alphas, biases, spec, out_dtypes)
 
 
-def launch_mapping_fwd(proj, r, alphas, biases, spec: MappingSpec, out_dtypes=None):
+def launch_mapping_fwd(proj, r, alphas, biases, spec: MappingSpec, out_dtypes=None, wrap=common.direct):
     """mhc_mapping_fwd without the checks (the ops check once, then call this)."""
     n = spec.n
     lead = tuple(proj.shape[:-1])
@@ -346,7 +360,7 @@ def launch_mapping_fwd(proj, r, alphas, biases, spec: MappingSpec, out_dtypes=No
         return h_pre, h_post, h_res
     bn = common.block_n(n)
     bt = common.block_t(4 * bn * bn, limit=32)
-    _mhc_mapping_fwd_kernel[(triton.cdiv(T, bt),)](
+    wrap(_mhc_mapping_fwd_kernel)[(triton.cdiv(T, bt),)](
         proj2, r1, *a, *b, h_pre, h_post, h_res,
         T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
         *_scalars(spec),
@@ -366,7 +380,8 @@ def mhc_mapping_bwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, dh_pre:
     return launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec)
 
 
-def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: MappingSpec):
+def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: MappingSpec,
+                       wrap=common.direct):
     """mhc_mapping_bwd without the checks (the ops check once, then call this)."""
     n = spec.n
     proj2, r1, a, b = _kernel_args(proj, r, alphas, biases, spec)
@@ -383,7 +398,7 @@ def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: M
     if T > 0:
         g_pre, g_post = dh_pre.reshape(T, n), dh_post.reshape(T, n)
         g_res = dh_res.reshape(T, n, n)
-        _mhc_mapping_bwd_kernel[(grid,)](
+        wrap(_mhc_mapping_bwd_kernel)[(grid,)](
             proj2, r1, *a, *b, g_pre, g_post, g_res, dproj, dr.view(-1), partial,
             T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
             *g_pre.stride(), *g_post.stride(), *g_res.stride(),
@@ -394,11 +409,11 @@ def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: M
     else:
         partial.zero_()
     # the kernel's α sums already carry coef (they are Σ dz·coef·p·ρ)
-    dalphas, dbiases = sum_param_grads(partial, alphas, biases, n)
+    dalphas, dbiases = sum_param_grads(partial, alphas, biases, n, wrap)
     return dproj, dr, dalphas, dbiases
 
 
-def sum_param_grads(partial: torch.Tensor, alphas, biases, n: int):
+def sum_param_grads(partial: torch.Tensor, alphas, biases, n: int, wrap=common.direct):
     """((dα_pre, dα_post, dα_res), (dbias_pre, dbias_post, dbias_res)) from the backward's partial
     sums [rows, 3 + 2n + n²] (contiguous float32), each shaped and typed like its parameter."""
     width = 3 + 2 * n + n * n
@@ -410,7 +425,7 @@ def sum_param_grads(partial: torch.Tensor, alphas, biases, n: int):
     dalphas = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in alphas)
     dbiases = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in biases)
     block_w = triton.next_power_of_2(width)
-    _mhc_mapping_param_grads_kernel[(1,)](
+    wrap(_mhc_mapping_param_grads_kernel)[(1,)](
         partial, partial.shape[0], *dalphas, *dbiases,
         N=n, BLOCK_R=max(1, min(64, 4096 // block_w)), BLOCK_W=block_w,
     )

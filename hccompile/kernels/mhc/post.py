@@ -169,15 +169,16 @@ def mhc_post_fwd(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, f: 
     return launch_post_fwd(x, h_res, h_post, f, transpose_res, order)
 
 
-def launch_post_fwd(x, h_res, h_post, f, transpose_res: bool, order) -> torch.Tensor:
-    """mhc_post_fwd without the checks (the ops check once, then call this)."""
+def launch_post_fwd(x, h_res, h_post, f, transpose_res: bool, order, wrap=common.direct) -> torch.Tensor:
+    """mhc_post_fwd without the checks (the ops check once, then call this); `wrap` as in
+    _common.direct."""
     out = common.new_output(tuple(x.shape), x.dtype, x.device, order)
     T1, T2, n, C = x.shape
     if T1 * T2 == 0 or C == 0:
         return out
     bn, bc, bt = common.stream_blocks(n, C)
     grid = (triton.cdiv(T1 * T2, bt), triton.cdiv(C, bc))
-    _mhc_post_fwd_kernel[grid](
+    wrap(_mhc_post_fwd_kernel)[grid](
         x, h_res, h_post, f, out, T1 * T2, T2, C,
         *x.stride(), *_mixing_strides(h_res, transpose_res), *h_post.stride(), *f.stride(),
         *out.stride(),
@@ -198,7 +199,7 @@ def mhc_post_bwd(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, f: 
     return launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
 
 
-def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order):
+def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=common.direct):
     """mhc_post_bwd without the checks (the ops check once, then call this)."""
     dx = common.new_output(tuple(x.shape), x.dtype, x.device, order)
     dh_res = common.new_output(tuple(h_res.shape), h_res.dtype, x.device)
@@ -210,7 +211,7 @@ def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order):
     if C == 0:
         return dx, dh_res.zero_(), dh_post.zero_(), df
     bt, bc, bp, warps = common.sweep_blocks(C, x.element_size(), n * n + n)
-    _mhc_post_bwd_kernel[(triton.cdiv(T1 * T2, bt),)](
+    wrap(_mhc_post_bwd_kernel)[(triton.cdiv(T1 * T2, bt),)](
         x, h_res, h_post, f, dout, dx, dh_res, dh_post, df, T1 * T2, T2, C,
         *x.stride(), *_mixing_strides(h_res, transpose_res), *h_post.stride(), *f.stride(),
         *dout.stride(), *dx.stride(), *_mixing_strides(dh_res, transpose_res), *dh_post.stride(),
