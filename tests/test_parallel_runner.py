@@ -13,10 +13,13 @@ def test_chunks_keep_one_file_and_a_size_limit():
     ids = ["a.py::t1", "a.py::t2", "a.py::t3", "b.py::t1", "c.py::K::t[x]"]
     assert chunk(ids, 2) == [["a.py::t1", "a.py::t2"], ["a.py::t3"], ["b.py::t1"], ["c.py::K::t[x]"]]
     assert junit_key("tests/kernels/test_x.py::TestA::test_b[1-2]") == ("tests.kernels.test_x.TestA", "test_b[1-2]")
-    # longest expected first: 1 x 30 s, then 2 x 5 s, then the unknown file's 3 x 1 s, then 1 x 1 s
+    # longest expected first; the unknown file c.py counts as the slowest on record (30 s per test):
+    # c's 3 tests (90 s), then a's and c's single tests (30 s each), then b's 2 x 5 s
     groups = [["a.py::1"], ["b.py::1", "b.py::2"], ["c.py::1", "c.py::2", "c.py::3"], ["c.py::4"]]
-    assert longest_first(groups, {"a.py": 30.0, "b.py": 5.0}) == [groups[0], groups[1], groups[2], groups[3]]
-    assert longest_first(groups, {"a.py": 0.1})[0] == groups[2]
+    order = longest_first(groups, {"a.py": 30.0, "b.py": 5.0})
+    assert order[0] == groups[2] and order[-1] == groups[1], order
+    assert longest_first(groups, {"a.py": 0.1, "b.py": 0.2, "c.py": 9.0})[0] == groups[2]
+    assert longest_first(groups, {}) == [groups[2], groups[1], groups[0], groups[3]]
 
 
 def run_runner(tmp_path, *args):
