@@ -8,16 +8,19 @@ tensors), outputs from Inductor's buffer planning. Everywhere else (CPU, Triton'
 float64) the body calls the op's `_host` twin, an opaque custom op as before.
 
 `launched_by` records which op each kernel belongs to: once traced, a graph names kernels, not
-ops, and passes/op_inventory reports the op.
+ops, and passes/op_inventory reports the op. (A kernel shared by two ops cannot say which one
+launched it: node annotations do not work here, AOTAutograd copies the forward node's onto the
+backward nodes, and torch 2.11 replaces theirs. Give each op a kernel of its own.)
 """
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import torch
 from torch.library import triton_op, wrap_triton
 
-__all__ = ["triton_op", "wrap_triton", "traced_launch", "launched_by", "kernel_op_names"]
+__all__ = ["kernel_op", "kernel_op_names", "launched_by", "traced_launch", "wrap_triton"]
 
 # id(JITFunction) -> (kernel, op name); the kernel is kept so the id stays its own
 _KERNEL_OPS: dict[int, tuple[Any, str]] = {}
@@ -36,10 +39,41 @@ def launched_by(op_name: str, *kernels: Any) -> None:
     """Record that `op_name` ("hccompile.mhc_post.default") launches `kernels`; the first is the
     one op_inventory counts (one launch per op call)."""
     for i, k in enumerate(kernels):
-        if k is not None:
-            _KERNEL_OPS[id(k)] = (k, op_name if i == 0 else "")
+        if k is None:
+            continue
+        known = _KERNEL_OPS.get(id(k), (None, ""))[1]
+        if known and i == 0 and known != op_name:
+            raise ValueError(f"kernel {k} is already the first kernel of {known}, not of {op_name}")
+        _KERNEL_OPS[id(k)] = (k, op_name if i == 0 else known)
 
 
 def kernel_op_names() -> dict[int, str]:
-    """id(kernel) -> the op it stands for ("" for a kernel that is not the op's first)."""
+    """id(kernel) -> the op it stands for ("" for a kernel that is not an op's first)."""
     return {key: name for key, (_, name) in _KERNEL_OPS.items()}
+
+
+def kernel_op(name: str, host_fn: Callable, host_fake: Callable, traced_fn: Callable,
+              dtypes, kernels=()) -> Any:
+    """`hccompile::<name>`, a triton_op, and its host twin `hccompile::<name>_host`, a custom op.
+
+    host_fn (with host_fake) is the op everywhere but CUDA: Triton's interpreter or the reference.
+    traced_fn has the same signature; on CUDA, for a first argument in `dtypes`, it checks the
+    inputs and launches the kernels through `wrap_triton`; `kernels` are those it launches, the
+    first launched once per call (see launched_by). Returns the triton_op (register its autograd
+    on it)."""
+    host = torch.library.custom_op(f"hccompile::{name}_host", host_fn, mutates_args=())
+    host.register_fake(host_fake)
+
+    launched_by(f"hccompile.{name}.default", *kernels)
+
+    def body(*args, **kwargs):
+        if traced_launch(args[0], dtypes):
+            return traced_fn(*args, **kwargs)
+        return host(*args, **kwargs)
+
+    # the schema is inferred from host_fn's signature, its string annotations resolved in host_fn's
+    # module (torch 2.11 and 2.13 ignore triton_op's schema= argument)
+    body.__signature__ = inspect.signature(host_fn, eval_str=True)
+    body.__name__, body.__qualname__, body.__doc__ = name, name, host_fn.__doc__
+
+    return triton_op(f"hccompile::{name}", body, mutates_args=())

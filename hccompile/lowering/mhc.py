@@ -22,10 +22,13 @@
         dbias_post, dbias_res)
 
 One op per direction, so AOTAutograd puts the forward op in the forward graph (where the recompute
-pass can tag it) and the backward op in the backward graph. On CUDA, and on CPU under
-TRITON_INTERPRET=1, the ops run the Triton kernels of kernels/mhc for float16/bfloat16/float32;
-otherwise (CPU without the interpreter, or float64) the plain-PyTorch reference, computed in at
-least float32 (the mapping's backward by autograd through it): same math, documented fallback.
+pass can tag it) and the backward op in the backward graph. Each op is a triton_op
+(lowering/_launch.py): on CUDA, for float16/bfloat16/float32, it launches the Triton kernels of
+kernels/mhc through wrap_triton, so a compiled graph holds the launches and Inductor's code makes
+them; elsewhere it calls its `_host` twin (hccompile::mhc_post_host, ...), a custom op that runs
+the kernels in Triton's interpreter (CPU, TRITON_INTERPRET=1) or the plain-PyTorch reference (CPU
+without the interpreter, or float64), computed in at least float32 (the mapping's backward by
+autograd through it): same math, documented fallback.
 Every output's layout is fixed by the arguments (never by the input strides), so fake and real
 outputs always agree.
 """
@@ -38,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
-from ._launch import launched_by, traced_launch, triton_op, wrap_triton
+from ._launch import kernel_op, wrap_triton
 from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
 from ..kernels.mhc import mapping as K_map
@@ -72,6 +75,11 @@ def implementation(device: torch.device | str, dtype: torch.dtype = torch.float3
     return "reference"
 
 
+def _kernels(module, *names) -> tuple:
+    """The named kernels of a kernel module (None where Triton is absent)."""
+    return tuple(getattr(module, n, None) for n in names)
+
+
 def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -96,8 +104,7 @@ def _into(value: Tensor, shape, dtype, device, order=None) -> Tensor:
 # post
 
 
-@torch.library.custom_op("hccompile::mhc_post_host", mutates_args=())
-def mhc_post_host_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool,
+def _mhc_post_host(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool,
                 out_order: Sequence[int]) -> Tensor:
     K_post.check_post_inputs(x, h_res, h_post, f)
     order = common.check_order(out_order, 4)
@@ -109,14 +116,12 @@ def mhc_post_host_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transp
     return _into(out, x.shape, x.dtype, x.device, order)
 
 
-@mhc_post_host_op.register_fake
 def _mhc_post_fake(x, h_res, h_post, f, transpose_res, out_order):
     K_post.check_post_inputs(x, h_res, h_post, f)
     return _alloc(x.shape, x.dtype, x.device, common.check_order(out_order, 4))
 
 
-@torch.library.custom_op("hccompile::mhc_post_backward_host", mutates_args=())
-def mhc_post_backward_host_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
+def _mhc_post_backward_host(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
                          transpose_res: bool, out_order: Sequence[int]
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
@@ -130,7 +135,6 @@ def mhc_post_backward_host_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tenso
             *(_into(g, t.shape, t.dtype, t.device) for g, t in zip(grads[1:], (h_res, h_post, f))))
 
 
-@mhc_post_backward_host_op.register_fake
 def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order):
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     order = common.check_order(out_order, 4)
@@ -138,30 +142,23 @@ def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order)
             _alloc(h_post.shape, h_post.dtype, x.device), _alloc(f.shape, f.dtype, x.device))
 
 
-# the ops: on CUDA the body's launches are what a compiled graph holds (lowering/_launch.py)
-@triton_op("hccompile::mhc_post", mutates_args=())
-def mhc_post_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool,
-                out_order: Sequence[int]) -> Tensor:
-    if not traced_launch(x, common.SUPPORTED_DTYPES):
-        return mhc_post_host_op(x, h_res, h_post, f, transpose_res, out_order)
+def _mhc_post_traced(x, h_res, h_post, f, transpose_res, out_order):
     K_post.check_post_inputs(x, h_res, h_post, f)
     return K_post.launch_post_fwd(x, h_res, h_post, f, transpose_res, common.check_order(out_order, 4),
                                   wrap=wrap_triton)
 
 
-@triton_op("hccompile::mhc_post_backward", mutates_args=())
-def mhc_post_backward_op(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
-                         transpose_res: bool, out_order: Sequence[int]
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if not traced_launch(x, common.SUPPORTED_DTYPES):
-        return mhc_post_backward_host_op(x, h_res, h_post, f, dout, transpose_res, out_order)
+def _mhc_post_backward_traced(x, h_res, h_post, f, dout, transpose_res, out_order):
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res,
                                   common.check_order(out_order, 4), wrap=wrap_triton)
 
 
-launched_by("hccompile.mhc_post.default", getattr(K_post, "_mhc_post_fwd_kernel", None))
-launched_by("hccompile.mhc_post_backward.default", getattr(K_post, "_mhc_post_bwd_kernel", None))
+mhc_post_op = kernel_op("mhc_post", _mhc_post_host, _mhc_post_fake, _mhc_post_traced,
+                        common.SUPPORTED_DTYPES, _kernels(K_post, "_mhc_post_fwd_kernel"))
+mhc_post_backward_op = kernel_op("mhc_post_backward", _mhc_post_backward_host, _mhc_post_backward_fake,
+                                 _mhc_post_backward_traced, common.SUPPORTED_DTYPES,
+                                 _kernels(K_post, "_mhc_post_bwd_kernel"))
 
 
 def _post_setup(ctx, inputs, output) -> None:
@@ -191,8 +188,7 @@ def mhc_post(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res:
 # aggregate
 
 
-@torch.library.custom_op("hccompile::mhc_aggregate_host", mutates_args=())
-def mhc_aggregate_host_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
+def _mhc_aggregate_host(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
     K_agg.check_aggregate_inputs(x, h_pre)
     common.check_order(x_order, 4, "x_order")
     if _uses_triton(x):
@@ -203,7 +199,6 @@ def mhc_aggregate_host_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> T
     return _into(R.mhc_aggregate_ref(x.to(ct), h_pre.to(ct)), (T1, T2, C), x.dtype, x.device)
 
 
-@mhc_aggregate_host_op.register_fake
 def _mhc_aggregate_fake(x, h_pre, x_order):
     K_agg.check_aggregate_inputs(x, h_pre)
     common.check_order(x_order, 4, "x_order")
@@ -211,8 +206,7 @@ def _mhc_aggregate_fake(x, h_pre, x_order):
     return _alloc((T1, T2, C), x.dtype, x.device)
 
 
-@torch.library.custom_op("hccompile::mhc_aggregate_backward_host", mutates_args=())
-def mhc_aggregate_backward_host_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
+def _mhc_aggregate_backward_host(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
                               ) -> tuple[Tensor, Tensor]:
     K_agg.check_aggregate_inputs(x, h_pre, dy)
     order = common.check_order(x_order, 4, "x_order")
@@ -225,34 +219,30 @@ def mhc_aggregate_backward_host_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order
             _into(dh, h_pre.shape, h_pre.dtype, x.device))
 
 
-@mhc_aggregate_backward_host_op.register_fake
 def _mhc_aggregate_backward_fake(x, h_pre, dy, x_order):
     K_agg.check_aggregate_inputs(x, h_pre, dy)
     order = common.check_order(x_order, 4, "x_order")
     return _alloc(x.shape, x.dtype, x.device, order), _alloc(h_pre.shape, h_pre.dtype, x.device)
 
 
-@triton_op("hccompile::mhc_aggregate", mutates_args=())
-def mhc_aggregate_op(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
-    if not traced_launch(x, common.SUPPORTED_DTYPES):
-        return mhc_aggregate_host_op(x, h_pre, x_order)
+def _mhc_aggregate_traced(x, h_pre, x_order):
     K_agg.check_aggregate_inputs(x, h_pre)
     common.check_order(x_order, 4, "x_order")
     return K_agg.launch_aggregate_fwd(x, h_pre, wrap=wrap_triton)
 
 
-@triton_op("hccompile::mhc_aggregate_backward", mutates_args=())
-def mhc_aggregate_backward_op(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
-                              ) -> tuple[Tensor, Tensor]:
-    if not traced_launch(x, common.SUPPORTED_DTYPES):
-        return mhc_aggregate_backward_host_op(x, h_pre, dy, x_order)
+def _mhc_aggregate_backward_traced(x, h_pre, dy, x_order):
     K_agg.check_aggregate_inputs(x, h_pre, dy)
     return K_agg.launch_aggregate_bwd(x, h_pre, dy, common.check_order(x_order, 4, "x_order"),
                                       wrap=wrap_triton)
 
 
-launched_by("hccompile.mhc_aggregate.default", getattr(K_agg, "_mhc_aggregate_fwd_kernel", None))
-launched_by("hccompile.mhc_aggregate_backward.default", getattr(K_agg, "_mhc_aggregate_bwd_kernel", None))
+mhc_aggregate_op = kernel_op("mhc_aggregate", _mhc_aggregate_host, _mhc_aggregate_fake,
+                             _mhc_aggregate_traced, common.SUPPORTED_DTYPES,
+                             _kernels(K_agg, "_mhc_aggregate_fwd_kernel"))
+mhc_aggregate_backward_op = kernel_op("mhc_aggregate_backward", _mhc_aggregate_backward_host,
+                                      _mhc_aggregate_backward_fake, _mhc_aggregate_backward_traced,
+                                      common.SUPPORTED_DTYPES, _kernels(K_agg, "_mhc_aggregate_bwd_kernel"))
 
 
 def _aggregate_setup(ctx, inputs, output) -> None:
@@ -313,8 +303,7 @@ def _reference_mapping(proj, r, alphas, biases, spec):
                              tuple(b.to(ct) for b in biases), spec)
 
 
-@torch.library.custom_op("hccompile::mhc_mapping_host", mutates_args=())
-def mhc_mapping_host_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+def _mhc_mapping_host(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                    alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor, n: int,
                    offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
                    pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
@@ -333,7 +322,6 @@ def mhc_mapping_host_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: 
     return tuple(_into(o, o.shape, dt, proj.device) for o, dt in zip(outs, dtypes))
 
 
-@mhc_mapping_host_op.register_fake
 def _mhc_mapping_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res, n,
                       offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
                       row_first, norm_eps, pre_dtype, post_dtype, res_dtype):
@@ -346,8 +334,7 @@ def _mhc_mapping_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_
             _alloc(lead + (n, n), res_dtype, proj.device))
 
 
-@torch.library.custom_op("hccompile::mhc_mapping_backward_host", mutates_args=())
-def mhc_mapping_backward_host_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+def _mhc_mapping_backward_host(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                             alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor,
                             dh_pre: Tensor, dh_post: Tensor, dh_res: Tensor, n: int,
                             offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
@@ -373,7 +360,6 @@ def mhc_mapping_backward_host_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alp
                  for g, leaf, t in zip(got, leaves, inputs))
 
 
-@mhc_mapping_backward_host_op.register_fake
 def _mhc_mapping_backward_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post,
                                bias_res, dh_pre, dh_post, dh_res, n, offsets, coefs, r_divides,
                                pre_affine, post_affine, init, init_eps, steps, row_first, norm_eps):
@@ -387,39 +373,16 @@ def _mhc_mapping_backward_fake(proj, r, alpha_pre, alpha_post, alpha_res, bias_p
 _MAPPING_TENSORS = 8
 
 
-@triton_op("hccompile::mhc_mapping", mutates_args=())
-def mhc_mapping_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
-                   alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor, n: int,
-                   offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
-                   pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
-                   init_eps: float, steps: int, row_first: bool, norm_eps: float,
-                   pre_dtype: torch.dtype, post_dtype: torch.dtype, res_dtype: torch.dtype
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    args = (proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res, n, offsets,
-            coefs, r_divides, pre_affine, post_affine, init, init_eps, steps, row_first, norm_eps)
-    if not traced_launch(proj, common.SUPPORTED_DTYPES):
-        return mhc_mapping_host_op(*args, pre_dtype, post_dtype, res_dtype)
-    spec = _spec(*args[_MAPPING_TENSORS:])
-    alphas, biases = (alpha_pre, alpha_post, alpha_res), (bias_pre, bias_post, bias_res)
+def _mhc_mapping_traced(proj, r, *rest):
+    tensors, scalars, dtypes = (proj, r, *rest[:6]), rest[6:17], rest[17:]
+    spec = _spec(*scalars)
+    alphas, biases = tensors[2:5], tensors[5:8]
     K_map.check_mapping_inputs(proj, r, alphas, biases, spec, validate_spec=False)
-    return K_map.launch_mapping_fwd(proj, r, alphas, biases, spec, (pre_dtype, post_dtype, res_dtype),
-                                    wrap=wrap_triton)
+    return K_map.launch_mapping_fwd(proj, r, alphas, biases, spec, dtypes, wrap=wrap_triton)
 
 
-@triton_op("hccompile::mhc_mapping_backward", mutates_args=())
-def mhc_mapping_backward_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
-                            alpha_res: Tensor, bias_pre: Tensor, bias_post: Tensor, bias_res: Tensor,
-                            dh_pre: Tensor, dh_post: Tensor, dh_res: Tensor, n: int,
-                            offsets: Sequence[int], coefs: Sequence[float], r_divides: bool,
-                            pre_affine: Sequence[float], post_affine: Sequence[float], init: str,
-                            init_eps: float, steps: int, row_first: bool, norm_eps: float
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    tensors = (proj, r, alpha_pre, alpha_post, alpha_res, bias_pre, bias_post, bias_res)
-    scalars = (n, offsets, coefs, r_divides, pre_affine, post_affine, init, init_eps, steps,
-               row_first, norm_eps)
-    grads = (dh_pre, dh_post, dh_res)
-    if not traced_launch(proj, common.SUPPORTED_DTYPES):
-        return mhc_mapping_backward_host_op(*tensors, *grads, *scalars)
+def _mhc_mapping_backward_traced(proj, r, *rest):
+    tensors, grads, scalars = (proj, r, *rest[:6]), rest[6:9], rest[9:]
     spec = _spec(*scalars)
     alphas, biases = tensors[2:5], tensors[5:8]
     K_map.check_mapping_inputs(proj, r, alphas, biases, spec, grads, validate_spec=False)
@@ -428,9 +391,13 @@ def mhc_mapping_backward_op(proj: Tensor, r: Tensor, alpha_pre: Tensor, alpha_po
     return (dproj, dr, *dalphas, *dbiases)
 
 
-launched_by("hccompile.mhc_mapping.default", getattr(K_map, "_mhc_mapping_fwd_kernel", None))
-launched_by("hccompile.mhc_mapping_backward.default", getattr(K_map, "_mhc_mapping_bwd_kernel", None),
-            getattr(K_map, "_mhc_mapping_param_grads_kernel", None))
+mhc_mapping_op = kernel_op("mhc_mapping", _mhc_mapping_host, _mhc_mapping_fake, _mhc_mapping_traced,
+                           common.SUPPORTED_DTYPES, _kernels(K_map, "_mhc_mapping_fwd_kernel"))
+mhc_mapping_backward_op = kernel_op("mhc_mapping_backward", _mhc_mapping_backward_host,
+                                    _mhc_mapping_backward_fake, _mhc_mapping_backward_traced,
+                                    common.SUPPORTED_DTYPES,
+                                    _kernels(K_map, "_mhc_mapping_bwd_kernel",
+                                             "_mhc_mapping_param_grads_kernel"))
 
 
 def _mapping_setup(ctx, inputs, output) -> None:
