@@ -69,7 +69,14 @@ test-gpu:
 GPU_COPY ?= /tmp/hccompile-gpu-suite
 GPU_WAIT_S ?= 540
 
-.PHONY: test-gpu-start test-gpu-wait
+.PHONY: test-gpu-start test-gpu-wait before-tree
+# hccompile of an earlier commit under .before/ (gitignored: pass carry [".before"] to the device), for
+# benchmarks/before_after.py: `make before-tree REF=<commit>`.
+before-tree:
+	@test -n "$(REF)" || { echo "make before-tree: pass REF=<commit>"; exit 2; }
+	rm -rf .before && mkdir -p .before && git archive $(REF) hccompile | tar -x -C .before
+	git rev-parse $(REF) > .before/COMMIT
+
 test-gpu-start:
 	@test -n "$(COMMIT)" || { echo "make test-gpu-start: no .git here; pass COMMIT=<sha>"; exit 2; }
 	rm -rf $(GPU_COPY) && mkdir -p $(GPU_COPY) && cp -a . $(GPU_COPY)/
