@@ -229,3 +229,18 @@ def trace_through_einops() -> None:
         lazy["einops"].append(untrap)  # after torch's own set-up, on the first einops lookup
     else:
         untrap()
+
+
+# --- a user-defined Triton kernel launch in a traced graph ---
+def launched_kernel(node: Any) -> Any:
+    """The kernel a triton_kernel_wrapper_functional/_mutation node launches (torch keeps it in a
+    side table, private in 2.11-2.15), or None for any other node."""
+    if getattr(node, "op", None) != "call_function" or getattr(node.target, "__name__", "") not in (
+            "triton_kernel_wrapper_functional", "triton_kernel_wrapper_mutation"):
+        return None
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    except (ImportError, KeyError, AssertionError, IndexError):
+        return None

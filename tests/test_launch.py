@@ -19,8 +19,7 @@ def test_op_and_its_host_twin_share_one_schema(name):
 def test_each_op_is_named_by_its_own_first_kernel():
     """A graph traced on CUDA holds kernel launches; op_inventory names the op by its first
     kernel, so a kernel may be the first of one op only."""
-    names = _launch.kernel_op_names()
-    firsts = [n for n in names.values() if n]
+    firsts = [n for _, n in _launch._KERNEL_OPS.values() if n]
     assert len(firsts) == len(set(firsts))
     if not firsts:
         pytest.skip("Triton is not installed: no kernels")
@@ -28,7 +27,8 @@ def test_each_op_is_named_by_its_own_first_kernel():
     with pytest.raises(ValueError, match="already the first kernel of hccompile.mhc_post.default"):
         _launch.launched_by("hccompile.other.default", kernel)
     _launch.launched_by("hccompile.other.default", None, kernel)  # a later kernel: allowed
-    assert _launch.kernel_op_names()[id(kernel)] == "hccompile.mhc_post.default"
+    assert _launch.kernel_op_name(kernel) == "hccompile.mhc_post.default"
+    assert _launch.kernel_op_name(None) == ""
 
 
 def test_cpu_tensors_run_the_host_op():

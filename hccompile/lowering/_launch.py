@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.library import triton_op, wrap_triton
 
-__all__ = ["kernel_op", "kernel_op_names", "launched_by", "traced_launch", "wrap_triton"]
+__all__ = ["kernel_op", "kernel_op_name", "launched_by", "traced_launch", "wrap_triton"]
 
 # id(JITFunction) -> (kernel, op name); the kernel is kept so the id stays its own
 _KERNEL_OPS: dict[int, tuple[Any, str]] = {}
@@ -47,9 +47,14 @@ def launched_by(op_name: str, *kernels: Any) -> None:
         _KERNEL_OPS[id(k)] = (k, op_name if i == 0 else known)
 
 
-def kernel_op_names() -> dict[int, str]:
-    """id(kernel) -> the op it stands for ("" for a kernel that is not an op's first)."""
-    return {key: name for key, (_, name) in _KERNEL_OPS.items()}
+def kernel_op_name(kernel: Any) -> str:
+    """The op whose first kernel `kernel` is ("" if none). Launch options (num_warps, num_stages)
+    make torch wrap a kernel in a one-config Autotuner: its `fn` is ours."""
+    for k in (kernel, getattr(kernel, "fn", None)):
+        name = _KERNEL_OPS.get(id(k), (None, ""))[1] if k is not None else ""
+        if name:
+            return name
+    return ""
 
 
 def kernel_op(name: str, host_fn: Callable, host_fake: Callable, traced_fn: Callable,

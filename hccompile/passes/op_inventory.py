@@ -6,6 +6,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..compat import launched_kernel
+from ..lowering._launch import kernel_op_name
 from .base import GraphPass, PassContext, register_pass
 
 
@@ -33,29 +35,9 @@ def hccompile_ops(graph: fx.Graph) -> list[str]:
         target = str(n.target)
         if target.startswith("hccompile."):
             ops.append(target.replace("_host.", ".", 1))
-        elif _is_kernel_launch(n):
-            name = _launched_op(n)
-            if name:
-                ops.append(name)
+        elif name := kernel_op_name(launched_kernel(n)):
+            ops.append(name)
     return ops
-
-
-def _is_kernel_launch(n: fx.Node) -> bool:
-    return getattr(n.target, "__name__", "") in ("triton_kernel_wrapper_functional",
-                                                 "triton_kernel_wrapper_mutation")
-
-
-def _launched_op(n: fx.Node) -> str:
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
-    from ..lowering._launch import kernel_op_names
-
-    try:
-        kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
-    except (KeyError, AssertionError, IndexError):
-        return ""
-    # an autotuned kernel wraps its JITFunction
-    return kernel_op_names().get(id(kernel), "") or kernel_op_names().get(id(getattr(kernel, "fn", None)), "")
 
 
 @register_pass
