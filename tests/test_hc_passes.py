@@ -122,19 +122,6 @@ def test_options_change_plan_as_documented(mhc_runs):
     assert "## Recompute plan" in md and "Saved for backward" in md
 
 
-class GradientBitsDiffer(AssertionError):
-    """The outputs matched; some gradients differ in their bits."""
-
-
-# raises=: the expected failure is only the gradients' last bits; an output mismatch (a dropout
-# mask replayed wrong) fails the test as usual.
-FOLDED_BACKWARD_DIFFERS = pytest.mark.xfail(strict=True, raises=GradientBitsDiffer, reason=(
-    "issue 18: on CUDA the folded layout's recompute plans compile to differently fused backward "
-    "kernels; outputs are bit-identical (dropout masks equal, never replayed) but 39 of 42 bf16 "
-    "gradients differ in their last bits (H100, 2026-11-25, with emulate_precision_casts and the "
-    "per-token mapping inputs kept)"))
-
-
 def _gpu_bf16_plans(layout):
     """Output, gradients and report of one bf16 training step on CUDA with dropout 0.1, under
     hc_recompute off, block and layer, the same dropout seed in each."""
@@ -160,17 +147,23 @@ def _gpu_bf16_plans(layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["bsnc", "sbnc", pytest.param("folded", marks=FOLDED_BACKWARD_DIFFERS)])
-def test_gpu_bf16_recompute_with_dropout_is_bit_identical(layout):
-    """On CUDA in bfloat16 the recomputed intermediates come out of other kernels than the saved
-    ones; hc compiles graphs with hyper-connections with eager-style rounding
-    (emulate_precision_casts) and keeps the mappings' per-token inputs, so that they are the same
-    bits; dropout is never replayed, so the outputs are the same bits too."""
+@pytest.mark.parametrize("layout", ["bsnc", "sbnc", "folded"])
+def test_gpu_bf16_recompute_with_dropout_is_exact(layout):
+    """On CUDA in bfloat16 dropout is never replayed: the recompute plans' outputs are the same bits
+    as without recompute. Their backward graphs differ, so Inductor fuses and rounds the gradients
+    differently: each gradient is within 2% of its norm plus 1e-4 of the largest gradient's norm.
+    Measured on the H100 (2026-11-25, 42 parameters): bsnc bit-identical; in sbnc and folded every
+    gradient above 3e-4 of the largest norm is within 2% of its own norm (all within 0.4% of the
+    largest), and the mapping parameters whose true gradient is ~0 (the bf16 gradient is rounding
+    noise, up to 48x its own tiny norm) differ by at most 4.1e-5 of the largest norm. A dropout
+    mask replayed wrong (another seed) puts the gradients 53% off overall."""
     runs = _gpu_bf16_plans(layout)
     out_off, g_off, _ = runs["off"]
+    largest = max(g.float().norm().item() for g in g_off)
     for name in ("block", "layer"):
         out, grads, _ = runs[name]
         assert torch.equal(out, out_off), name
-        differ = [i for i, (a, b) in enumerate(zip(grads, g_off)) if not torch.equal(a, b)]
-        if differ:
-            raise GradientBitsDiffer(f"{name}: gradients {differ} of {len(g_off)} differ from no recompute")
+        off_by = [(i, (a.float() - b.float()).norm().item(), b.float().norm().item())
+                  for i, (a, b) in enumerate(zip(grads, g_off))]
+        bad = [(i, d, n) for i, d, n in off_by if not d <= 2e-2 * n + 1e-4 * largest]
+        assert not bad, f"{name}: (parameter, |difference|, |gradient|) {bad}, largest {largest:.3g}"
