@@ -79,3 +79,9 @@ def train_step(model, x, backend=None, **options):
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     grads = torch.autograd.grad((out * w).sum(), [x] + list(model.parameters()))
     return sum(storages.values()), be, out.detach(), grads
+
+
+def calls_through_hccompile_ops(code: str) -> list[str]:
+    """Lines of Inductor output code that call one of our ops (torch.ops.hccompile...). Comments are
+    left out: they name the kernels' source files, a path that may itself hold "hccompile"."""
+    return [line for line in code.splitlines() if "ops.hccompile" in line and not line.lstrip().startswith("#")]

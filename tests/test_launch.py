@@ -19,16 +19,16 @@ def test_op_and_its_host_twin_share_one_schema(name):
 def test_each_op_is_named_by_its_own_first_kernel():
     """A graph traced on CUDA holds kernel launches; op_inventory names the op by its first
     kernel, so a kernel may be the first of one op only."""
-    firsts = [n for _, n in _launch._KERNEL_OPS.values() if n]
+    firsts = [n for _, n, _ in _launch._KERNEL_OPS.values() if n]
     assert len(firsts) == len(set(firsts))
     if not firsts:
         pytest.skip("Triton is not installed: no kernels")
-    kernel = next(k for k, n in _launch._KERNEL_OPS.values() if n == "hccompile.mhc_post.default")
+    kernel = next(k for k, n, _ in _launch._KERNEL_OPS.values() if n == "hccompile.mhc_post.default")
     with pytest.raises(ValueError, match="already the first kernel of hccompile.mhc_post.default"):
         _launch.launched_by("hccompile.other.default", kernel)
     _launch.launched_by("hccompile.other.default", None, kernel)  # a later kernel: allowed
-    assert _launch.kernel_op_name(kernel) == "hccompile.mhc_post.default"
-    assert _launch.kernel_op_name(None) == ""
+    assert _launch.launched_op(kernel) == ("hccompile.mhc_post.default", 1)
+    assert _launch.launched_op(None) == ("", 1)
 
 
 def test_cpu_tensors_run_the_host_op():

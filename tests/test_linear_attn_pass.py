@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import Collect, fwd_bwd, rel_err
+from helpers import Collect, calls_through_hccompile_ops, fwd_bwd, rel_err
 
 OP = "hccompile.lightning_attn.default"
 OP_BWD = "hccompile.lightning_attn_backward.default"
@@ -279,3 +279,31 @@ def test_pass_can_be_disabled():
     be = Collect(compiler="aot_eager", disable_passes=["linear_attn"])
     torch.compile(bhtd_matmul_tril, backend=be)(*_inputs())
     assert be.matches == [] and all(p.name != "linear_attn" for r in be.reports for p in r.passes)
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_code_launches_the_linear_attn_kernel_directly():
+    """Issue 24: on CUDA causal_linear_attn is traced into its kernel launches (one forward, three
+    backward), so Inductor's output code launches the kernel itself, with no call through
+    torch.ops.hccompile; the report still names one op per direction."""
+    from torch._inductor.utils import run_and_get_code
+
+    import hccompile
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 100, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    be = Collect()
+    fn = torch.compile(lambda q, k, v: hccompile.causal_linear_attn(q, k, v), backend=be)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    _, codes = run_and_get_code(lambda: fn(*leaves).float().square().sum().backward())
+    code = "\n".join(codes)
+    assert "_masked_linear_attn_kernel" in code
+    assert not calls_through_hccompile_ops(code), calls_through_hccompile_ops(code)[:5]
+    assert be.ops("forward") == ["hccompile.causal_linear_attn.default"]
+    assert be.ops("backward") == ["hccompile.causal_linear_attn_backward.default"]
+    out, grads = fwd_bwd(fn, q, k, v)
+    ref, ref_grads = fwd_bwd(lambda q, k, v: hccompile.causal_linear_attn(q.double(), k.double(), v.double()),
+                             q, k, v)
+    assert rel_err(out, ref) < 2e-2
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 3e-2

@@ -20,10 +20,10 @@ from typing import Any, Callable
 import torch
 from torch.library import triton_op, wrap_triton
 
-__all__ = ["kernel_op", "kernel_op_name", "launched_by", "traced_launch", "wrap_triton"]
+__all__ = ["kernel_op", "launched_by", "launched_op", "traced_launch", "wrap_triton"]
 
-# id(JITFunction) -> (kernel, op name); the kernel is kept so the id stays its own
-_KERNEL_OPS: dict[int, tuple[Any, str]] = {}
+# id(JITFunction) -> (kernel, op name, launches per call); the kernel is kept so the id stays its own
+_KERNEL_OPS: dict[int, tuple[Any, str, int]] = {}
 
 
 def traced_launch(t: torch.Tensor, supported_dtypes) -> bool:
@@ -35,41 +35,43 @@ def traced_launch(t: torch.Tensor, supported_dtypes) -> bool:
     return t.device.type == "cuda" and t.dtype in supported_dtypes and triton_available(t.device)
 
 
-def launched_by(op_name: str, *kernels: Any) -> None:
-    """Record that `op_name` ("hccompile.mhc_post.default") launches `kernels`; the first is the
-    one op_inventory counts (one launch per op call)."""
+def launched_by(op_name: str, *kernels: Any, per_call: int = 1) -> None:
+    """Record that `op_name` ("hccompile.mhc_post.default") launches `kernels`. The first is the
+    op's own, launched `per_call` times per call (a kernel shared by two ops gets a JIT handle per
+    op); op_inventory counts calls by it. The others are only listed."""
     for i, k in enumerate(kernels):
         if k is None:
             continue
-        known = _KERNEL_OPS.get(id(k), (None, ""))[1]
-        if known and i == 0 and known != op_name:
-            raise ValueError(f"kernel {k} is already the first kernel of {known}, not of {op_name}")
-        _KERNEL_OPS[id(k)] = (k, op_name if i == 0 else known)
+        known = _KERNEL_OPS.get(id(k), (None, "", 1))
+        if known[1] and i == 0 and known[1] != op_name:
+            raise ValueError(f"kernel {k} is already the first kernel of {known[1]}, not of {op_name}")
+        _KERNEL_OPS[id(k)] = (k, op_name, per_call) if i == 0 else (k, known[1], known[2])
 
 
-def kernel_op_name(kernel: Any) -> str:
-    """The op whose first kernel `kernel` is ("" if none). Launch options (num_warps, num_stages)
-    make torch wrap a kernel in a one-config Autotuner: its `fn` is ours."""
+def launched_op(kernel: Any) -> tuple[str, int]:
+    """(the op whose first kernel `kernel` is, its launches per op call); ("", 1) if none. Launch
+    options (num_warps, num_stages) make torch wrap a kernel in a one-config Autotuner: its `fn`
+    is ours."""
     for k in (kernel, getattr(kernel, "fn", None)):
-        name = _KERNEL_OPS.get(id(k), (None, ""))[1] if k is not None else ""
+        name, per_call = _KERNEL_OPS.get(id(k), (None, "", 1))[1:] if k is not None else ("", 1)
         if name:
-            return name
-    return ""
+            return name, per_call
+    return "", 1
 
 
 def kernel_op(name: str, host_fn: Callable, host_fake: Callable, traced_fn: Callable,
-              dtypes, kernels=()) -> Any:
+              dtypes, kernels=(), per_call: int = 1) -> Any:
     """`hccompile::<name>`, a triton_op, and its host twin `hccompile::<name>_host`, a custom op.
 
     host_fn (with host_fake) is the op everywhere but CUDA: Triton's interpreter or the reference.
     traced_fn has the same signature; on CUDA, for a first argument in `dtypes`, it checks the
     inputs and launches the kernels through `wrap_triton`; `kernels` are those it launches, the
-    first launched once per call (see launched_by). Returns the triton_op (register its autograd
+    first `per_call` times per call (see launched_by). Returns the triton_op (register its autograd
     on it)."""
     host = torch.library.custom_op(f"hccompile::{name}_host", host_fn, mutates_args=())
     host.register_fake(host_fake)
 
-    launched_by(f"hccompile.{name}.default", *kernels)
+    launched_by(f"hccompile.{name}.default", *kernels, per_call=per_call)
 
     def body(*args, **kwargs):
         if traced_launch(args[0], dtypes):

@@ -1,15 +1,18 @@
-"""Causal linear attention without decay, O = scale·tril(QKᵀ)V, as custom ops.
+"""Causal linear attention without decay, O = scale·tril(QKᵀ)V, as kernel ops (lowering/_launch.py).
 
 Layout [B, T, H, D] (FLA's). One op per direction, so AOTAutograd puts the forward op in the forward
-graph and the backward op in the backward graph. On CUDA, and on CPU under TRITON_INTERPRET=1, the
-ops run our Triton kernels; otherwise (CPU without the interpreter, or float64) they run the chunked
-plain-PyTorch reference: same math, documented fallback.
+graph and the backward op in the backward graph. On CUDA the ops launch our Triton kernels through
+wrap_triton (a compiled graph holds the launches; Inductor's code makes them); elsewhere they call
+their `_host` twins, which run the kernels in Triton's interpreter (CPU, TRITON_INTERPRET=1) or the
+chunked plain-PyTorch reference (CPU without the interpreter, or float64): same math, documented
+fallback.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 from .. import compat as _compat
+from ._launch import kernel_op, wrap_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -57,8 +60,7 @@ def implementation(device: torch.device | str, dtype: torch.dtype = torch.float3
     return "reference"
 
 
-@torch.library.custom_op("hccompile::causal_linear_attn", mutates_args=())
-def causal_linear_attn_op(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _fwd_host(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     check_inputs(q, k, v)
     from ..kernels import lightning as K
 
@@ -67,16 +69,21 @@ def causal_linear_attn_op(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tens
     return K.causal_linear_attn_chunked_ref(q, k, v, scale)
 
 
-@causal_linear_attn_op.register_fake
-def _causal_linear_attn_fake(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     check_inputs(q, k, v)
     B, T, H, _ = q.shape
     return v.new_empty((B, T, H, v.shape[-1]))
 
 
-@torch.library.custom_op("hccompile::causal_linear_attn_backward", mutates_args=())
-def causal_linear_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, do: Tensor,
-                                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_traced(q, k, v, scale):
+    check_inputs(q, k, v)
+    from ..kernels import lightning as K
+
+    return K.causal_linear_attn_fwd(q, k, v, scale, wrap=wrap_triton)
+
+
+def _bwd_host(q: Tensor, k: Tensor, v: Tensor, do: Tensor, scale: float
+              ) -> tuple[Tensor, Tensor, Tensor]:
     check_inputs(q, k, v, do)
     from ..kernels import lightning as K
 
@@ -86,11 +93,31 @@ def causal_linear_attn_backward_op(q: Tensor, k: Tensor, v: Tensor, do: Tensor,
     return K.causal_linear_attn_bwd_ref(q, k, v, do, scale)
 
 
-@causal_linear_attn_backward_op.register_fake
-def _causal_linear_attn_backward_fake(q: Tensor, k: Tensor, v: Tensor, do: Tensor,
-                                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_fake(q: Tensor, k: Tensor, v: Tensor, do: Tensor, scale: float
+              ) -> tuple[Tensor, Tensor, Tensor]:
     check_inputs(q, k, v, do)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _bwd_traced(q, k, v, do, scale):
+    check_inputs(q, k, v, do)
+    from ..kernels import lightning as K
+
+    return K.causal_linear_attn_bwd(q, k, v, do.to(v.dtype), scale, wrap=wrap_triton)
+
+
+def _simple_kernel(name: str):
+    from ..kernels.lightning import simple
+
+    return getattr(simple, name, None)
+
+
+causal_linear_attn_op = kernel_op("causal_linear_attn", _fwd_host, _fwd_fake, _fwd_traced, SUPPORTED_DTYPES,
+                                  (_simple_kernel("_masked_linear_attn_kernel"),))
+# the backward launches the same kernel three times, through a JIT handle of its own
+causal_linear_attn_backward_op = kernel_op(
+    "causal_linear_attn_backward", _bwd_host, _bwd_fake, _bwd_traced, SUPPORTED_DTYPES,
+    (_simple_kernel("_masked_linear_attn_bwd_kernel"),), per_call=3)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..compat import launched_kernel
-from ..lowering._launch import kernel_op_name
+from ..lowering._launch import launched_op
 from .base import GraphPass, PassContext, register_pass
 
 
@@ -27,16 +27,22 @@ def graph_role(graph: fx.Graph) -> str:
 def hccompile_ops(graph: fx.Graph) -> list[str]:
     """Our ops in a post-grad graph, in order, by the public op name: a call of the op (or of its
     `_host` twin: CPU, Triton's interpreter, float64), or, where AOTAutograd traced the op into
-    its kernel launches (CUDA, lowering/_launch.py), the launch of the op's first kernel."""
-    ops = []
+    its kernel launches (CUDA, lowering/_launch.py), every per_call-th launch of the op's own
+    kernel."""
+    ops: list[str] = []
+    launches: dict[str, int] = {}
     for n in graph.nodes:
         if n.op != "call_function":
             continue
         target = str(n.target)
         if target.startswith("hccompile."):
             ops.append(target.replace("_host.", ".", 1))
-        elif name := kernel_op_name(launched_kernel(n)):
-            ops.append(name)
+        else:
+            name, per_call = launched_op(launched_kernel(n))
+            if name:
+                launches[name] = launches.get(name, 0) + 1
+                if (launches[name] - 1) % per_call == 0:
+                    ops.append(name)
     return ops
 
 

@@ -62,6 +62,8 @@ if triton is not None:
         Without REVERSE, sums over chunks j < i fully and the diagonal chunk under a
         lower-triangular mask; with REVERSE, over chunks j > i and an upper-triangular mask.
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         pid_bh = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_c = tl.program_id(2)
@@ -108,6 +110,11 @@ if triton is not None:
         out_ptrs = out_ptr + rows[:, None] * stride_ot + c_cols[None, :] * stride_od
         out_mask = (rows[:, None] < T) & (c_cols[None, :] < DIM_C)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    # The same kernel under a second JIT handle for the backward's three launches (same source,
+    # same compiled binary): a compiled graph names kernels, and hccompile.lowering tells the
+    # backward op's launches from the forward op's by the handle.
+    _masked_linear_attn_bwd_kernel = triton.jit(_masked_linear_attn_kernel.fn)
 
 
 def _check_kernel_inputs(**named: torch.Tensor) -> None:
@@ -159,8 +166,14 @@ def _launch_masked_linear_attn(
     out: torch.Tensor,
     scale: float,
     reverse: bool,
+    kernel=None,
+    wrap=None,
 ) -> None:
-    """out[t] = scale * sum over s <= t (s >= t if `reverse`) of (a[t] . b[s]) c[s]."""
+    """out[t] = scale * sum over s <= t (s >= t if `reverse`) of (a[t] . b[s]) c[s]; `kernel`
+    defaults to _masked_linear_attn_kernel, `wrap` (torch.library.wrap_triton when traced) to
+    launching it directly."""
+    kernel = _masked_linear_attn_kernel if kernel is None else kernel
+    launch = kernel if wrap is None else wrap(kernel)
     batch, time, heads, dim_ab = a.shape
     dim_c = c.shape[3]
     if batch * heads == 0 or time == 0:
@@ -172,7 +185,7 @@ def _launch_masked_linear_attn(
     stage_bytes = chunk_size * (block_ab + block_c) * a.element_size()
     num_stages = max(1, min(MAX_PIPELINE_STAGES, PIPELINE_SHARED_MEMORY_BUDGET // stage_bytes))
     grid = (batch * heads, triton.cdiv(time, chunk_size), triton.cdiv(dim_c, block_c))
-    _masked_linear_attn_kernel[grid](
+    launch[grid](
         a, b, c, out,
         *a.stride(), *b.stride(), *c.stride(), *out.stride(),
         time, heads, dim_ab, dim_c, float(scale),
@@ -194,6 +207,7 @@ def causal_linear_attn_fwd(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    wrap=None,
 ) -> torch.Tensor:
     """o = scale * tril(q k^T) v per batch and head; q, k: [B, T, H, K], v: [B, T, H, V].
 
@@ -208,7 +222,7 @@ def causal_linear_attn_fwd(
     else:
         _check_out("out", out, v, o_shape)
     _require_triton(q.device)
-    _launch_masked_linear_attn(q, k, v, out, scale, reverse=False)
+    _launch_masked_linear_attn(q, k, v, out, scale, reverse=False, wrap=wrap)
     return out
 
 
@@ -220,6 +234,7 @@ def causal_linear_attn_bwd(
     scale: float,
     *,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of causal_linear_attn_fwd given do = dL/do.
 
@@ -237,7 +252,8 @@ def causal_linear_attn_bwd(
             _check_out(name, grad, like, tuple(like.shape))
     _require_triton(q.device)
     # Each gradient is a linear attention over the other tensors (see reference.py).
-    _launch_masked_linear_attn(do, v, k, dq, scale, reverse=False)
-    _launch_masked_linear_attn(v, do, q, dk, scale, reverse=True)
-    _launch_masked_linear_attn(k, q, do, dv, scale, reverse=True)
+    bwd = _masked_linear_attn_bwd_kernel
+    _launch_masked_linear_attn(do, v, k, dq, scale, reverse=False, kernel=bwd, wrap=wrap)
+    _launch_masked_linear_attn(v, do, q, dk, scale, reverse=True, kernel=bwd, wrap=wrap)
+    _launch_masked_linear_attn(k, q, do, dv, scale, reverse=True, kernel=bwd, wrap=wrap)
     return dq, dk, dv
