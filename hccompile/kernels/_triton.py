@@ -49,9 +49,12 @@ def interpreter_problem() -> str | None:
     if triton is None or not interpreted(_runtime_loop_probe):
         return None
     try:
-        out = torch.zeros(1, dtype=torch.int32)
-        _runtime_loop_probe[(1,)](out, 3)
-        problem = None if int(out.item()) == 3 else f"a loop of 3 steps counted {int(out.item())}"
+        # first asked while torch.compile fakes an op's inputs, the probe must still run for real:
+        # its answer is cached for the process
+        with _real_tensors():
+            out = torch.zeros(1, dtype=torch.int32)
+            _runtime_loop_probe[(1,)](out, 3)
+            problem = None if int(out.item()) == 3 else f"a loop of 3 steps counted {int(out.item())}"
     except Exception as error:  # noqa: BLE001 - whatever the interpreter raises is the reason
         problem = f"{type(error).__name__}: {error}"
     if problem is not None:
@@ -62,6 +65,17 @@ def interpreter_problem() -> str | None:
             f"{numpy.__version__} ({problem}); CPU tensors use the plain-PyTorch references. Triton 3.6 "
             f"needs numpy<2.4 (triton-lang/triton#9171); Triton >= 3.8 has no such limit.", stacklevel=2)
     return problem
+
+
+def _real_tensors():
+    """A context outside torch.compile's fake-tensor mode (the probe needs data pointers)."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - present in every supported torch
+        import contextlib
+
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
 
 
 def interpreted(kernel) -> bool:

@@ -394,7 +394,8 @@ def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: M
     grid = triton.cdiv(T, bt)
     width = 3 + 2 * n + n * n
     # one row per program: every row is written, so no zero fill (T = 0: one all-zero row)
-    partial = common.new_output((max(grid, 1), width), torch.float32, proj.device)
+    # sym_max: traced for Inductor (issue 24), a Python max() would guard on the token count
+    partial = common.new_output((torch.sym_max(grid, 1), width), torch.float32, proj.device)
     if T > 0:
         g_pre, g_post = dh_pre.reshape(T, n), dh_post.reshape(T, n)
         g_res = dh_res.reshape(T, n, n)

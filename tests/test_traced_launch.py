@@ -1,0 +1,114 @@
+"""Issue 24 without a GPU: what AOTAutograd makes of each kernel op on CUDA tensors.
+
+torch.compile traces a triton_op's body into its kernel launches (lowering/_launch.py). Here each
+op's forward and backward is traced as torch.compile would, on fake CUDA tensors whose every size
+is symbolic, and the graph is read, not run: it must hold our kernel launches (op_inventory names
+the op once from them) and no call of the op or its host twin, and tracing must put no guard on
+the sequence length that some length from 16 on fails (one graph for every length). Fake CUDA tensors need a CUDA build of torch,
+not a GPU: the GPU suite runs these, and so does a CPU machine with the CUDA wheel."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                reason="fake CUDA tensors need a CUDA build of torch")
+
+
+class _Traced(Exception):
+    pass
+
+
+def trace(fn, *shapes_and_dtypes, ints=()):
+    """(graph, time symbol's guards) of AOTAutograd's inference graph of fn on fake CUDA tensors of
+    the given (shape, dtype) pairs, every size symbolic. Dimension 1 of the first tensor is the
+    sequence length; `ints` are integer tensors (cu_seqlens and the like), as (shape, dtype)."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False)
+    fakes = [mode.from_tensor(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes_and_dtypes]
+    with mode:
+        fakes = [t.to("cuda") for t in fakes]
+    graphs = []
+
+    def capture(gm, _):
+        graphs.append(gm)
+        raise _Traced
+
+    with warnings.catch_warnings():
+        # without a GPU torch cannot compile a kernel to find the tensors it stores to, and says so
+        warnings.simplefilter("ignore")
+        try:
+            aot_function(fn, fw_compiler=capture, dynamic=True)(*fakes)
+        except _Traced:
+            pass
+    # A guard on the length must hold for every length from 16 on (torch itself guards out the
+    # single-row case of a tensor it makes contiguous): the other sizes keep their values.
+    time, env = fakes[0].shape[1].node.expr, mode.shape_env
+    others = {sym: val for sym, val in env.var_to_val.items() if sym != time}
+    pinned = [(g.expr, str(g.sloc)) for g in env.guards if time in g.expr.free_symbols
+              and not all(bool(g.expr.subs({**others, time: t})) for t in (16, 17, 63, 64, 65, 1000, 4097, 65536))]
+    return graphs[0], pinned
+
+
+def _check(traced, op: str) -> None:
+    from hccompile.passes.op_inventory import hccompile_ops
+
+    gm, pinned = traced
+
+    launches = [n for n in gm.graph.nodes if n.op == "call_function"
+                and getattr(n.target, "__name__", "").startswith("triton_kernel_wrapper")]
+    calls = [str(n.target) for n in gm.graph.nodes if str(n.target).startswith("hccompile.")]
+    assert launches and not calls, (op, calls)
+    assert hccompile_ops(gm.graph) == [f"hccompile.{op}.default"], gm.graph
+    assert not pinned, f"{op}: the sequence length is guarded: {pinned}"
+
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def test_causal_linear_attn_traces_to_its_launches():
+    from hccompile.lowering import linear_attn as LA
+
+    qkv = [((2, 100, 3, 64), BF16)] * 3
+    _check(trace(lambda q, k, v: LA.causal_linear_attn_op(q, k, v, 0.125), *qkv), "causal_linear_attn")
+    _check(trace(lambda q, k, v, do: LA.causal_linear_attn_backward_op(q, k, v, do, 0.125), *qkv,
+                  ((2, 100, 3, 64), BF16)), "causal_linear_attn_backward")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_mhc_ops_trace_to_their_launches(dtype):
+    from hccompile.kernels.mhc.reference import MappingSpec
+    from hccompile.lowering import mhc as M
+
+    B, S, n, C = 2, 100, 4, 64
+    order = [0, 1, 2, 3]
+    x, h_res, h_post, f = ((B, S, n, C), dtype), ((B, S, n, n), dtype), ((B, S, n), dtype), ((B, S, C), dtype)
+    _check(trace(lambda *t: M.mhc_post_op(*t, False, order), x, h_res, h_post, f), "mhc_post")
+    _check(trace(lambda *t: M.mhc_post_backward_op(*t, False, order), x, h_res, h_post, f, x),
+           "mhc_post_backward")
+    _check(trace(lambda *t: M.mhc_aggregate_op(*t, order), x, h_post), "mhc_aggregate")
+    _check(trace(lambda *t: M.mhc_aggregate_backward_op(*t, order), x, h_post, f), "mhc_aggregate_backward")
+
+    spec = MappingSpec(n=n, steps=8)
+    scalars = M.spec_args(spec)
+    params = [((1,), dtype)] * 3 + [((n,), dtype), ((n,), dtype), ((n * n,), dtype)]
+    proj, r = ((B, S, spec.width), dtype), ((B, S, 1), dtype)
+    _check(trace(lambda *t: M.mhc_mapping_op(*t, *scalars, dtype, dtype, dtype), proj, r, *params),
+           "mhc_mapping")
+    grads = [((B, S, n), dtype), ((B, S, n), dtype), ((B, S, n, n), dtype)]
+    _check(trace(lambda *t: M.mhc_mapping_backward_op(*t, *scalars), proj, r, *params, *grads),
+           "mhc_mapping_backward")
+
+
+def test_a_length_specialisation_is_caught():
+    """The check above can fail: a body that branches on the length leaves a guard that some
+    length breaks."""
+    _, pinned = trace(lambda q: q * 2 if q.shape[1] < 128 else q + 1, ((2, 100, 3, 64), BF16))
+    assert pinned
