@@ -1,15 +1,20 @@
 """Host (CPU) time of one forward+backward of our GDN / KDA ops against its GPU time: when the
 host takes as long as the GPU, the GPU idles between kernels and the wall time is the host's.
 Prints the wall time per step, the host time to enqueue a step (no synchronisation, GPU queue
-kept busy) and the top of a cProfile of the enqueues.
+kept busy) and the top of a cProfile of the enqueues; eager calls, and with --compiled the same
+step under torch.compile (Inductor's code launching the kernels, issue 24). --jsonl appends one
+row per op and mode for benchmarks/targets.py ("bench": "host").
 
-    python benchmarks/host_overhead.py --ops gdn,kda --shape B4T4096H16D128
+    python benchmarks/host_overhead.py --ops gdn,kda --shape B4T4096H16D128 --compiled \
+        --jsonl benchmarks/results/host_<date>_h100.jsonl --commit <sha>
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import io
+import json
 import os
 import pstats
 import sys
@@ -29,36 +34,55 @@ def main() -> None:
     p.add_argument("--shape", default="B4T4096H16D128")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--compiled", action="store_true", help="also the step under torch.compile (Inductor)")
+    p.add_argument("--jsonl", help="append one row per op and mode here")
+    p.add_argument("--commit", default="", help="the measured tree's commit (a copied tree has no .git)")
     args = p.parse_args()
     shape = parse_shape(args.shape)
+    modes = [False, True] if args.compiled else [False]
     for op in args.ops.split(","):
-        step = step_fn(op, shape)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - started) / args.steps * 1e3
-        # Host time: enqueue behind a long GPU sleep so that the queue never drains.
-        torch.cuda._sleep(int(2e9))
-        started = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        host = (time.perf_counter() - started) / args.steps * 1e3
-        torch.cuda.synchronize()
-        print(f"{op} {args.shape}: wall {wall:.3f} ms/step, host enqueue {host:.3f} ms/step", flush=True)
-        profiler = cProfile.Profile()
-        torch.cuda._sleep(int(2e9))
-        profiler.enable()
-        for _ in range(args.steps):
-            step()
-        profiler.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
-        print(text.getvalue(), flush=True)
+        for compiled in modes:
+            measure_one(args, op, shape, compiled)
+
+
+def measure_one(args, op: str, shape: dict, compiled: bool) -> None:
+    import triton
+
+    step = step_fn(op, shape, compiled=compiled)
+    label = f"{op} {args.shape}" + (" compiled" if compiled else "")
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - started) / args.steps * 1e3
+    # Host time: enqueue behind a long GPU sleep so that the queue never drains.
+    torch.cuda._sleep(int(2e9))
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    host = (time.perf_counter() - started) / args.steps * 1e3
+    torch.cuda.synchronize()
+    print(f"{label}: wall {wall:.3f} ms/step, host enqueue {host:.3f} ms/step", flush=True)
+    if args.jsonl:
+        row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "triton": triton.__version__, "commit": args.commit,
+               "bench": "host", "op": op, "shape": args.shape, "compiled": compiled,
+               "wall_ms": round(wall, 4), "host_ms": round(host, 4)}
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    profiler = cProfile.Profile()
+    torch.cuda._sleep(int(2e9))
+    profiler.enable()
+    for _ in range(args.steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
+    print(text.getvalue(), flush=True)
 
 
 if __name__ == "__main__":

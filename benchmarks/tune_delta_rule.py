@@ -50,7 +50,7 @@ class _Override:
         return lambda *args, **kwargs: launch(*args, **{**kwargs, **self.options})
 
 
-def step_fn(op: str, shape: dict):
+def step_fn(op: str, shape: dict, compiled: bool = False):
     import hccompile
 
     B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
@@ -66,8 +66,12 @@ def step_fn(op: str, shape: dict):
     f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
     do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
 
+    call = (lambda *a: f(*a, use_qk_l2norm_in_kernel=True)[0])
+    if compiled:  # Inductor's code launches the kernels (issue 24); one graph for every length
+        call = torch.compile(call, fullgraph=True, dynamic=True)
+
     def step():
-        o = f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+        o = call(q, k, v, g, beta)
         torch.autograd.backward(o, do)
 
     return step

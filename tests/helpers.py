@@ -82,6 +82,11 @@ def train_step(model, x, backend=None, **options):
 
 
 def calls_through_hccompile_ops(code: str) -> list[str]:
-    """Lines of Inductor output code that call one of our ops (torch.ops.hccompile...). Comments are
-    left out: they name the kernels' source files, a path that may itself hold "hccompile"."""
-    return [line for line in code.splitlines() if "ops.hccompile" in line and not line.lstrip().startswith("#")]
+    """Lines of Inductor output code that call one of our ops (torch.ops.hccompile...), but for the
+    run-time checks traced graphs keep (lowering._launch.RUNTIME_CHECKS). Comments are left out:
+    they name the kernels' source files, a path that may itself hold "hccompile"."""
+    from hccompile.lowering._launch import RUNTIME_CHECKS
+
+    checks = [name.split(".")[1] for name in RUNTIME_CHECKS]
+    return [line for line in code.splitlines() if "ops.hccompile" in line and not line.lstrip().startswith("#")
+            and not any(f"ops.hccompile.{check}" in line for check in checks)]

@@ -396,3 +396,50 @@ def test_all_head_first_with_implausible_head_count_warns(monkeypatch):
     x = torch.randn(1, 4, 300, 8)  # 4 heads of 300 steps, passed head-first
     with pytest.warns(UserWarning, match=r"reads as T=4 steps of H=300 heads.*transpose dims 1 and 2"):
         chunk_gated_delta_rule(x, x, x, -torch.rand(1, 4, 300), torch.rand(1, 4, 300))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
+    """Issue 24: on CUDA the delta-rule ops are traced into their kernel launches, so Inductor's
+    output code launches our kernels itself (no call through torch.ops.hccompile but the run-time
+    context-parallel check), the report still names one op per direction, and the compiled
+    function (GVA, l2norm, initial and final state) matches the float64 recurrence."""
+    from torch._inductor.utils import run_and_get_code
+
+    from helpers import Collect, calls_through_hccompile_ops
+
+    case = make_case(gate, B=2, T=100, H=2, HV=4, K=64, V=64, seed=3)
+    function = chunk_gated_delta_rule if gate == "scalar" else chunk_kda
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = {n: case[n].clone().requires_grad_() for n in names}
+    be = Collect()
+    compiled = torch.compile(lambda q, k, v, g, beta, h0: function(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True),
+        backend=be, fullgraph=True)
+    do = torch.randn(2, 100, 4, 64, device=DEVICE)
+    dht = torch.randn(2, 4, 64, 64, device=DEVICE)
+
+    def step():
+        o, final_state = compiled(*leaves.values())
+        torch.autograd.backward((o, final_state), (do, dht))
+        return o, final_state
+
+    (o, final_state), codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    for kernel in ("_output_kernel", "_wy_solve_kernel", "_state_forward_kernel", "_wy_backward_kernel",
+                   "_state_backward_kernel", "_decayed_scores_backward_kernel"):
+        assert kernel in code, kernel
+    assert not calls_through_hccompile_ops(code), calls_through_hccompile_ops(code)[:5]
+    assert be.ops("forward") == ["hccompile.chunk_delta_rule.default"], be.ops("forward")
+    assert be.ops("backward") == ["hccompile.chunk_delta_rule_backward.default"], be.ops("backward")
+
+    as64 = {n: case[n].detach().double().requires_grad_() for n in names}
+    o_ref, final_ref = naive_recurrent_delta_rule(
+        as64["q"], as64["k"], as64["v"], as64["beta"], as64["g"], gate=gate, initial_state=as64["initial_state"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.autograd.backward((o_ref, final_ref), (do.double(), dht.double()))
+    assert relative_rms_error(o, o_ref) < TOLERANCE
+    assert relative_rms_error(final_state, final_ref) < TOLERANCE
+    for n in names:
+        assert relative_rms_error(leaves[n].grad, as64[n].grad) < TOLERANCE, n

@@ -37,7 +37,9 @@ def context_parallel(ctx: CPContext):
     """Inside this block, every `hccompile::chunk_delta_rule` op (and the functions
     chunk_delta_rule / chunk_gated_delta_rule / chunk_kda, eager or compiled with any backend)
     runs context-parallel over `ctx` on its rank-local inputs; so does its backward. Place the
-    block around the (compiled) model call, not inside a compiled function."""
+    block around the (compiled) model call, not inside a compiled function, with the compiled
+    model's first call inside it: on CUDA a graph compiled outside any block launches the
+    single-device kernels itself and stops with a RuntimeError inside one."""
     if not isinstance(ctx, CPContext):
         raise TypeError(f"ctx: expected a CPContext (hccompile.distributed.build_cp_context), got {type(ctx).__name__}")
     _ACTIVE.append(ctx)

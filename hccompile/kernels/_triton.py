@@ -78,6 +78,12 @@ def _real_tensors():
     return unset_fake_temporarily()
 
 
+def direct(kernel):
+    """The launchers' `wrap` default: launch the kernel itself. hccompile.lowering passes
+    torch.library.wrap_triton instead, so that a traced op records the launch for Inductor."""
+    return kernel
+
+
 def interpreted(kernel) -> bool:
     """Whether `kernel` was defined under the interpreter (Triton picks at definition time)."""
     return not isinstance(kernel, triton.runtime.JITFunction)

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 from torch.library import triton_op, wrap_triton
 
-__all__ = ["kernel_op", "launched_by", "launched_op", "traced_launch", "wrap_triton"]
+__all__ = ["RUNTIME_CHECKS", "kernel_op", "launched_by", "launched_op", "runtime_check", "traced_launch",
+           "wrap_triton"]
 
 # id(JITFunction) -> (kernel, op name, launches per call); the kernel is kept so the id stays its own
 _KERNEL_OPS: dict[int, tuple[Any, str, int]] = {}
@@ -48,6 +49,17 @@ def launched_by(op_name: str, *kernels: Any, per_call: int = 1) -> None:
         _KERNEL_OPS[id(k)] = (k, op_name, per_call) if i == 0 else (k, known[1], known[2])
 
 
+# ops a traced graph calls at run time beside the launches, to check what tracing cannot
+# (hccompile.delta_rule_outside_context_parallel.default): not ops of their own in the report
+RUNTIME_CHECKS: set[str] = set()
+
+
+def runtime_check(op: Any) -> Any:
+    """Marks custom op `op` as a run-time check of traced graphs (see RUNTIME_CHECKS); returns it."""
+    RUNTIME_CHECKS.add(f"{op._qualname.replace('::', '.')}.default")
+    return op
+
+
 def launched_op(kernel: Any) -> tuple[str, int]:
     """(the op whose first kernel `kernel` is, its launches per op call); ("", 1) if none. Launch
     options (num_warps, num_stages) make torch wrap a kernel in a one-config Autotuner: its `fn`
@@ -60,27 +72,39 @@ def launched_op(kernel: Any) -> tuple[str, int]:
 
 
 def kernel_op(name: str, host_fn: Callable, host_fake: Callable, traced_fn: Callable,
-              dtypes, kernels=(), per_call: int = 1) -> Any:
+              dtypes, kernels=(), per_call: int = 1, traceable: Callable[..., bool] | None = None) -> Any:
     """`hccompile::<name>`, a triton_op, and its host twin `hccompile::<name>_host`, a custom op.
 
     host_fn (with host_fake) is the op everywhere but CUDA: Triton's interpreter or the reference.
     traced_fn has the same signature; on CUDA, for a first argument in `dtypes`, it checks the
     inputs and launches the kernels through `wrap_triton`; `kernels` are those it launches, the
-    first `per_call` times per call (see launched_by). Returns the triton_op (register its autograd
-    on it)."""
+    first `per_call` times per call (see launched_by). `traceable`, given the call's arguments by
+    name (defaults filled in), may keep a CUDA call on the host op (say for inputs whose launch
+    plan needs tensor values). Returns the triton_op (register its autograd on it)."""
     host = torch.library.custom_op(f"hccompile::{name}_host", host_fn, mutates_args=())
     host.register_fake(host_fake)
 
     launched_by(f"hccompile.{name}.default", *kernels, per_call=per_call)
 
+    signature = inspect.signature(host_fn, eval_str=True)
+
+    def traced(args, kwargs) -> bool:
+        if not traced_launch(args[0], dtypes):
+            return False
+        if traceable is None:
+            return True
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return traceable(**bound.arguments)
+
     def body(*args, **kwargs):
-        if traced_launch(args[0], dtypes):
+        if traced(args, kwargs):
             return traced_fn(*args, **kwargs)
         return host(*args, **kwargs)
 
     # the schema is inferred from host_fn's signature, its string annotations resolved in host_fn's
     # module (torch 2.11 and 2.13 ignore triton_op's schema= argument)
-    body.__signature__ = inspect.signature(host_fn, eval_str=True)
+    body.__signature__ = signature
     body.__name__, body.__qualname__, body.__doc__ = name, name, host_fn.__doc__
 
     return triton_op(f"hccompile::{name}", body, mutates_args=())

@@ -60,6 +60,8 @@ from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_d
 from ..kernels.delta_rule.chunk import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES
 from ..kernels.delta_rule.reference import GATE_KINDS
 from .. import compat as _compat
+from ..kernels.delta_rule.chunk import _output_kernel, _wy_backward_kernel
+from ._launch import kernel_op, runtime_check, wrap_triton
 
 __all__ = [
     "chunk_delta_rule",
@@ -319,8 +321,7 @@ def _absent(q: Tensor) -> Tensor:
 # Forward op
 
 
-@torch.library.custom_op("hccompile::chunk_delta_rule", mutates_args=())
-def chunk_delta_rule_op(
+def _chunk_delta_rule_host(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, gate: str, scale: float,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
@@ -344,17 +345,37 @@ def chunk_delta_rule_op(
                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
                 dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size)
     if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
-        if save_intermediates:
-            o, final_state, kept = chunk_delta_rule_fwd(q, k, v, beta, **args, return_intermediates=True)
-        else:
-            o, final_state = chunk_delta_rule_fwd(q, k, v, beta, **args)
-            kept = _kept_placeholders(q, v, chunk_size, save_intermediates)
+        return _forward_kernels(q, k, v, beta, args, save_intermediates)
+    o, final_state = chunk_delta_rule_ref(q, k, v, beta, **args)
+    return _forward_outputs(q, v, o, final_state, _kept_placeholders(q, v, chunk_size, save_intermediates))
+
+
+def _forward_kernels(q, k, v, beta, args: dict, save_intermediates: bool, **launch) -> tuple[Tensor, ...]:
+    """The forward op's outputs by the kernels; `launch`: wrap and dummy when traced."""
+    if save_intermediates:
+        o, final_state, kept = chunk_delta_rule_fwd(q, k, v, beta, **args, return_intermediates=True, **launch)
     else:
-        o, final_state = chunk_delta_rule_ref(q, k, v, beta, **args)
-        kept = _kept_placeholders(q, v, chunk_size, save_intermediates)
+        o, final_state = chunk_delta_rule_fwd(q, k, v, beta, **args, **launch)
+        kept = _kept_placeholders(q, v, args["chunk_size"], save_intermediates)
+    return _forward_outputs(q, v, o, final_state, kept)
+
+
+def _forward_outputs(q, v, o, final_state, kept) -> tuple[Tensor, ...]:
     if final_state is None:
         return o, q.new_empty((0,), dtype=_state_dtype(q)), *kept
     return o, final_state.to(_state_dtype(q)).contiguous(), *kept
+
+
+def _chunk_delta_rule_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
+                             output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size,
+                             save_intermediates=False, check_gates=False):
+    """The forward op on CUDA, traced into its launches (see _traceable)."""
+    _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=None, dt_bias=None,
+                lower_bound=lower_bound, chunk_size=chunk_size)
+    return _forward_kernels(q, k, v, beta, args, save_intermediates, wrap=wrap_triton,
+                            dummy=outside_context_parallel_op(q))
 
 
 def _kept_shape(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool) -> tuple:
@@ -368,7 +389,6 @@ def _kept_placeholders(q: Tensor, v: Tensor, chunk_size: int, save_intermediates
     return tuple(q.new_zeros(shape, dtype=torch.float32) for _ in range(3))
 
 
-@chunk_delta_rule_op.register_fake
 def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
                            output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size,
                            save_intermediates=False, check_gates=False):
@@ -417,8 +437,7 @@ def _kernel_backward(q, k, v, beta, do, dht, intermediates=None, **args) -> dict
                                     dht=None if dht is None else dht.to(torch.float32), intermediates=intermediates)
 
 
-@torch.library.custom_op("hccompile::chunk_delta_rule_backward", mutates_args=())
-def chunk_delta_rule_backward_op(
+def _chunk_delta_rule_backward_host(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, do: Tensor, dht: Tensor | None,
     gate: str, scale: float, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
@@ -441,6 +460,10 @@ def chunk_delta_rule_backward_op(
         grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, intermediates=intermediates, **args)
     else:
         grads = _reference_backward(q, k, v, beta, do=do, dht=dht, **args)
+    return _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads)
+
+
+def _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads) -> tuple[Tensor, ...]:
     inputs = dict(zip(GRADIENT_NAMES, (q, k, v, beta, g, initial_state, A_log, dt_bias)))
     return tuple(
         _absent(q) if inputs[name] is None else grads[name].to(inputs[name].dtype).contiguous()
@@ -448,7 +471,21 @@ def chunk_delta_rule_backward_op(
     )
 
 
-@chunk_delta_rule_backward_op.register_fake
+def _chunk_delta_rule_backward_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
+                                      scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, kdot=None,
+                                      scores=None, inverse=None):
+    """The backward op on CUDA, traced into its launches (see _traceable)."""
+    _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    kept = (kdot, scores, inverse)
+    intermediates = kept if all(t is not None and t.numel() for t in kept) else None
+    grads = chunk_delta_rule_bwd(q, k, v, beta, g=g, gate=gate, scale=scale, initial_state=initial_state,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
+                                 chunk_size=chunk_size, do=do.to(v.dtype),
+                                 dht=None if dht is None else dht.to(torch.float32), intermediates=intermediates,
+                                 wrap=wrap_triton, dummy=outside_context_parallel_op(q))
+    return _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads)
+
+
 def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                     scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, kdot=None, scores=None,
                                     inverse=None):
@@ -457,6 +494,53 @@ def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens,
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     return tuple(_absent(q) if t is None else t.new_empty(t.shape)
                  for t in (q, k, v, beta, g, initial_state, A_log, dt_bias))
+
+
+# ----------------------------------------------------------------------------------------
+# The ops: traced into their launches on CUDA (lowering/_launch.py), host ops elsewhere
+
+
+def _traceable(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, *rest, check_gates=False,
+               **options) -> bool:
+    """Whether an op call on CUDA is traced into its kernel launches. Not for varlen batches (the
+    chunk tables are built from cu_seqlens' values), KDA's in-kernel gate (its backward runs
+    autograd through the activation), gate checks on CUDA (they read values) or under an active
+    context_parallel block: those calls stay host ops (the report says hccompile::<op>_host)."""
+    return (cu_seqlens is None and A_log is None and dt_bias is None
+            and not (check_gates and os.environ.get("HCCOMPILE_CHECK_GATES", "0").lower() in _TRUE)
+            and _context_parallel.current_context() is None
+            and all(t is None or t.dtype in SUPPORTED_DTYPES for t in (q, k, v, beta, g, initial_state)))
+
+
+@torch.library.custom_op("hccompile::delta_rule_outside_context_parallel", mutates_args=())
+def outside_context_parallel_op(q: Tensor) -> Tensor:
+    """A traced delta-rule op's first step at every run: a graph traced outside context_parallel()
+    runs the single-device kernels, so inside such a block it must stop, not run them on the
+    rank-local tensors. Returns the float32 scratch tensor the kernels take for absent inputs
+    (so that the step is not dropped as unused)."""
+    if _context_parallel.current_context() is not None:
+        raise RuntimeError(
+            "hccompile: a delta-rule graph compiled outside context_parallel() runs inside it; its "
+            "kernels would treat the rank-local tensors as whole sequences. Run the first call of the "
+            "compiled model inside the block (it then compiles the context-parallel op), or call "
+            "torch._dynamo.reset() before entering it.")
+    return torch.empty(2, dtype=torch.float32, device=q.device)
+
+
+@outside_context_parallel_op.register_fake
+def _outside_context_parallel_fake(q):
+    return torch.empty(2, dtype=torch.float32, device=q.device)
+
+
+runtime_check(outside_context_parallel_op)
+
+
+chunk_delta_rule_op = kernel_op("chunk_delta_rule", _chunk_delta_rule_host, _chunk_delta_rule_fake,
+                                _chunk_delta_rule_traced, SUPPORTED_DTYPES, kernels=(_output_kernel,),
+                                traceable=_traceable)
+chunk_delta_rule_backward_op = kernel_op("chunk_delta_rule_backward", _chunk_delta_rule_backward_host,
+                                         _chunk_delta_rule_backward_fake, _chunk_delta_rule_backward_traced,
+                                         SUPPORTED_DTYPES, kernels=(_wy_backward_kernel,), traceable=_traceable)
 
 
 # ----------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..compat import launched_kernel
-from ..lowering._launch import launched_op
+from ..lowering._launch import RUNTIME_CHECKS, launched_op
 from .base import GraphPass, PassContext, register_pass
 
 
@@ -35,6 +35,8 @@ def hccompile_ops(graph: fx.Graph) -> list[str]:
         if n.op != "call_function":
             continue
         target = str(n.target)
+        if target in RUNTIME_CHECKS:
+            continue
         if target.startswith("hccompile."):
             ops.append(target.replace("_host.", ".", 1))
         else:

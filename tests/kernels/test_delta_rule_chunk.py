@@ -349,7 +349,7 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
         DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen,
     )
     worst_inverse = worst_w = 0.0
-    for batch, bos, eos in problem.sequences:
+    for batch, bos, eos in problem.sequence_bounds():
         for first in range(bos, eos, chunk):
             n = min(chunk, eos - first)
             rows = slice(first, first + n)

@@ -33,12 +33,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .reference import DeltaRuleProblem, check_delta_rule_inputs, kda_gate
 
-from .._triton import dot, interpreted, require_triton, tl, triton, triton_available
+from .._triton import direct, dot, interpreted, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -210,6 +211,8 @@ if triton is not None:
         GK is K for per-channel gates and 1 for scalar ones. The reverse sum is the
         backward of the forward one: dg_t = sum over t' >= t in the chunk of dG_t'.
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        lower_bound = tl.cast(lower_bound, tl.float32)
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         pid_k = tl.program_id(2)
@@ -266,6 +269,8 @@ if triton is not None:
         step, instead. Outputs are fp32 [B, T, HV, BT]: row t of a chunk holds its scores
         against the chunk's columns.
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        factor_limit = tl.cast(factor_limit, tl.float32)
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         block_i = tl.program_id(2)
@@ -611,6 +616,8 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
     ):
         """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile."""
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
@@ -673,6 +680,8 @@ if triton is not None:
         passes dS_start = scale (Q e^G)^T dO + e^G_last dS - W^T dU to the chunk before.
         dS is fp32; dh, dU and the products' operands are in the intermediates' dtype (w's).
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
@@ -764,6 +773,8 @@ if triton is not None:
         cumulative gate). Stores dKdot = beta * dL with dL = -A^T dA A^T (strictly lower) and
         dP = scale dO U^T (lower) for decayed_scores_backward.
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
@@ -1046,6 +1057,8 @@ if triton is not None:
         and dG_t = q_t dq_t + k_t dk_t(rows) - k_t dk_t(columns) per channel. Without
         per-channel gates the sub-chunk is the whole chunk (BC == BT).
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        factor_limit = tl.cast(factor_limit, tl.float32)
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         block_b = tl.program_id(2)
@@ -1264,6 +1277,7 @@ class _Plan:
     gate_code: int
     input_dtype: torch.dtype  # q's (and k's, v's)
     dummy: torch.Tensor  # stands in for absent optional tensors
+    launch: Callable = direct  # wraps a kernel before its launch (see _make_plan)
 
     @property
     def varlen(self) -> bool:
@@ -1338,24 +1352,35 @@ def _varlen_chunk_tables(lengths: tuple[int, ...], chunk_size: int, device: torc
     return chunk_table, chunk_offsets
 
 
-def _make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.Tensor) -> _Plan:
+def _make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.Tensor,
+               launch: Callable = direct, dummy: torch.Tensor | None = None) -> _Plan:
+    """`launch` wraps each kernel before its launch: `direct`, or torch's wrap_triton when the
+    launches are traced for Inductor (lowering/_launch.py; fixed-length rows only). `dummy`: a
+    float32 tensor of at least 2 elements for the absent optional tensors (default: a cached one)."""
     device = q.device
-    lengths = tuple(eos - bos for _, bos, eos in problem.sequences)
     chunk_table = chunk_offsets = None
     if cu_seqlens is not None:
+        lengths = tuple(eos - bos for _, bos, eos in problem.sequences)
         chunk_table, chunk_offsets = _varlen_chunk_tables(lengths, chunk_size, device)
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+        num_chunks = sum(triton.cdiv(length, chunk_size) for length in lengths)
+    else:
+        num_chunks = problem.batch * triton.cdiv(problem.time, chunk_size)
+    if dummy is None:
+        # traced: a buffer of the graph's own (a cached tensor would be a fake one, kept)
+        dummy = torch.empty(2, dtype=torch.float32, device=device) if launch is not direct else _dummy(device)
     return _Plan(
         problem=problem,
         chunk_size=chunk_size,
-        num_chunks=sum(triton.cdiv(length, chunk_size) for length in lengths),
+        num_chunks=num_chunks,
         chunks_per_row=triton.cdiv(problem.time, chunk_size),
         chunk_table=chunk_table,
         chunk_offsets=chunk_offsets,
         cu_seqlens=cu_seqlens,
         gate_code=GATE_CODES[problem.gate],
         input_dtype=q.dtype,
-        dummy=_dummy(device),
+        dummy=dummy,
+        launch=launch,
     )
 
 
@@ -1381,24 +1406,24 @@ L2NORM_BLOCK_ROWS = 16
 L2NORM_WARPS = 4
 
 
-def _l2norm_forward(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _l2norm_forward(x: torch.Tensor, dtype: torch.dtype, launch: Callable = direct) -> torch.Tensor:
     """x / sqrt(sum x^2 + 1e-6), contiguous, in `dtype` (the plan's normed_qk_dtype)."""
     batch, time, heads, dim = x.shape
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     n_rows = batch * time * heads
     if n_rows:
-        _l2norm_kernel[(triton.cdiv(n_rows, L2NORM_BLOCK_ROWS),)](
+        launch(_l2norm_kernel)[(triton.cdiv(n_rows, L2NORM_BLOCK_ROWS),)](
             x, y, y, y, *x.stride(), *x.stride(), time, heads, dim, n_rows,
             BACKWARD=False, BR=L2NORM_BLOCK_ROWS, BK=_block(dim, MAX_HEAD_DIM), num_warps=L2NORM_WARPS,
         )
     return y
 
 
-def _l2norm_backward(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+def _l2norm_backward(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, launch: Callable = direct) -> None:
     batch, time, heads, dim = x.shape
     n_rows = batch * time * heads
     if n_rows:
-        _l2norm_kernel[(triton.cdiv(n_rows, L2NORM_BLOCK_ROWS),)](
+        launch(_l2norm_kernel)[(triton.cdiv(n_rows, L2NORM_BLOCK_ROWS),)](
             x, x, dy, dx, *x.stride(), *dx.stride(), time, heads, dim, n_rows,
             BACKWARD=True, BR=L2NORM_BLOCK_ROWS, BK=_block(dim, MAX_HEAD_DIM), num_warps=L2NORM_WARPS,
         )
@@ -1416,7 +1441,7 @@ def _gate_cumsum(plan: _Plan, g: torch.Tensor, activation: int, A_log, dt_bias, 
     block_k = _block(width)
     table, seqlens = plan.chunk_args()
     dummy = plan.dummy
-    _gate_cumsum_kernel[(plan.num_chunks, problem.value_heads, triton.cdiv(width, block_k))](
+    plan.launch(_gate_cumsum_kernel)[(plan.num_chunks, problem.value_heads, triton.cdiv(width, block_k))](
         g, out, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         *strides, table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, width,
@@ -1453,14 +1478,14 @@ def _score_launch(plan: _Plan, num_chunks: int, table, seqlens, backward: bool):
 def _launch_decayed_scores(plan: _Plan, q, k, cum, kdot, scores, num_chunks: int, table, seqlens) -> None:
     """decayed_scores (chunk.py's forward and CP's share it)."""
     grid, args, constants = _score_launch(plan, num_chunks, table, seqlens, backward=False)
-    _decayed_scores_kernel[grid](q, k, cum, kdot, scores, *q.stride(), *k.stride(), *args, **constants)
+    plan.launch(_decayed_scores_kernel)[grid](q, k, cum, kdot, scores, *q.stride(), *k.stride(), *args, **constants)
 
 
 def _launch_scores_backward(plan: _Plan, q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, num_chunks: int,
                             table, seqlens) -> None:
     """decayed_scores_backward (chunk.py's backward and CP's)."""
     grid, args, constants = _score_launch(plan, num_chunks, table, seqlens, backward=True)
-    _decayed_scores_backward_kernel[grid](q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, *q.stride(),
+    plan.launch(_decayed_scores_backward_kernel)[grid](q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, *q.stride(),
                                           *k.stride(), *args, **constants)
 
 
@@ -1477,7 +1502,7 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     device = q.device
     stored = plan.intermediate_dtype
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm_forward(q, plan.normed_qk_dtype), _l2norm_forward(k, plan.normed_qk_dtype)
+        q, k = (_l2norm_forward(x, plan.normed_qk_dtype, plan.launch) for x in (q, k))
     table, seqlens = plan.chunk_args()
     common = dict(IS_VARLEN=plan.varlen)
 
@@ -1508,7 +1533,7 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     if plan.num_chunks:
         if kept is None:
             _launch_decayed_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
-        _wy_solve_kernel[(plan.num_chunks, value_heads)](
+        plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
             k, v, beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *v.stride(), *beta.stride(),
             table, seqlens, time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
@@ -1522,7 +1547,7 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
     ht = final_state if final_state is not None else plan.dummy
     ht_strides = final_state.stride() if final_state is not None else (0, 0, 0, 0)
     if problem.num_sequences and (final_state is not None or plan.num_chunks):
-        _state_forward_kernel[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
+        plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
             k, cum_arg, w, u_tilde, h0, h, u, ht, *k.stride(), *h0_strides, *ht_strides,
             plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
             time, nt, value_heads, group, key_dim, value_dim,
@@ -1531,7 +1556,7 @@ def _forward(plan: _Plan, q, k, v, beta, g, scale, initial_state, final_state, o
             DOT_PRECISION=plan.dot_precision, **_state_launch_options(block_k_full, k.dtype), **common,
         )
     if o is not None and plan.num_chunks:
-        _output_kernel[(plan.num_chunks, value_heads, triton.cdiv(value_dim, block_v))](
+        plan.launch(_output_kernel)[(plan.num_chunks, value_heads, triton.cdiv(value_dim, block_v))](
             q, cum_arg, h, scores, u, o, *q.stride(), *o.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,
@@ -1569,6 +1594,8 @@ def chunk_delta_rule_fwd(
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
     return_intermediates: bool = False,
+    wrap: Callable | None = None,
+    dummy: torch.Tensor | None = None,
 ):
     """Chunked delta rule forward; arguments as naive_recurrent_delta_rule, plus chunk_size (16, 32, 64).
 
@@ -1577,6 +1604,8 @@ def chunk_delta_rule_fwd(
     With return_intermediates, a third element: the (kdot, scores, inverse) intra-chunk matrices,
     each fp32 [B, T, HV, chunk_size], which chunk_delta_rule_bwd(intermediates=...) then reuses
     instead of recomputing them (FLA keeps its score matrices and solved A the same way).
+    `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows);
+    `dummy`: a float32 tensor of >= 2 elements standing in for absent optional tensors (never read).
     """
     problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                         chunk_size)
@@ -1592,7 +1621,7 @@ def chunk_delta_rule_fwd(
         final_state_out = torch.empty(state_shape, dtype=torch.float32, device=v.device)
     _require_triton(q.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
-    plan = _make_plan(problem, chunk_size, cu_seqlens, q)
+    plan = _make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
     fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, final_state_out, out, use_qk_l2norm_in_kernel,
                    A_log, dt_bias, lower_bound)
     if return_intermediates:
@@ -1640,6 +1669,8 @@ def chunk_delta_rule_bwd(
     dht: torch.Tensor | None = None,
     out: dict[str, torch.Tensor] | None = None,
     intermediates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    wrap: Callable | None = None,
+    dummy: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Gradients of chunk_delta_rule_fwd given do = dL/do and dht = dL/d(final state) (optional).
 
@@ -1649,7 +1680,7 @@ def chunk_delta_rule_bwd(
     is the gradient of the raw g_raw when A_log/dt_bias are given). Gradients are written
     into the tensors of `out` (same keys, any subset) when given. `intermediates`: the
     (kdot, scores, inverse) that chunk_delta_rule_fwd(return_intermediates=True) returned for
-    the same inputs and chunk size; the recomputation then skips them.
+    the same inputs and chunk size; the recomputation then skips them. `wrap`, `dummy`: as the forward's.
     """
     problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                         chunk_size, do=do, dht=dht)
@@ -1672,7 +1703,7 @@ def chunk_delta_rule_bwd(
             _check_out(f"intermediates {name}", given, square, torch.float32, q.device)
             if not given.is_contiguous():
                 raise ValueError(f"intermediates {name}: expected a contiguous tensor")
-    plan = _make_plan(problem, chunk_size, cu_seqlens, q)
+    plan = _make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
     fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, None, None, use_qk_l2norm_in_kernel,
                    A_log, dt_bias, lower_bound, kept=None if intermediates is None else tuple(intermediates))
 
@@ -1704,7 +1735,7 @@ def chunk_delta_rule_bwd(
     no_strides = (0, 0, 0, 0)
 
     if problem.num_sequences and (plan.num_chunks or dh0 is not None):
-        _state_backward_kernel[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
+        plan.launch(_state_backward_kernel)[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
             fwd.q, fwd.k, cum_arg, fwd.w, fwd.scores, do, dht if dht is not None else plan.dummy, dh, du,
             dh0 if dh0 is not None else plan.dummy,
             *fwd.q.stride(), *fwd.k.stride(), *do.stride(),
@@ -1716,7 +1747,7 @@ def chunk_delta_rule_bwd(
             **_state_launch_options(block_k_full, fwd.k.dtype), **common,
         )
     if plan.num_chunks:
-        _wy_backward_kernel[(plan.num_chunks, value_heads)](
+        plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](
             fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot, fwd.u, du, fwd.h, dh,
             dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
@@ -1738,7 +1769,7 @@ def chunk_delta_rule_bwd(
     for name, x, dx_sum in (("q", q, dq_sum), ("k", k, dk_sum)):
         dx = result(name)
         if use_qk_l2norm_in_kernel:
-            _l2norm_backward(x, dx_sum, dx)
+            _l2norm_backward(x, dx_sum, dx, plan.launch)
         else:
             dx.copy_(dx_sum)
         grads[name] = dx
@@ -1749,11 +1780,11 @@ def chunk_delta_rule_bwd(
         dg_out = result("g")
         # The reverse sum writes g's gradient in place when nothing follows it (no gate activation)
         # and it has the sum's dtype and layout: no copy of a [B, T, HV, K] tensor.
-        direct = (plan.num_chunks and not problem.gate_in_kernel and dg_out.dtype == torch.float32
+        in_place = (plan.num_chunks and not problem.gate_in_kernel and dg_out.dtype == torch.float32
                   and dg_out.is_contiguous())
         if plan.num_chunks:
             dg = _gate_cumsum(plan, dcum, ACTIVATION_NONE, None, None, None, reverse=True,
-                              out=dg_out.view(batch, time, value_heads, gate_width) if direct else None)
+                              out=dg_out.view(batch, time, value_heads, gate_width) if in_place else None)
         else:
             dg = torch.zeros(batch, time, value_heads, gate_width, dtype=torch.float32, device=device)
         dg = dg.view(g.shape) if problem.gate == "channel" else dg.view(batch, time, value_heads)
@@ -1761,5 +1792,5 @@ def chunk_delta_rule_bwd(
             dg, dA_log, ddt_bias = _gate_activation_backward(g, dg, A_log, dt_bias, lower_bound)
             for name, grad in (("A_log", dA_log), ("dt_bias", ddt_bias)):
                 grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
-        grads["g"] = dg_out if direct else dg_out.copy_(dg)
+        grads["g"] = dg_out if in_place else dg_out.copy_(dg)
     return grads

@@ -46,12 +46,20 @@ class DeltaRuleProblem:
     gate: str
     gate_in_kernel: bool
     varlen: bool
-    # (batch index, first token, end token) of every sequence, in state order.
-    sequences: tuple[tuple[int, int, int], ...]
+    # (batch index, first token, end token) of every sequence of a varlen batch, in state order;
+    # None for fixed-length rows (one sequence per row: sequence_bounds() lists them). Not built
+    # for them, so that a symbolic batch size (torch.compile) stays symbolic.
+    sequences: tuple[tuple[int, int, int], ...] | None
 
     @property
     def num_sequences(self) -> int:
-        return len(self.sequences)
+        return self.batch if self.sequences is None else len(self.sequences)
+
+    def sequence_bounds(self) -> tuple[tuple[int, int, int], ...]:
+        """(batch index, first token, end token) of every sequence, in state order."""
+        if self.sequences is None:
+            return tuple((b, 0, self.time) for b in range(self.batch))
+        return self.sequences
 
     @property
     def group_size(self) -> int:
@@ -165,11 +173,8 @@ def check_delta_rule_inputs(
     if lower_bound is not None and not float(lower_bound) < 0:
         raise ValueError(f"lower_bound: must be negative (a log-decay), got {lower_bound}")
 
-    if cu_seqlens is None:
-        sequences = tuple((b, 0, time) for b in range(batch))
-    else:
-        sequences = _sequences_from_cu_seqlens(cu_seqlens, batch, time)
-    state_shape = (len(sequences), value_heads, key_dim, value_dim)
+    sequences = None if cu_seqlens is None else _sequences_from_cu_seqlens(cu_seqlens, batch, time)
+    state_shape = (batch if sequences is None else len(sequences), value_heads, key_dim, value_dim)
     if initial_state is not None:
         _require_tensor("initial_state", initial_state, 4, "[N, HV, K, V]")
         _require_float("initial_state", initial_state)
@@ -286,7 +291,7 @@ def naive_recurrent_delta_rule(
         lower_bound,
     )
     outputs, states = [], []
-    for index, (b, bos, eos) in enumerate(problem.sequences):
+    for index, (b, bos, eos) in enumerate(problem.sequence_bounds()):
         state = _initial_state(problem, initial_state, index, acc, q.device)
         steps = []
         for t in range(bos, eos):
@@ -342,7 +347,7 @@ def chunk_delta_rule_ref(
         lower_bound,
     )
     outputs, states = [], []
-    for index, (b, bos, eos) in enumerate(problem.sequences):
+    for index, (b, bos, eos) in enumerate(problem.sequence_bounds()):
         state = _initial_state(problem, initial_state, index, acc, q.device)
         pieces = []
         for start in range(bos, eos, chunk_size):

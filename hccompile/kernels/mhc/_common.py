@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import interpreted, require_triton, triton, triton_available
+from .._triton import direct, interpreted, require_triton, triton, triton_available  # noqa: F401 (direct: the launchers default)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of a [tokens, streams, channels] tile per program (4 warps). These kernels are
@@ -18,12 +18,6 @@ MAX_BLOCK_C = 512
 # the warps take tokens.
 SWEEP_LANES = 8
 SWEEP_WARPS = 4
-
-
-def direct(kernel):
-    """The launchers' `wrap` default: launch the kernel itself. hccompile.lowering passes
-    torch.library.wrap_triton instead, so that a traced op records the launch for Inductor."""
-    return kernel
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device, order=None) -> torch.Tensor:
