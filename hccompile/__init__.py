@@ -6,7 +6,8 @@ _compat.check_torch_version()
 _compat.trace_through_einops()
 
 from . import lowering  # noqa: E402  (registers torch.ops.hccompile.*)
-from .debug import Report, explain  # noqa: E402
+from .debug import Report  # noqa: E402
+from .explain import explain  # noqa: E402
 from .lowering import (causal_linear_attn, chunk_delta_rule, chunk_gated_delta_rule,  # noqa: E402
                        chunk_kda, htree_attention, lightning_attn)
 from .backend import hc_backend  # noqa: E402  (also reachable as backend="hc")

@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from .cli_args import Parser, UsageError, device_arg, positive_int
+
 COMMANDS = {
     "demo": "compile a small model with backend=\"hc\", check it against eager, compare with Inductor",
     "doctor": "versions, GPU, which implementation each op family uses here, known problems",
@@ -20,47 +22,6 @@ COMMANDS = {
 }
 
 USAGE = "usage: hccompile [-h] [--version] {" + ",".join(COMMANDS) + "} ..."
-
-
-class UsageError(Exception):
-    """A bad argument found after parsing (a file, a device): one line, exit status 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line naming the command and pointing at --help."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def device_arg(text: str) -> str:
-    """'cpu', 'cuda' or 'cuda:N', checked against what this machine has."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu or cuda)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "a CPU build of torch" if torch.version.cuda is None else "no GPU visible"
-            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here ({why}; "
-                                             f"torch {torch.__version__}); use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} GPU(s)")
-    elif device.type != "cpu":
-        raise argparse.ArgumentTypeError(f"{text!r}: hccompile runs on cpu or cuda")
-    return text
 
 
 def _version_line() -> str:
@@ -254,7 +215,7 @@ def explain_main(argv: list[str]) -> int:
         p.error(str(e))
     except Exception as e:  # noqa: BLE001 - the user's file failed: one line unless asked
         return _fail("hccompile explain", f"loading {a.target} failed", e, a.traceback)
-    from .debug.explain import explain
+    from .explain import explain
 
     try:
         report = explain(model, *args, options=options or None, mode=a.mode, backward=not a.no_backward,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .debug.explain import explain
+from .explain import explain
 from .lowering.linear_attn import implementation
 
 
@@ -150,7 +150,7 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from .cli import Parser, device_arg, positive_int
+    from .cli_args import Parser, device_arg, positive_int
 
     p = Parser(prog="hccompile demo", description=__doc__)
     p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda if available)")

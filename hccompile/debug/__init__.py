@@ -1,5 +1,5 @@
-"""Debugging: per-pass dumps, reports, depyf integration."""
-from .explain import explain
+"""Debugging: per-pass dumps, reports, depyf integration. (`hccompile.explain`, which compiles a
+model to get its report, is a level above: hccompile/explain.py.)"""
 from .report import GraphReport, PassRecord, Report
 
-__all__ = ["explain", "GraphReport", "PassRecord", "Report"]
+__all__ = ["GraphReport", "PassRecord", "Report"]

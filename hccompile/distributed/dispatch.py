@@ -154,3 +154,14 @@ def backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dh
     inputs = dict(q=q, k=k, v=v, beta=beta, g=g, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
     return tuple(_absent(q) if inputs[name] is None else grads[name].to(inputs[name].dtype).contiguous()
                  for name in inputs)
+
+
+def _register() -> None:
+    import sys
+
+    from ..lowering.delta_rule import register_context_parallel
+
+    register_context_parallel(sys.modules[__name__])
+
+
+_register()

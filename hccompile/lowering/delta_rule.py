@@ -54,7 +54,6 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
-from ..distributed import dispatch as _context_parallel
 from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_delta_rule_bwd, chunk_delta_rule_fwd,
                                   chunk_delta_rule_ref, triton_available)
 from ..kernels.delta_rule.chunk import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES
@@ -70,7 +69,37 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_kda",
     "implementation",
+    "register_context_parallel",
 ]
+
+class _NoContextParallel:
+    """The ops' context-parallel hook until hccompile.distributed registers its own: no context is
+    ever active (a context can only be made through that package)."""
+
+    @staticmethod
+    def current_context():
+        return None
+
+    @staticmethod
+    def forward(*args):
+        return None
+
+    @staticmethod
+    def backward(*args):
+        return None
+
+
+# The ops consult this hook first (forward / backward return None: run as usual); the distributed
+# package fills it on import (register_context_parallel), so lowering imports nothing of it.
+_context_parallel = _NoContextParallel
+
+
+def register_context_parallel(hook) -> None:
+    """Installs `hook` (current_context(), forward(...), backward(...): hccompile.distributed's
+    dispatch module) as the ops' context-parallel dispatch."""
+    global _context_parallel
+    _context_parallel = hook
+
 
 # The op's optional tensor inputs, in schema order after q, k, v, beta.
 _OPTIONAL_NAMES = ("g", "initial_state", "cu_seqlens", "A_log", "dt_bias")

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .report import Report
+from .debug.report import Report
 
 
 def explain(model: Any, *args: Any, options: dict[str, Any] | None = None, mode: str | None = None,
@@ -17,7 +17,7 @@ def explain(model: Any, *args: Any, options: dict[str, Any] | None = None, mode:
     (gradients are taken with torch.autograd.grad, so no `.grad` field of the model is touched).
     Inductor's caches are off for this compile, so every pass runs and reports.
     """
-    import hccompile.backend as hc
+    from . import backend as hc
 
     reports: list[Any] = []
     stack = hc._collect.__dict__.setdefault("stack", [])
@@ -39,7 +39,7 @@ def explain(model: Any, *args: Any, options: dict[str, Any] | None = None, mode:
 
 
 def _backend(gm, example_inputs, *, cfg):
-    from ..backend import compile_graph
+    from .backend import compile_graph
 
     return compile_graph(gm, example_inputs, cfg)
 
