@@ -215,11 +215,16 @@ def explain_main(argv: list[str]) -> int:
         p.error(str(e))
     except Exception as e:  # noqa: BLE001 - the user's file failed: one line unless asked
         return _fail("hccompile explain", f"loading {a.target} failed", e, a.traceback)
+    import contextlib
+
+    from .compat import quiet_fake_tensor_errors
     from .explain import explain
 
     try:
-        report = explain(model, *args, options=options or None, mode=a.mode, backward=not a.no_backward,
-                         dynamic=True if a.dynamic else None, **kwargs)
+        # one line for a failure, as the user asked (torch 2.15 would log its traceback first)
+        with contextlib.nullcontext() if a.traceback else quiet_fake_tensor_errors():
+            report = explain(model, *args, options=options or None, mode=a.mode, backward=not a.no_backward,
+                             dynamic=True if a.dynamic else None, **kwargs)
     except Exception as e:  # noqa: BLE001
         return _fail("hccompile explain", "compiling failed", e, a.traceback)
     if a.json:

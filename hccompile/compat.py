@@ -244,3 +244,19 @@ def launched_kernel(node: Any) -> Any:
         return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
     except (ImportError, KeyError, AssertionError, IndexError):
         return None
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_errors():
+    """Inside: torch's fake-tensor module does not log the failures it then raises. torch 2.15 logs
+    an op's failure on fake tensors, with its traceback, at ERROR level before raising it (2.11 and
+    2.13 raise only), so a one-line error of ours would come after a raw traceback."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -3,7 +3,8 @@
 Layout and conventions are FLA's: q, k [B, T, H, K]; v [B, T, HV, V] with HV a multiple of H;
 beta [B, T, HV]; g [B, T, HV] (GDN) or [B, T, HV, K] (KDA); states [N, HV, K, V]; variable-length
 batches are B = 1 plus cu_seqlens [N + 1]. One op per direction, so AOTAutograd puts the forward op
-in the forward graph and the backward op in the backward graph:
+in the forward graph and the backward op in the backward graph (both triton_ops: compiled on CUDA,
+fixed-length calls are traced into their kernel launches, see _traceable):
 
     hccompile::chunk_delta_rule(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g,
         Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, str gate,
@@ -56,10 +57,10 @@ from torch import Tensor
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_delta_rule_bwd, chunk_delta_rule_fwd,
                                   chunk_delta_rule_ref, triton_available)
-from ..kernels.delta_rule.chunk import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES
+from ..kernels.delta_rule.chunk import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES,
+                                        _output_kernel, _wy_backward_kernel)
 from ..kernels.delta_rule.reference import GATE_KINDS
 from .. import compat as _compat
-from ..kernels.delta_rule.chunk import _output_kernel, _wy_backward_kernel
 from ._launch import kernel_op, runtime_check, wrap_triton
 
 __all__ = [
@@ -529,12 +530,12 @@ def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens,
 # The ops: traced into their launches on CUDA (lowering/_launch.py), host ops elsewhere
 
 
-def _traceable(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, *rest, check_gates=False,
-               **options) -> bool:
-    """Whether an op call on CUDA is traced into its kernel launches. Not for varlen batches (the
-    chunk tables are built from cu_seqlens' values), KDA's in-kernel gate (its backward runs
-    autograd through the activation), gate checks on CUDA (they read values) or under an active
-    context_parallel block: those calls stay host ops (the report says hccompile::<op>_host)."""
+def _traceable(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, check_gates=False, **_) -> bool:
+    """Whether an op call on CUDA (its arguments by name) is traced into its kernel launches. Not
+    for varlen batches (the chunk tables are built from cu_seqlens' values), KDA's in-kernel gate
+    (its backward runs autograd through the activation), gate checks on CUDA (they read values)
+    or under an active context_parallel block: those calls stay host ops
+    (hccompile::chunk_delta_rule_host and ..._backward_host in the graph)."""
     return (cu_seqlens is None and A_log is None and dt_bias is None
             and not (check_gates and os.environ.get("HCCOMPILE_CHECK_GATES", "0").lower() in _TRUE)
             and _context_parallel.current_context() is None
