@@ -248,3 +248,46 @@ def test_varlen_opcheck_gradients_and_compile(mode):
                 if eos > bos:
                     assert relative_rms_error(grad[:, bos:eos], grad_n) < TOLERANCE
             assert relative_rms_error(grads[3][n:n + 1], g_n[3]) < TOLERANCE
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_code_launches_the_lightning_kernels_directly():
+    """Issue 24: on CUDA lightning attention is traced into its kernel launches, so Inductor's
+    output code launches our kernels itself (no call through torch.ops.hccompile), the report
+    still names one op per direction, and the compiled function matches float64 (several
+    segments per row, a decay, initial and final state)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from helpers import Collect, calls_through_hccompile_ops
+
+    case = make_case(B=2, T=300, H=3, K=64, V=64, seed=4)
+    names = ("q", "k", "v", "initial_state")
+    leaves = {n: case[n].clone().requires_grad_() for n in names}
+    be = Collect()
+    compiled = torch.compile(lambda q, k, v, h0: lightning_attn(q, k, v, case["decay"], initial_state=h0,
+                                                                output_final_state=True),
+                             backend=be, fullgraph=True)
+    do, dht = torch.randn(2, 300, 3, 64, device=DEVICE), torch.randn(2, 3, 64, 64, device=DEVICE)
+
+    def step():
+        o, final_state = compiled(*leaves.values())
+        torch.autograd.backward((o, final_state), (do, dht))
+        return o, final_state
+
+    (o, final_state), codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    for kernel in ("_segment_summary_kernel", "_segment_prefix_kernel", "_forward_sweep_kernel",
+                   "_reverse_sweep_kernel"):
+        assert kernel in code, kernel
+    assert not calls_through_hccompile_ops(code), calls_through_hccompile_ops(code)[:5]
+    assert be.ops("forward") == ["hccompile.lightning_attn.default"], be.ops("forward")
+    assert be.ops("backward") == ["hccompile.lightning_attn_backward.default"], be.ops("backward")
+
+    as64 = {n: case[n].detach().double().requires_grad_() for n in names}
+    o_ref, final_ref = lightning_attn_ref(as64["q"], as64["k"], as64["v"], case["decay"].double(), 64 ** -0.5,
+                                          as64["initial_state"], True)
+    torch.autograd.backward((o_ref, final_ref), (do.double(), dht.double()))
+    assert relative_rms_error(o, o_ref) < TOLERANCE
+    assert relative_rms_error(final_state, final_ref) < TOLERANCE
+    for n in names:
+        assert relative_rms_error(leaves[n].grad, as64[n].grad) < TOLERANCE, n

@@ -154,3 +154,22 @@ def test_delta_rule_ops_trace_to_their_launches(gate, dtype, sm_count):
 
     square = ((B, T, HV, 64), F32)
     _check(trace(backward, q, q, v, beta, *g, h0, v, h0, square, square, square), "chunk_delta_rule_backward")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_lightning_ops_trace_to_their_launches(dtype, monkeypatch):
+    """Lightning attention with a decay and an initial and final state; fixed-length rows, whose
+    segments the kernels derive from the sizes (no table from the lengths' values)."""
+    import types
+
+    from hccompile.lowering import lightning as L
+
+    if not torch.cuda.is_available():  # the automatic segment length asks for the GPU's multiprocessors
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: types.SimpleNamespace(multi_processor_count=132))
+    B, T, H, K, V = 2, 100, 4, 64, 64
+    q, decay, h0 = ((B, T, H, K), dtype), ((H,), F32), ((B, H, K, V), F32)
+    _check(trace(lambda q, k, v, decay, h0: L.lightning_attn_op(q, k, v, decay, h0, 0.125, True),
+                 q, q, ((B, T, H, V), dtype), decay, h0), "lightning_attn")
+    _check(trace(lambda q, k, v, decay, h0, do, dht: L.lightning_attn_backward_op(q, k, v, decay, h0, do, dht, 0.125),
+                 q, q, ((B, T, H, V), dtype), decay, h0, ((B, T, H, V), dtype), h0), "lightning_attn_backward")

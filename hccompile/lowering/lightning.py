@@ -7,7 +7,8 @@ attention 2, FLA's ``g_gamma``):
     S_T = sum_s exp(gamma_h (T - 1 - s)) k_s v_s^T + exp(gamma_h T) S_0
 
 One op per direction, so AOTAutograd puts the forward op in the forward graph and the backward op
-in the backward graph:
+in the backward graph (both triton_ops: compiled on CUDA, fixed-length calls are traced into their
+kernel launches, lowering/_launch.py):
 
     hccompile::lightning_attn(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor? initial_state,
         float scale, bool output_final_state, Tensor? cu_seqlens=None) -> (Tensor o, Tensor final_state)
@@ -46,11 +47,13 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
-from ..kernels.lightning.chunk import MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd
-from ..kernels.lightning.chunk import triton_available
+from ..kernels.lightning.chunk import (MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd,
+                                       triton_available)
+from ..kernels.lightning.chunk import _forward_sweep_bwd_kernel, _forward_sweep_kernel, _reverse_sweep_kernel
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
 from .. import compat as _compat
+from ._launch import kernel_op, wrap_triton
 
 __all__ = [
     "alibi_decay",
@@ -181,8 +184,7 @@ def _absent(q: Tensor) -> Tensor:
 # Forward op
 
 
-@torch.library.custom_op("hccompile::lightning_attn", mutates_args=())
-def lightning_attn_op(
+def _lightning_attn_host(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, scale: float,
     output_final_state: bool, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -193,13 +195,26 @@ def lightning_attn_op(
     else:
         o, final_state = lightning_attn_varlen_ref(q, k, v, decay, scale, initial_state, output_final_state,
                                                    cu_seqlens)
+    return _forward_outputs(q, v, o, final_state)
+
+
+def _forward_outputs(q, v, o, final_state) -> tuple[Tensor, Tensor]:
     o = o.to(v.dtype).contiguous()
     if final_state is None:
         return o, q.new_empty((0,), dtype=_state_dtype(q))
     return o, final_state.to(_state_dtype(q)).contiguous()
 
 
-@lightning_attn_op.register_fake
+def _lightning_attn_traced(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None):
+    """The forward op on CUDA for fixed-length rows, traced into its launches (the decay's values
+    are not checked here: on CUDA they never are, a check would synchronise)."""
+    _check_shapes_symbolic(q, k, v, decay, initial_state)
+    _check_options(q, k, v, decay, initial_state)
+    o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
+                                        output_final_state, wrap=wrap_triton)
+    return _forward_outputs(q, v, o, final_state)
+
+
 def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None):
     _check_shapes_symbolic(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     _check_options(q, k, v, decay, initial_state)
@@ -230,31 +245,64 @@ def _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlen
     return (*grads[:3], grads[3] if h0 is not None else None)
 
 
-@torch.library.custom_op("hccompile::lightning_attn_backward", mutates_args=())
-def lightning_attn_backward_op(
+def _lightning_attn_backward_host(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, do: Tensor,
     dht: Tensor | None, scale: float, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_eager(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q):
-        dq, dk, dv, dh0 = lightning_attn_bwd(
-            q, k, v, decay.float().contiguous(), do.to(v.dtype), scale, initial_state,
-            None if dht is None else dht.to(torch.float32), cu_seqlens=cu_seqlens,
-        )
+        grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=cu_seqlens)
     else:
-        dq, dk, dv, dh0 = _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens)
+        grads = _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens)
+    return _backward_outputs(q, k, v, initial_state, grads)
+
+
+def _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, **launch):
+    return lightning_attn_bwd(q, k, v, decay.float().contiguous(), do.to(v.dtype), scale, initial_state,
+                              None if dht is None else dht.to(torch.float32), **launch)
+
+
+def _backward_outputs(q, k, v, initial_state, grads) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dh0 = grads
     grads = tuple(g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), (q, k, v)))
     if initial_state is None:
         return (*grads, _absent(q))
     return (*grads, dh0.to(initial_state.dtype).contiguous())
 
 
-@lightning_attn_backward_op.register_fake
+def _lightning_attn_backward_traced(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=None):
+    """The backward op on CUDA for fixed-length rows, traced into its launches."""
+    _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht)
+    _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
+    grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, wrap=wrap_triton)
+    return _backward_outputs(q, k, v, initial_state, grads)
+
+
 def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=None):
     _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
     return tuple(_absent(q) if t is None else t.new_empty(t.shape) for t in (q, k, v, initial_state))
+
+
+# ----------------------------------------------------------------------------------------
+# The ops: traced into their launches on CUDA (lowering/_launch.py), host ops elsewhere
+
+
+def _fixed_length(cu_seqlens=None, **_) -> bool:
+    """Traced on CUDA for fixed-length rows; a varlen batch's segment tables are built from
+    cu_seqlens' values, so its calls stay host ops (hccompile::lightning_attn_host)."""
+    return cu_seqlens is None
+
+
+lightning_attn_op = kernel_op("lightning_attn", _lightning_attn_host, _lightning_attn_fake,
+                              _lightning_attn_traced, SUPPORTED_DTYPES, kernels=(_forward_sweep_kernel,),
+                              traceable=_fixed_length)
+# its launches: two reverse sweeps (dk, dv) per call
+lightning_attn_backward_op = kernel_op("lightning_attn_backward", _lightning_attn_backward_host,
+                                       _lightning_attn_backward_fake, _lightning_attn_backward_traced,
+                                       SUPPORTED_DTYPES, kernels=(_reverse_sweep_kernel, _forward_sweep_bwd_kernel),
+                                       per_call=2, traceable=_fixed_length)
 
 
 # ----------------------------------------------------------------------------------------

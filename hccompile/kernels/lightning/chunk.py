@@ -47,6 +47,7 @@ The decay is a constant: no gradient is computed for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -56,7 +57,7 @@ from .reference import check_attention_shapes
 from .simple import MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_kernel_inputs
 
 from .._triton import dot as _dot
-from .._triton import interpreted, load_tile as _load_tile, require_triton, tl, triton, triton_available
+from .._triton import direct, interpreted, load_tile as _load_tile, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -104,10 +105,16 @@ if triton is not None:
         return tl.where(distance >= 0, weights, 0.0)
 
     @triton.jit
-    def _segment(table_ptr, seg):
-        """Row `seg` of the segment table: (batch index, first token, length)."""
-        row = table_ptr + seg * 4
-        return tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
+    def _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN: tl.constexpr):
+        """(batch index, first token, length) of segment `seg`: a row of the table (varlen), or,
+        for fixed-length rows of `time` tokens cut into `per_sequence` segments of `seg_length`,
+        from the index itself (no table: the plan needs no tensor values, so it can be traced)."""
+        if IS_VARLEN:
+            row = table_ptr + seg * 4
+            return tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
+        within = seg % per_sequence
+        start = within * seg_length
+        return (seg // per_sequence).to(tl.int64), start.to(tl.int64), tl.minimum(time - start, seg_length)
 
     @triton.jit
     def _segment_summary_kernel(
@@ -116,7 +123,8 @@ if triton is not None:
         stride_cb, stride_ct, stride_ch, stride_cd,
         stride_xs, stride_xh, stride_xr, stride_xc,
         stride_decay,
-        H, DIM_B, DIM_C, scale,
+        H, DIM_B, DIM_C, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
         REVERSE: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_B: tl.constexpr,
@@ -131,10 +139,12 @@ if triton is not None:
         Every segment's summary is independent, so this pass is parallel over the whole sequence;
         only the small prefix pass below is sequential, and over segments, not blocks.
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         pid_sh = tl.program_id(0)
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
-        batch, start, seg_len = _segment(table_ptr, seg)
+        batch, start, seg_len = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
         b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
         c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
         gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
@@ -165,7 +175,8 @@ if triton is not None:
         stride_x0n, stride_x0h, stride_x0r, stride_x0c,
         stride_xtn, stride_xth, stride_xtr, stride_xtc,
         stride_decay,
-        H, DIM_B, DIM_C,
+        H, DIM_B, DIM_C, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
         REVERSE: tl.constexpr,
         HAS_X0: tl.constexpr,
         STORE_XT: tl.constexpr,
@@ -180,8 +191,12 @@ if triton is not None:
         seq = pid_nh // H
         head = (pid_nh % H).to(tl.int64)
         gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
-        first = tl.load(first_segment_ptr + seq)
-        count = tl.load(first_segment_ptr + seq + 1) - first
+        if IS_VARLEN:
+            first = tl.load(first_segment_ptr + seq)
+            count = tl.load(first_segment_ptr + seq + 1) - first
+        else:
+            first = seq * per_sequence
+            count = per_sequence
         rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
         cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < DIM_B) & (cols[None, :] < DIM_C)
@@ -197,7 +212,7 @@ if triton is not None:
                 seg = first + count - 1 - i
             else:
                 seg = first + i
-            seg_len = tl.load(table_ptr + seg * 4 + 2)
+            _, _, seg_len = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
             ptrs = x_ptr + seg.to(tl.int64) * stride_xs + head * stride_xh
             ptrs += rows[:, None] * stride_xr + cols[None, :] * stride_xc
             summary = tl.load(ptrs, mask=mask, other=0.0)
@@ -217,7 +232,8 @@ if triton is not None:
         stride_ob, stride_ot, stride_oh, stride_od,
         stride_xs, stride_xh, stride_xr, stride_xc,
         stride_decay,
-        H, DIM_AB, DIM_C, scale,
+        H, DIM_AB, DIM_C, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
         BLOCK: tl.constexpr,
         CBLOCK: tl.constexpr,
         BLOCK_AB: tl.constexpr,
@@ -232,11 +248,13 @@ if triton is not None:
         rows; inside a block, micro-chunks of CBLOCK query rows against micro-chunks of CBLOCK
         key rows. Holds the fp32 state X [BLOCK_AB, BLOCK_C] (b^T c summed over past blocks).
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         pid_sh = tl.program_id(0)
         pid_c = tl.program_id(1)
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
-        batch, start, T = _segment(table_ptr, seg)
+        batch, start, T = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
         a_ptr += batch * stride_ab + start * stride_at + head * stride_ah
         b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
         c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
@@ -294,7 +312,8 @@ if triton is not None:
         stride_ob, stride_ot, stride_oh, stride_od,
         stride_xs, stride_xh, stride_xr, stride_xc,
         stride_decay,
-        H, DIM_AB, DIM_C, scale,
+        H, DIM_AB, DIM_C, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
         BLOCK: tl.constexpr,
         CBLOCK: tl.constexpr,
         BLOCK_AB: tl.constexpr,
@@ -310,11 +329,13 @@ if triton is not None:
         query micro-chunks i >= j, recomputing the [CBLOCK, CBLOCK] score tile; one writer per
         output row.
         """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         pid_sh = tl.program_id(0)
         pid_c = tl.program_id(1)
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
-        batch, start, T = _segment(table_ptr, seg)
+        batch, start, T = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
         a_ptr += batch * stride_ab + start * stride_at + head * stride_ah
         b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
         c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
@@ -366,6 +387,11 @@ if triton is not None:
                     c_i = (c_i * row_decay[:, None]).to(c_i.dtype)
                     state += _dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
 
+
+    # The forward sweep under a second JIT handle for the backward's launch (same source, same
+    # binary): a compiled graph names kernels, and hccompile.lowering tells the backward op's
+    # launches from the forward op's by the handle.
+    _forward_sweep_bwd_kernel = triton.jit(_forward_sweep_kernel.fn)
 
 
 def _check_power_of_two(name: str, value: int) -> None:
@@ -428,17 +454,30 @@ def _state_strides(state: torch.Tensor | None, transpose: bool) -> tuple[int, in
 class _Segments:
     """Time cut into segments, each swept by its own programs from a precomputed state.
 
-    table [S, 4] int32 rows (batch index, first token, length, sequence); first [N + 1] int32:
-    the segments of sequence n are first[n] .. first[n + 1] - 1, in time order."""
+    Varlen: table [S, 4] int32 rows (batch index, first token, length, sequence); first [N + 1]
+    int32: the segments of sequence n are first[n] .. first[n + 1] - 1, in time order. Fixed-length
+    rows have no tables: row b's segments are b * per_sequence + (0 .. per_sequence - 1), each
+    `length` tokens but the last, and the kernels compute them from the segment index (sizes may
+    be symbolic: the plan is then traced, issue 24)."""
 
-    table: torch.Tensor
-    first: torch.Tensor
+    table: torch.Tensor | None
+    first: torch.Tensor | None
     num_sequences: int
     length: int
+    count: int
+    time: int = 0
+    per_sequence: int = 1
 
     @property
-    def count(self) -> int:
-        return self.table.shape[0]
+    def varlen(self) -> bool:
+        return self.table is not None
+
+    def kernel_args(self, placeholder: torch.Tensor) -> tuple:
+        """(table, first) pointers, then time, segment length, segments per sequence; `placeholder`
+        (any tensor, never read) stands in for the absent tables."""
+        if self.varlen:
+            return self.table, self.first, 0, self.length, 1
+        return placeholder, placeholder, self.time, self.length, self.per_sequence
 
 
 def _sequence_bounds(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -467,26 +506,28 @@ def _auto_segment_length(lengths: torch.Tensor, heads: int, column_tiles: int, b
     return min(triton.cdiv(length, block) * block, whole)
 
 
-# Fixed-length plans by (device, B, T, H, segment, block, column tiles): building one copies a small
-# table to the device, and a copy from pageable host memory waits for the GPU to go idle, so a
-# plan is built once per shape rather than once per call.
-_PLAN_CACHE: dict[tuple, _Segments] = {}
-_PLAN_CACHE_SIZE = 256
-
-
 def _plan_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
-    key = None
     if cu_seqlens is None:
-        key = (q.device, *q.shape[:3], segment, block, column_tiles)
-        plan = _PLAN_CACHE.get(key)
-        if plan is not None:
-            return plan
-    plan = _build_segments(q, cu_seqlens, segment, block, column_tiles)
-    if key is not None:
-        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.clear()
-        _PLAN_CACHE[key] = plan
-    return plan
+        return _fixed_segments(q, segment, block, column_tiles)
+    return _build_segments(q, cu_seqlens, segment, block, column_tiles)
+
+
+def _fixed_segments(q: torch.Tensor, segment: int | None, block: int, column_tiles: int) -> _Segments:
+    """Segments of fixed-length rows, from the sizes alone (torch.sym_max / sym_min: symbolic sizes
+    stay symbolic, so one traced graph serves every length). The automatic length is
+    _auto_segment_length's, every row as long as T."""
+    batch, time, heads = q.shape[:3]
+    if segment is None:
+        whole = triton.cdiv(torch.sym_max(time, 1), block) * block
+        if q.device.type != "cuda":
+            segment = whole
+        else:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            wanted = triton.cdiv(SWEEP_WAVES * sms, max(1, heads * column_tiles))
+            length = torch.sym_max(torch.sym_max(triton.cdiv(batch * time, wanted), MIN_SEGMENT), block)
+            segment = torch.sym_min(triton.cdiv(length, block) * block, whole)
+    per_sequence = torch.sym_max(triton.cdiv(time, segment), 1)  # an empty row keeps one empty segment
+    return _Segments(None, None, batch, segment, batch * per_sequence, time, per_sequence)
 
 
 def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
@@ -504,7 +545,8 @@ def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int
     table = torch.stack([batch_index[sequence], starts[sequence] + offset, seg_lengths, sequence], dim=1)
     device = q.device
     return _Segments(table.to(torch.int32).to(device, non_blocking=True),
-                     first.to(torch.int32).to(device, non_blocking=True), per_sequence.numel(), segment)
+                     first.to(torch.int32).to(device, non_blocking=True), per_sequence.numel(), segment,
+                     table.shape[0])
 
 
 # ----------------------------------------------------------------------------------------
@@ -520,35 +562,39 @@ def _dot_options(dtype: torch.dtype) -> dict:
 
 
 def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay: torch.Tensor, scale: float,
-                    reverse: bool, x0: torch.Tensor | None = None, xt: torch.Tensor | None = None) -> torch.Tensor:
+                    reverse: bool, x0: torch.Tensor | None = None, xt: torch.Tensor | None = None,
+                    wrap: Callable = direct) -> torch.Tensor:
     """[S, H, DIM_B, DIM_C] fp32: the state each segment's sweep starts from (forward: the state
     entering it, from x0; reverse: the gradient state leaving it, from x0 = dht). Writes the
-    last state (final state or dh0) into xt."""
+    last state (final state or dh0) into xt. `wrap`: torch's wrap_triton when traced."""
     heads, dim_b, dim_c = b.shape[2], b.shape[3], c.shape[3]
     states = torch.empty((segments.count, heads, dim_b, dim_c), dtype=torch.float32, device=b.device)
     if heads == 0 or dim_b == 0 or dim_c == 0:
         return states
     block_b, block_c = _block_dim(dim_b, SUMMARY_ROW_TILE), _block_dim(dim_c, SUMMARY_COLUMN_TILE)
     tiles = (triton.cdiv(dim_b, block_b), triton.cdiv(dim_c, block_c))
-    _segment_summary_kernel[(segments.count * heads, *tiles)](
-        b, c, decay, segments.table, states,
+    table, first, time, length, per_sequence = segments.kernel_args(decay)
+    wrap(_segment_summary_kernel)[(segments.count * heads, *tiles)](
+        b, c, decay, table, states,
         *b.stride(), *c.stride(), *states.stride(), decay.stride(0),
-        heads, dim_b, dim_c, float(scale),
+        heads, dim_b, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
         REVERSE=reverse, CHUNK=SUMMARY_CHUNK, BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
     )
     prefix_b, prefix_c = _block_dim(dim_b, PREFIX_TILE), _block_dim(dim_c, PREFIX_TILE)
-    _segment_prefix_kernel[(segments.num_sequences * heads, triton.cdiv(dim_b, prefix_b), triton.cdiv(dim_c, prefix_c))](
-        states, decay, segments.table, segments.first,
+    wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, triton.cdiv(dim_b, prefix_b),
+                                  triton.cdiv(dim_c, prefix_c))](
+        states, decay, table, first,
         x0 if x0 is not None else states, xt if xt is not None else states,
         *states.stride(), *_state_strides(x0, False), *_state_strides(xt, False), decay.stride(0),
-        heads, dim_b, dim_c,
+        heads, dim_b, dim_c, time, length, per_sequence, IS_VARLEN=segments.varlen,
         REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, BLOCK_B=prefix_b, BLOCK_C=prefix_c,
     )
     return states
 
 
 def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, states_transposed: bool,
-                  scale: float, block: int, cblock: int, column_tile: int, num_warps: int | None) -> None:
+                  scale: float, block: int, cblock: int, column_tile: int, num_warps: int | None,
+                  wrap: Callable = direct) -> None:
     """One sweep; a, b: [B, T, H, DIM_AB] (contracted, held whole), c/out: [B, T, H, DIM_C] (tiled);
     states [S, H, ., .] holds the segments' starting states, read transposed if asked."""
     heads, dim_ab, dim_c = a.shape[2], a.shape[3], c.shape[3]
@@ -560,11 +606,12 @@ def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, stat
     num_stages = max(1, min(MAX_PIPELINE_STAGES, PIPELINE_SHARED_MEMORY_BUDGET // stage_bytes))
     if num_warps is None:
         num_warps = 8 if cblock * max(block_ab, block_c) >= 64 * 128 else 4
-    kernel[(segments.count * heads, triton.cdiv(dim_c, block_c))](
-        a, b, c, decay, segments.table, states, out,
+    table, _, time, length, per_sequence = segments.kernel_args(decay)
+    wrap(kernel)[(segments.count * heads, triton.cdiv(dim_c, block_c))](
+        a, b, c, decay, table, states, out,
         *a.stride(), *b.stride(), *c.stride(), *out.stride(),
         *_state_strides(states, states_transposed), decay.stride(0),
-        heads, dim_ab, dim_c, float(scale),
+        heads, dim_ab, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
         BLOCK=block, CBLOCK=cblock, BLOCK_AB=block_ab, BLOCK_C=block_c, **_dot_options(a.dtype),
         num_stages=num_stages, num_warps=num_warps,
     )
@@ -601,6 +648,7 @@ def lightning_attn_fwd(
     num_warps: int | None = FORWARD_WARPS,
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
+    wrap: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Lightning attention forward; q, k: [B, T, H, K], v: [B, T, H, V], decay: [H] log-decays <= 0.
 
@@ -613,6 +661,7 @@ def lightning_attn_fwd(
     Tuning (every choice is exact): `block` is the inter/intra split, `cblock` the micro-chunk
     (powers of two, 16 <= cblock <= block <= 256); `segment` the rows one program sweeps (a
     multiple of block; None picks one that fills the GPU); `column_tile` the widest V tile.
+    `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows).
     """
     num_states = _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
     batch, time, heads, key_dim = q.shape
@@ -635,9 +684,11 @@ def lightning_attn_fwd(
         raise ValueError("final_state_out: given but output_final_state is False")
     _require_triton(q.device)
     segments = _plan_segments(q, cu_seqlens, segment, block, triton.cdiv(value_dim, min(column_tile, 256)))
-    states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state)
+    wrap = wrap or direct
+    states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state,
+                             wrap=wrap)
     _launch_sweep(_forward_sweep_kernel, segments, q, k, v, decay, out, states, False,
-                  scale, block, cblock, column_tile, num_warps)
+                  scale, block, cblock, column_tile, num_warps, wrap)
     return out, final_state
 
 
@@ -658,12 +709,14 @@ def lightning_attn_bwd(
     column_tile: int = BACKWARD_COLUMN_TILE,
     num_warps: int | None = BACKWARD_WARPS,
     out: tuple | None = None,
+    wrap: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients (dq, dk, dv, dh0) of lightning_attn_fwd given do = dL/do and dht = dL/dS_T.
 
     dh0 (in initial_state's dtype) is None when there is no initial_state; no gradient is
     computed for the decay (a constant). `out` = (dq, dk, dv) or (dq, dk, dv, dh0) to write into.
-    The tuning arguments need not match the forward's: each is an exact split.
+    The tuning arguments need not match the forward's: each is an exact split. `wrap`: as the
+    forward's.
     """
     _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, do=do, initial_state=initial_state, dht=dht)
     scale = _default_scale(scale, q.shape[3])
@@ -691,12 +744,13 @@ def lightning_attn_bwd(
     tiles = triton.cdiv(max(q.shape[3], v.shape[3]), min(column_tile, 256))
     segments = _plan_segments(q, cu_seqlens, segment, block, tiles)
     # S at each segment's start (the forward's states, recomputed) and dS at each segment's end.
-    s_states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state)
-    ds_states = _segment_states(segments, q, do, decay, scale, reverse=True, x0=dht, xt=dh0)
-    sweep = dict(scale=scale, block=block, cblock=cblock, column_tile=column_tile, num_warps=num_warps)
+    wrap = wrap or direct
+    s_states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, wrap=wrap)
+    ds_states = _segment_states(segments, q, do, decay, scale, reverse=True, x0=dht, xt=dh0, wrap=wrap)
+    sweep = dict(scale=scale, block=block, cblock=cblock, column_tile=column_tile, num_warps=num_warps, wrap=wrap)
     # dq: forward sweep over S^T [V, K tile]; dk: reverse sweep over dS^T [V, K tile];
     # dv: reverse sweep over dS [K, V tile].
-    _launch_sweep(_forward_sweep_kernel, segments, do, v, k, decay, dq, s_states, True, **sweep)
+    _launch_sweep(_forward_sweep_bwd_kernel, segments, do, v, k, decay, dq, s_states, True, **sweep)
     _launch_sweep(_reverse_sweep_kernel, segments, v, do, q, decay, dk, ds_states, True, **sweep)
     _launch_sweep(_reverse_sweep_kernel, segments, k, q, do, decay, dv, ds_states, False, **sweep)
     return dq, dk, dv, dh0
