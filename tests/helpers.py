@@ -90,3 +90,17 @@ def calls_through_hccompile_ops(code: str) -> list[str]:
     checks = [name.split(".")[1] for name in RUNTIME_CHECKS]
     return [line for line in code.splitlines() if "ops.hccompile" in line and not line.lstrip().startswith("#")
             and not any(f"ops.hccompile.{check}" in line for check in checks)]
+
+
+def inductor_step(compiled, inputs, cotangents):
+    """(outputs, Inductor's output code) of compiled(*inputs) and the backward of its outputs with
+    `cotangents`, both compiled in this call."""
+    from torch._inductor.utils import run_and_get_code
+
+    def step():
+        outputs = compiled(*inputs)
+        torch.autograd.backward(outputs, cotangents)
+        return outputs
+
+    outputs, codes = run_and_get_code(step)
+    return outputs, "\n".join(codes)

@@ -405,9 +405,7 @@ def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
     output code launches our kernels itself (no call through torch.ops.hccompile but the run-time
     context-parallel check), the report still names one op per direction, and the compiled
     function (GVA, l2norm, initial and final state) matches the float64 recurrence."""
-    from torch._inductor.utils import run_and_get_code
-
-    from helpers import Collect, calls_through_hccompile_ops
+    from helpers import Collect, calls_through_hccompile_ops, inductor_step
 
     case = make_case(gate, B=2, T=100, H=2, HV=4, K=64, V=64, seed=3)
     function = chunk_gated_delta_rule if gate == "scalar" else chunk_kda
@@ -419,14 +417,7 @@ def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
         backend=be, fullgraph=True)
     do = torch.randn(2, 100, 4, 64, device=DEVICE)
     dht = torch.randn(2, 4, 64, 64, device=DEVICE)
-
-    def step():
-        o, final_state = compiled(*leaves.values())
-        torch.autograd.backward((o, final_state), (do, dht))
-        return o, final_state
-
-    (o, final_state), codes = run_and_get_code(step)
-    code = "\n".join(codes)
+    (o, final_state), code = inductor_step(compiled, list(leaves.values()), (do, dht))
     for kernel in ("_output_kernel", "_wy_solve_kernel", "_state_forward_kernel", "_wy_backward_kernel",
                    "_state_backward_kernel", "_decayed_scores_backward_kernel"):
         assert kernel in code, kernel

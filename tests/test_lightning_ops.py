@@ -256,9 +256,7 @@ def test_gpu_inductor_code_launches_the_lightning_kernels_directly():
     output code launches our kernels itself (no call through torch.ops.hccompile), the report
     still names one op per direction, and the compiled function matches float64 (several
     segments per row, a decay, initial and final state)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from helpers import Collect, calls_through_hccompile_ops
+    from helpers import Collect, calls_through_hccompile_ops, inductor_step
 
     case = make_case(B=2, T=300, H=3, K=64, V=64, seed=4)
     names = ("q", "k", "v", "initial_state")
@@ -268,14 +266,7 @@ def test_gpu_inductor_code_launches_the_lightning_kernels_directly():
                                                                 output_final_state=True),
                              backend=be, fullgraph=True)
     do, dht = torch.randn(2, 300, 3, 64, device=DEVICE), torch.randn(2, 3, 64, 64, device=DEVICE)
-
-    def step():
-        o, final_state = compiled(*leaves.values())
-        torch.autograd.backward((o, final_state), (do, dht))
-        return o, final_state
-
-    (o, final_state), codes = run_and_get_code(step)
-    code = "\n".join(codes)
+    (o, final_state), code = inductor_step(compiled, list(leaves.values()), (do, dht))
     for kernel in ("_segment_summary_kernel", "_segment_prefix_kernel", "_forward_sweep_kernel",
                    "_reverse_sweep_kernel"):
         assert kernel in code, kernel
