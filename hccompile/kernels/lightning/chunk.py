@@ -491,19 +491,18 @@ def _sequence_bounds(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[
     return torch.zeros(count, dtype=torch.int64), bounds[:-1], bounds[1:] - bounds[:-1]
 
 
-def _auto_segment_length(lengths: torch.Tensor, heads: int, column_tiles: int, block: int,
-                         device: torch.device) -> int:
+def _auto_segment_length(longest, total, heads: int, column_tiles: int, block: int, device: torch.device):
     """Long enough that the summaries stay small next to q, k, v; short enough that the
-    sweeps fill the GPU: about SWEEP_WAVES programs per streaming multiprocessor."""
-    longest = max(int(lengths.max()) if lengths.numel() else 0, 1)
-    whole = triton.cdiv(longest, block) * block
+    sweeps fill the GPU: about SWEEP_WAVES programs per streaming multiprocessor. `longest` and
+    `total` are the longest sequence's and all sequences' token counts, possibly symbolic
+    (torch.sym_max / sym_min keep them so: one traced graph serves every length)."""
+    whole = triton.cdiv(torch.sym_max(longest, 1), block) * block
     if device.type != "cuda":
         return whole  # the interpreter runs programs one by one: parallelism buys nothing
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = triton.cdiv(SWEEP_WAVES * sms, max(1, heads * column_tiles))
-    length = triton.cdiv(int(lengths.sum()), max(1, wanted))
-    length = max(length, MIN_SEGMENT, block)
-    return min(triton.cdiv(length, block) * block, whole)
+    length = torch.sym_max(torch.sym_max(triton.cdiv(total, wanted), MIN_SEGMENT), block)
+    return torch.sym_min(triton.cdiv(length, block) * block, whole)
 
 
 def _plan_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
@@ -513,19 +512,10 @@ def _plan_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int,
 
 
 def _fixed_segments(q: torch.Tensor, segment: int | None, block: int, column_tiles: int) -> _Segments:
-    """Segments of fixed-length rows, from the sizes alone (torch.sym_max / sym_min: symbolic sizes
-    stay symbolic, so one traced graph serves every length). The automatic length is
-    _auto_segment_length's, every row as long as T."""
+    """Segments of fixed-length rows, from the sizes alone (symbolic sizes stay symbolic)."""
     batch, time, heads = q.shape[:3]
     if segment is None:
-        whole = triton.cdiv(torch.sym_max(time, 1), block) * block
-        if q.device.type != "cuda":
-            segment = whole
-        else:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            wanted = triton.cdiv(SWEEP_WAVES * sms, max(1, heads * column_tiles))
-            length = torch.sym_max(torch.sym_max(triton.cdiv(batch * time, wanted), MIN_SEGMENT), block)
-            segment = torch.sym_min(triton.cdiv(length, block) * block, whole)
+        segment = _auto_segment_length(time, batch * time, heads, column_tiles, block, q.device)
     per_sequence = torch.sym_max(triton.cdiv(time, segment), 1)  # an empty row keeps one empty segment
     return _Segments(None, None, batch, segment, batch * per_sequence, time, per_sequence)
 
@@ -533,7 +523,8 @@ def _fixed_segments(q: torch.Tensor, segment: int | None, block: int, column_til
 def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
     batch_index, starts, lengths = _sequence_bounds(q, cu_seqlens)
     if segment is None:
-        segment = _auto_segment_length(lengths, q.shape[2], column_tiles, block, q.device)
+        longest = int(lengths.max()) if lengths.numel() else 0
+        segment = _auto_segment_length(longest, int(lengths.sum()), q.shape[2], column_tiles, block, q.device)
     # An empty sequence keeps one segment of length 0, so its state still passes through.
     per_sequence = torch.clamp((lengths + segment - 1) // segment, min=1)
     first = torch.zeros(per_sequence.numel() + 1, dtype=torch.int64)
