@@ -3,6 +3,8 @@ kernels, and no two parts of hccompile import each other (imports inside functio
 from __future__ import annotations
 
 import ast
+
+import pytest
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hccompile"
@@ -64,3 +66,63 @@ def test_the_reader_sees_a_cycle():
     graph["kernels"] = graph["kernels"] | {"lowering"}
     mutual = {tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if a in graph.get(b, set())}
     assert ("kernels", "lowering") in mutual
+
+
+# --- kernels Inductor can copy ------------------------------------------------------------------
+def _kernel_modules():
+    import importlib
+    import pkgutil
+
+    import hccompile.kernels as kernels
+
+    for info in pkgutil.walk_packages(kernels.__path__, "hccompile.kernels."):
+        yield importlib.import_module(info.name)
+
+
+def misnamed_jit_calls(modules) -> list[str]:
+    """Calls, inside @triton.jit functions, to another @triton.jit function under a name other than
+    its own (`from .._triton import dot as _dot`). Inductor copies a traced kernel's source into its
+    output code with the source of each function it calls, and that source defines `dot`, not
+    `_dot`: the kernel then fails to compile on the GPU (NameError) though it runs everywhere else."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    jit = (JITFunction, InterpretedFunction)  # under TRITON_INTERPRET=1, @triton.jit makes the second
+    found = []
+    for module in modules:
+        for owner_name, owner in vars(module).items():
+            if not isinstance(owner, jit) or owner.fn.__module__ != module.__name__:
+                continue
+            for name in owner.fn.__code__.co_names:
+                callee = owner.fn.__globals__.get(name)
+                if isinstance(callee, jit) and callee.fn.__name__ != name:
+                    found.append(f"{module.__name__}.{owner_name} calls {callee.fn.__name__} as {name}")
+    return sorted(set(found))
+
+
+def test_kernels_call_jit_functions_by_their_own_names():
+    modules = list(_kernel_modules())
+    assert len(modules) > 10
+    assert not misnamed_jit_calls(modules)
+
+
+def test_a_misnamed_jit_call_is_found():
+    """The check above can fail: a module calling `dot` as `_dot` is reported."""
+    import types
+
+    triton = pytest.importorskip("triton")
+    from hccompile.kernels._triton import dot
+
+    module = types.ModuleType("misnamed")
+    source = ("import triton\nimport triton.language as tl\n"
+              "@triton.jit\ndef kernel(x, P: tl.constexpr, U: tl.constexpr):\n    return _dot(x, x, P, U)\n")
+    module.__dict__["_dot"] = dot
+    path = Path(__file__).with_name("_misnamed_kernel_tmp.py")
+    try:
+        path.write_text(source)  # triton.jit reads the function's source from its file
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    finally:
+        path.unlink(missing_ok=True)
+    module.kernel.fn.__module__ = module.__name__ = "misnamed"
+    assert misnamed_jit_calls([module]) == ["misnamed.kernel calls dot as _dot"]

@@ -199,7 +199,7 @@ def test_compile_reports_bad_shapes_at_trace_time():
     case = make_case("scalar")
     compiled = torch.compile(chunk_gated_delta_rule, backend="eager", fullgraph=True, dynamic=True)
     with pytest.raises(Exception, match=r"g: shape"):
-        compiled(case["q"], case["k"], case["v"], torch.zeros(1, 20, 2, 16), case["beta"])
+        compiled(case["q"], case["k"], case["v"], torch.zeros(1, 20, 2, 16, device=case["q"].device), case["beta"])
 
 
 def _bad_calls():

@@ -8,6 +8,7 @@ the sequence length that some length from 16 on fails (one graph for every lengt
 not a GPU: the GPU suite runs these, and so does a CPU machine with the CUDA wheel."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -40,6 +41,29 @@ class _Traced(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _kernel_target():
+    """Tracing compiles each launched kernel to Triton IR to find the tensors it stores to
+    (torch's mutation analysis); the IR needs a target, not a GPU: without one, an H100's. (Were
+    the analysis to fail, torch would take every tensor argument as written, inputs included.)"""
+    if torch.cuda.is_available():
+        yield
+        return
+    from triton.backends.compiler import GPUTarget
+
+    class H100Target:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver = triton.runtime.driver
+    previous = driver._active
+    driver.set_active(H100Target())
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
 def trace(fn, *shapes_and_dtypes, ints=()):
     """(graph, time symbol's guards) of AOTAutograd's inference graph of fn on fake CUDA tensors of
     the given (shape, dtype) pairs, every size symbolic. Dimension 1 of the first tensor is the
@@ -58,8 +82,7 @@ def trace(fn, *shapes_and_dtypes, ints=()):
         graphs.append(gm)
         raise _Traced
 
-    with warnings.catch_warnings():
-        # without a GPU torch cannot compile a kernel to find the tensors it stores to, and says so
+    with warnings.catch_warnings(), _kernel_target():
         warnings.simplefilter("ignore")
         try:
             aot_function(fn, fw_compiler=capture, dynamic=True)(*fakes)
@@ -87,8 +110,20 @@ def _check(traced, op: str) -> None:
     calls = [str(n.target) for n in gm.graph.nodes if str(n.target).startswith("hccompile.")
              and str(n.target) not in RUNTIME_CHECKS]
     assert launches and not calls, (op, calls)
+    # a launch writes only tensors the op allocated: a graph input it writes (an input passed as a
+    # kernel's dummy pointer, say) becomes a mutation of the caller's tensor, which autograd refuses
+    written_inputs = [(n.kwargs["kernel_idx"], name) for n in launches for name in n.kwargs.get("tensors_to_clone", ())
+                      if n.kwargs["kwargs"][name].op == "placeholder"]
+    assert not written_inputs, (op, [(_kernel_name(k), name) for k, name in written_inputs])
     assert hccompile_ops(gm.graph) == [f"hccompile.{op}.default"], gm.graph
     assert not pinned, f"{op}: the sequence length is guarded: {pinned}"
+
+
+def _kernel_name(kernel_idx: int) -> str:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    kernel = kernel_side_table.get_kernel(kernel_idx)
+    return getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
 
 
 BF16, F32 = torch.bfloat16, torch.float32

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import dot as _dot
-from .._triton import interpreted, require_triton, tl, triton
+from .._triton import dot, interpreted, require_triton, tl, triton
 from . import tiles
 from .forward import launch_config
 from .reference import HTreeConfig
@@ -60,20 +59,20 @@ if triton is not None:
             probs = tl.where(keep, tl.exp(tl.where(keep, scores - lse[:, None], 0.0)), 0.0)
             values = load_values(layer, nodes, merge, v_ptr, stride_vt, stride_vd, tree_v_ptr, pooled_offset, cols_v,
                                  V, DOT_DTYPE)
-            dprobs = _dot(do_dot, tl.trans(values.to(DOT_DTYPE)), DOT_PRECISION, UPCAST_OPERANDS)
+            dprobs = dot(do_dot, tl.trans(values.to(DOT_DTYPE)), DOT_PRECISION, UPCAST_OPERANDS)
             dscores = (probs * (dprobs - delta[:, None]) * scale).to(DOT_DTYPE)
             # Query side, rotated back by the tile's query rotation.
-            dqr1 = _dot(dscores, kr1, DOT_PRECISION, UPCAST_OPERANDS)
-            dqr2 = _dot(dscores, kr2, DOT_PRECISION, UPCAST_OPERANDS)
+            dqr1 = dot(dscores, kr1, DOT_PRECISION, UPCAST_OPERANDS)
+            dqr2 = dot(dscores, kr2, DOT_PRECISION, UPCAST_OPERANDS)
             dq1 += dqr1 * cos_q + dqr2 * sin_q
             dq2 += dqr2 * cos_q - dqr1 * sin_q
             # Key side, rotated back by each key's offset in the tile.
             dscores_t = tl.trans(dscores)
-            dkr1 = _dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
-            dkr2 = _dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
+            dkr1 = dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
+            dkr2 = dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
             dk1 = dkr1 * cos_k + dkr2 * sin_k
             dk2 = dkr2 * cos_k - dkr1 * sin_k
-            dv = _dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
+            dv = dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
             rows = (all_offset + nodes).to(tl.int64)
             k_mask = merge[:, None] & (cols_k[None, :] < KH)
             k_offsets = rows[:, None] * (2 * KH) + cols_k[None, :]

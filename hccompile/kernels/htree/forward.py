@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import dot as _dot
-from .._triton import interpreted, require_triton, tl, triton
+from .._triton import dot, interpreted, require_triton, tl, triton
 from . import tiles
 from .reference import HTreeConfig, HTreeLayerSelection
 from .tiles import (build_pooled, candidate_tile, check_kernel_limits, dot_dtype, load_scores, load_values,
@@ -66,7 +65,7 @@ if triton is not None:
             values = load_values(layer, nodes, merge, v_ptr, stride_vt, stride_vd, tree_v_ptr, pooled_offset, cols_v,
                                  V, DOT_DTYPE)
             l_run = l_run * rescale + tl.sum(weights, axis=1)
-            acc = acc * rescale[:, None] + _dot(weights.to(DOT_DTYPE), values, DOT_PRECISION, UPCAST_OPERANDS)
+            acc = acc * rescale[:, None] + dot(weights.to(DOT_DTYPE), values, DOT_PRECISION, UPCAST_OPERANDS)
             m_run = m_new
         return m_run, l_run, acc
 

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._triton import dot as _dot
-from .._triton import tl, triton
+from .._triton import dot, tl, triton
 from .reference import HTreeConfig, htree_layer_sizes, packed_index_bits, rope_cos_sin
 
 __all__ = [
@@ -261,8 +260,8 @@ if triton is not None:
     @triton.jit
     def tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
         """scale * <R(n-1) q, R(p) k>: scores [G_PAD, BLOCK_C] in float32."""
-        scores = _dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST_OPERANDS)
-        scores += _dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST_OPERANDS)
+        scores = dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST_OPERANDS)
+        scores += dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST_OPERANDS)
         return scores * scale
 
     @triton.jit

@@ -56,8 +56,7 @@ from .reference import check_attention_shapes
 # The dtype, device and head-dim limits are the simple kernels' (same MAX_HEAD_DIM, same dtypes).
 from .simple import MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_kernel_inputs
 
-from .._triton import dot as _dot
-from .._triton import direct, interpreted, load_tile as _load_tile, require_triton, tl, triton, triton_available
+from .._triton import direct, dot, interpreted, load_tile, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -105,13 +104,21 @@ if triton is not None:
         return tl.where(distance >= 0, weights, 0.0)
 
     @triton.jit
-    def _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN: tl.constexpr):
-        """(batch index, first token, length) of segment `seg`: a row of the table (varlen), or,
-        for fixed-length rows of `time` tokens cut into `per_sequence` segments of `seg_length`,
-        from the index itself (no table: the plan needs no tensor values, so it can be traced)."""
-        if IS_VARLEN:
-            row = table_ptr + seg * 4
-            return tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
+    def _table_segment(table_ptr, seg):
+        """(batch index, first token, length) of segment `seg`: a row of the varlen table."""
+        row = table_ptr + seg * 4
+        return tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
+
+    @triton.jit
+    def _fixed_segment(seg, time, seg_length, per_sequence):
+        """(batch index, first token, length) of segment `seg` of fixed-length rows of `time`
+        tokens cut into `per_sequence` segments of `seg_length`: from the index itself, no table,
+        so the plan needs no tensor values and can be traced.
+
+        A kernel calls this one or _table_segment under its IS_VARLEN branch, never one helper
+        given the table either way: torch's mutation analysis takes what a call returns as derived
+        from every pointer passed to it, so a store at an address built from the batch index would
+        count as a write to the table, whatever stands in for it (a traced graph input)."""
         within = seg % per_sequence
         start = within * seg_length
         return (seg // per_sequence).to(tl.int64), start.to(tl.int64), tl.minimum(time - start, seg_length)
@@ -144,7 +151,10 @@ if triton is not None:
         pid_sh = tl.program_id(0)
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
-        batch, start, seg_len = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
+        if IS_VARLEN:
+            batch, start, seg_len = _table_segment(table_ptr, seg)
+        else:
+            batch, start, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
         b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
         c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
         gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
@@ -155,15 +165,15 @@ if triton is not None:
         acc = tl.zeros([BLOCK_B, BLOCK_C], dtype=tl.float32)
         for chunk_start in range(0, seg_len, CHUNK):
             local = chunk_start + rows
-            b_rows = _load_tile(b_ptr, local, b_cols, stride_bt, stride_bd, seg_len, DIM_B)
-            c_rows = _load_tile(c_ptr, local, c_cols, stride_ct, stride_cd, seg_len, DIM_C)
+            b_rows = load_tile(b_ptr, local, b_cols, stride_bt, stride_bd, seg_len, DIM_B)
+            c_rows = load_tile(c_ptr, local, c_cols, stride_ct, stride_cd, seg_len, DIM_C)
             if REVERSE:
                 weights = tl.exp(gamma * (local + 1).to(tl.float32)) * scale
             else:
                 weights = tl.exp(gamma * tl.maximum(seg_len - 1 - local, 0).to(tl.float32))
             weights = tl.where(local < seg_len, weights, 0.0)
             b_rows = (b_rows * weights[:, None]).to(c_rows.dtype)
-            acc += _dot(tl.trans(b_rows), c_rows, DOT_PRECISION, UPCAST_OPERANDS)
+            acc += dot(tl.trans(b_rows), c_rows, DOT_PRECISION, UPCAST_OPERANDS)
         x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
         x_ptrs = x_ptr + b_cols[:, None] * stride_xr + c_cols[None, :] * stride_xc
         tl.store(x_ptrs, acc, mask=(b_cols[:, None] < DIM_B) & (c_cols[None, :] < DIM_C))
@@ -212,7 +222,10 @@ if triton is not None:
                 seg = first + count - 1 - i
             else:
                 seg = first + i
-            _, _, seg_len = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
+            if IS_VARLEN:
+                _, _, seg_len = _table_segment(table_ptr, seg)
+            else:
+                _, _, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
             ptrs = x_ptr + seg.to(tl.int64) * stride_xs + head * stride_xh
             ptrs += rows[:, None] * stride_xr + cols[None, :] * stride_xc
             summary = tl.load(ptrs, mask=mask, other=0.0)
@@ -254,7 +267,10 @@ if triton is not None:
         pid_c = tl.program_id(1)
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
-        batch, start, T = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
+        if IS_VARLEN:
+            batch, start, T = _table_segment(table_ptr, seg)
+        else:
+            batch, start, T = _fixed_segment(seg, time, seg_length, per_sequence)
         a_ptr += batch * stride_ab + start * stride_at + head * stride_ah
         b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
         c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
@@ -265,7 +281,7 @@ if triton is not None:
         ab_cols = tl.arange(0, BLOCK_AB)
         c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
-        state = _load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
+        state = load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
 
         for block_start in range(0, T, BLOCK):
             block_len = tl.minimum(T - block_start, BLOCK)
@@ -274,17 +290,17 @@ if triton is not None:
             for i in range(0, n_micro):
                 local_i = i * CBLOCK + micro
                 rows_i = block_start + local_i
-                a_i = _load_tile(a_ptr, rows_i, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                a_i = load_tile(a_ptr, rows_i, ab_cols, stride_at, stride_ad, T, DIM_AB)
                 row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
-                acc = _dot(a_i, state.to(a_i.dtype), DOT_PRECISION, UPCAST_OPERANDS) * row_decay[:, None]
+                acc = dot(a_i, state.to(a_i.dtype), DOT_PRECISION, UPCAST_OPERANDS) * row_decay[:, None]
                 for j in range(0, i + 1):
                     rows_j = block_start + j * CBLOCK + micro
-                    b_j = _load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_j = _load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
                     distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
-                    scores = _dot(a_i, tl.trans(b_j), DOT_PRECISION, UPCAST_OPERANDS)
+                    scores = dot(a_i, tl.trans(b_j), DOT_PRECISION, UPCAST_OPERANDS)
                     scores = scores * _decay_tile(gamma, distance, scale)
-                    acc += _dot(scores.to(c_j.dtype), c_j, DOT_PRECISION, UPCAST_OPERANDS)
+                    acc += dot(scores.to(c_j.dtype), c_j, DOT_PRECISION, UPCAST_OPERANDS)
                 out_ptrs = out_ptr + rows_i[:, None] * stride_ot + c_cols[None, :] * stride_od
                 out_mask = (rows_i[:, None] < T) & (c_cols[None, :] < DIM_C)
                 tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -295,13 +311,13 @@ if triton is not None:
                 for j in range(0, n_micro):
                     local_j = j * CBLOCK + micro
                     rows_j = block_start + local_j
-                    b_j = _load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_j = _load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
                     key_decay = tl.where(
                         local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
                     )
                     b_j = (b_j * key_decay[:, None]).to(c_j.dtype)
-                    state += _dot(tl.trans(b_j), c_j, DOT_PRECISION, UPCAST_OPERANDS)
+                    state += dot(tl.trans(b_j), c_j, DOT_PRECISION, UPCAST_OPERANDS)
 
     @triton.jit
     def _reverse_sweep_kernel(
@@ -335,7 +351,10 @@ if triton is not None:
         pid_c = tl.program_id(1)
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
-        batch, start, T = _segment(table_ptr, seg, time, seg_length, per_sequence, IS_VARLEN)
+        if IS_VARLEN:
+            batch, start, T = _table_segment(table_ptr, seg)
+        else:
+            batch, start, T = _fixed_segment(seg, time, seg_length, per_sequence)
         a_ptr += batch * stride_ab + start * stride_at + head * stride_ah
         b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
         c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
@@ -346,7 +365,7 @@ if triton is not None:
         ab_cols = tl.arange(0, BLOCK_AB)
         c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
-        state = _load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
+        state = load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
 
         n_blocks = tl.cdiv(T, BLOCK)
         for reversed_index in range(0, n_blocks):
@@ -357,20 +376,20 @@ if triton is not None:
             for j in range(0, n_micro):
                 local_j = j * CBLOCK + micro
                 rows_j = block_start + local_j
-                a_j = _load_tile(a_ptr, rows_j, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                a_j = load_tile(a_ptr, rows_j, ab_cols, stride_at, stride_ad, T, DIM_AB)
                 key_decay = tl.where(
                     local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
                 )
-                acc = _dot(a_j, state.to(a_j.dtype), DOT_PRECISION, UPCAST_OPERANDS) * key_decay[:, None]
+                acc = dot(a_j, state.to(a_j.dtype), DOT_PRECISION, UPCAST_OPERANDS) * key_decay[:, None]
                 for i in range(j, n_micro):
                     rows_i = block_start + i * CBLOCK + micro
-                    b_i = _load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_i = _load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
                     # scores[r, m] for query row r of micro-chunk i and key row m of micro-chunk j.
                     distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
-                    scores = _dot(b_i, tl.trans(a_j), DOT_PRECISION, UPCAST_OPERANDS)
+                    scores = dot(b_i, tl.trans(a_j), DOT_PRECISION, UPCAST_OPERANDS)
                     scores = scores * _decay_tile(gamma, distance, scale)
-                    acc += _dot(tl.trans(scores.to(c_i.dtype)), c_i, DOT_PRECISION, UPCAST_OPERANDS)
+                    acc += dot(tl.trans(scores.to(c_i.dtype)), c_i, DOT_PRECISION, UPCAST_OPERANDS)
                 out_ptrs = out_ptr + rows_j[:, None] * stride_ot + c_cols[None, :] * stride_od
                 out_mask = (rows_j[:, None] < T) & (c_cols[None, :] < DIM_C)
                 tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -381,11 +400,11 @@ if triton is not None:
                 for i in range(0, n_micro):
                     local_i = i * CBLOCK + micro
                     rows_i = block_start + local_i
-                    b_i = _load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_i = _load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
                     row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
                     c_i = (c_i * row_decay[:, None]).to(c_i.dtype)
-                    state += _dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
+                    state += dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
 
 
     # The forward sweep under a second JIT handle for the backward's launch (same source, same

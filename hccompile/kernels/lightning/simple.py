@@ -12,8 +12,7 @@ import torch
 
 from .reference import check_attention_shapes
 
-from .._triton import dot as _dot
-from .._triton import interpreted, load_tile as _load_tile, require_triton, tl, triton, triton_available
+from .._triton import dot, interpreted, load_tile, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -80,7 +79,7 @@ if triton is not None:
         ab_cols = tl.arange(0, BLOCK_AB)
         c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
 
-        a_tile = _load_tile(a_ptr, rows, ab_cols, stride_at, stride_ad, T, DIM_AB)
+        a_tile = load_tile(a_ptr, rows, ab_cols, stride_at, stride_ad, T, DIM_AB)
         acc = tl.zeros([BT, BLOCK_C], dtype=tl.float32)
 
         if REVERSE:
@@ -91,21 +90,21 @@ if triton is not None:
             end_chunk = pid_t
         for chunk in range(first_chunk, end_chunk):
             cols = chunk * BT + local
-            b_tile = _load_tile(b_ptr, cols, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-            c_tile = _load_tile(c_ptr, cols, c_cols, stride_ct, stride_cd, T, DIM_C)
+            b_tile = load_tile(b_ptr, cols, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+            c_tile = load_tile(c_ptr, cols, c_cols, stride_ct, stride_cd, T, DIM_C)
             # Scaling before the cast keeps fp16 scores away from overflow.
-            scores = _dot(a_tile, tl.trans(b_tile), DOT_PRECISION, UPCAST_OPERANDS) * scale
-            acc += _dot(scores.to(c_tile.dtype), c_tile, DOT_PRECISION, UPCAST_OPERANDS)
+            scores = dot(a_tile, tl.trans(b_tile), DOT_PRECISION, UPCAST_OPERANDS) * scale
+            acc += dot(scores.to(c_tile.dtype), c_tile, DOT_PRECISION, UPCAST_OPERANDS)
 
-        b_tile = _load_tile(b_ptr, rows, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-        c_tile = _load_tile(c_ptr, rows, c_cols, stride_ct, stride_cd, T, DIM_C)
-        scores = _dot(a_tile, tl.trans(b_tile), DOT_PRECISION, UPCAST_OPERANDS) * scale
+        b_tile = load_tile(b_ptr, rows, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+        c_tile = load_tile(c_ptr, rows, c_cols, stride_ct, stride_cd, T, DIM_C)
+        scores = dot(a_tile, tl.trans(b_tile), DOT_PRECISION, UPCAST_OPERANDS) * scale
         if REVERSE:
             visible = local[:, None] <= local[None, :]
         else:
             visible = local[:, None] >= local[None, :]
         scores = tl.where(visible, scores, 0.0)
-        acc += _dot(scores.to(c_tile.dtype), c_tile, DOT_PRECISION, UPCAST_OPERANDS)
+        acc += dot(scores.to(c_tile.dtype), c_tile, DOT_PRECISION, UPCAST_OPERANDS)
 
         out_ptrs = out_ptr + rows[:, None] * stride_ot + c_cols[None, :] * stride_od
         out_mask = (rows[:, None] < T) & (c_cols[None, :] < DIM_C)
