@@ -17,12 +17,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class Collect:
-    """torch.compile(fn, backend=Collect(...)) records every GraphReport."""
+    """torch.compile(fn, backend=Collect(...)) records every GraphReport.
+
+    Inductor's caches are off unless the options say otherwise: a cache hit (any earlier compile
+    of the same graph, in any process on the machine, say a GPU run of the same tests minutes
+    before) skips the inner compile that writes the reports' lowered ops."""
 
     __hccompile_backend__ = True  # hc's substitutes apply (hccompile.substitutes reads self.cfg)
 
     def __init__(self, **options: Any):
-        self.cfg = resolve(options)
+        self.cfg = resolve({"force_disable_caches": True, **options})
         self.reports: list[Any] = []
 
     def __call__(self, gm, example_inputs):

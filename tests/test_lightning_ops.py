@@ -210,9 +210,9 @@ def _bad_calls():
 
 
 @pytest.mark.parametrize("description, call, match", _bad_calls(), ids=[b[0] for b in _bad_calls()])
-def test_bad_input_names_argument(description, call, match):
-    if DEVICE != "cpu" and "decay" in description and ("positive" in description or "finite" in description):
-        pytest.skip("decay values are only checked on CPU (a GPU check would synchronise)")
+def test_bad_input_names_argument(description, call, match, monkeypatch):
+    if DEVICE != "cpu":  # reading the decay's values synchronises with a GPU: checked when asked
+        monkeypatch.setenv("HCCOMPILE_CHECK_GATES", "1")
     with pytest.raises((ValueError, TypeError), match=match):
         call(make_case())
 
@@ -282,3 +282,21 @@ def test_gpu_inductor_code_launches_the_lightning_kernels_directly():
     assert relative_rms_error(final_state, final_ref) < TOLERANCE
     for n in names:
         assert relative_rms_error(leaves[n].grad, as64[n].grad) < TOLERANCE, n
+
+
+def test_decay_values_on_other_devices_are_read_only_when_asked(monkeypatch):
+    """Off the CPU, reading the decay synchronises: unchecked unless HCCOMPILE_CHECK_GATES=1, and
+    then the op stays a host op under torch.compile, where the values exist (a meta tensor stands
+    in for a CUDA one: it has no values, so reading them fails)."""
+    from hccompile.kernels.lightning.decay_reference import check_decay_and_state
+    from hccompile.lowering import lightning as L
+
+    q, v, decay = torch.empty(1, 4, 2, 8, device="meta"), torch.empty(1, 4, 2, 8, device="meta"), \
+        torch.empty(2, device="meta")
+    monkeypatch.delenv("HCCOMPILE_CHECK_GATES", raising=False)
+    check_decay_and_state(q, v, decay)
+    assert L._traceable(cu_seqlens=None)
+    monkeypatch.setenv("HCCOMPILE_CHECK_GATES", "1")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        check_decay_and_state(q, v, decay)
+    assert not L._traceable(cu_seqlens=None)

@@ -48,7 +48,6 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
@@ -60,6 +59,7 @@ from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_d
 from ..kernels.delta_rule.chunk import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES,
                                         _output_kernel, _wy_backward_kernel)
 from ..kernels.delta_rule.reference import GATE_KINDS
+from ..kernels.value_checks import checks_on_gpu, values_checked
 from .. import compat as _compat
 from ._launch import kernel_op, runtime_check, wrap_triton
 
@@ -287,11 +287,10 @@ def _warn_if_head_first(q: Tensor, cu_seqlens: Tensor | None) -> None:
 # kernels, built on exp of cumulative gate differences, do not support; a NaN or infinite gate
 # poisons the whole chunk. Reading the values needs them on the host: free on the CPU, a
 # synchronisation on a GPU. So, as lightning_attn does for its decay, CPU gates are always checked
-# and CUDA gates only with HCCOMPILE_CHECK_GATES=1 (read at every call). The check belongs to the
+# and CUDA gates only with HCCOMPILE_CHECK_GATES=1 (kernels/value_checks.py). The check belongs to the
 # FLA-style public functions (the op's check_gates=True, also under torch.compile, where the op
 # checks at run time): the delta_rule pass lowers the user's own recurrence, whose gate may be any
 # finite tensor (the op's math holds for it), so the op it emits does not check.
-_TRUE = ("1", "true", "yes", "on")
 
 
 def _check_gate_values(g: Tensor | None, gate: str, A_log: Tensor | None) -> None:
@@ -299,7 +298,7 @@ def _check_gate_values(g: Tensor | None, gate: str, A_log: Tensor | None) -> Non
     HCCOMPILE_CHECK_GATES=1). The in-kernel gate (A_log given) takes raw activations: unchecked."""
     if g is None or gate == "none" or A_log is not None or not isinstance(g, torch.Tensor):
         return
-    if g.device.type != "cpu" and os.environ.get("HCCOMPILE_CHECK_GATES", "0").lower() not in _TRUE:
+    if not values_checked(g.device):
         return
     g = g.detach()
     for bad, what in ((~torch.isfinite(g), "must be finite"), (g > 0, "must be <= 0 (log-decays: exp(g) <= 1)")):
@@ -537,7 +536,7 @@ def _traceable(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, chec
     or under an active context_parallel block: those calls stay host ops
     (hccompile::chunk_delta_rule_host and ..._backward_host in the graph)."""
     return (cu_seqlens is None and A_log is None and dt_bias is None
-            and not (check_gates and os.environ.get("HCCOMPILE_CHECK_GATES", "0").lower() in _TRUE)
+            and not (check_gates and checks_on_gpu())
             and _context_parallel.current_context() is None
             and all(t is None or t.dtype in SUPPORTED_DTYPES for t in (q, k, v, beta, g, initial_state)))
 

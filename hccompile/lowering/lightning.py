@@ -52,6 +52,7 @@ from ..kernels.lightning.chunk import (MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning
 from ..kernels.lightning.chunk import _forward_sweep_bwd_kernel, _forward_sweep_kernel, _reverse_sweep_kernel
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
+from ..kernels.value_checks import checks_on_gpu
 from .. import compat as _compat
 from ._launch import kernel_op, wrap_triton
 
@@ -289,20 +290,21 @@ def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale,
 # The ops: traced into their launches on CUDA (lowering/_launch.py), host ops elsewhere
 
 
-def _fixed_length(cu_seqlens=None, **_) -> bool:
+def _traceable(cu_seqlens=None, **_) -> bool:
     """Traced on CUDA for fixed-length rows; a varlen batch's segment tables are built from
-    cu_seqlens' values, so its calls stay host ops (hccompile::lightning_attn_host)."""
-    return cu_seqlens is None
+    cu_seqlens' values, and checking the decay's values (HCCOMPILE_CHECK_GATES=1) reads them, so
+    those calls stay host ops (hccompile::lightning_attn_host)."""
+    return cu_seqlens is None and not checks_on_gpu()
 
 
 lightning_attn_op = kernel_op("lightning_attn", _lightning_attn_host, _lightning_attn_fake,
                               _lightning_attn_traced, SUPPORTED_DTYPES, kernels=(_forward_sweep_kernel,),
-                              traceable=_fixed_length)
+                              traceable=_traceable)
 # its launches: two reverse sweeps (dk, dv) per call
 lightning_attn_backward_op = kernel_op("lightning_attn_backward", _lightning_attn_backward_host,
                                        _lightning_attn_backward_fake, _lightning_attn_backward_traced,
                                        SUPPORTED_DTYPES, kernels=(_reverse_sweep_kernel, _forward_sweep_bwd_kernel),
-                                       per_call=2, traceable=_fixed_length)
+                                       per_call=2, traceable=_traceable)
 
 
 # ----------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..value_checks import values_checked
+
 from .reference import check_attention_shapes
 
 __all__ = [
@@ -45,9 +47,9 @@ def check_decay_and_state(
         raise TypeError(f"decay: expected a floating-point tensor, got dtype {decay.dtype}")
     if decay.device != q.device:
         raise ValueError(f"decay: device {decay.device} differs from q's device {q.device}")
-    # Checking the values needs them on the host; on a GPU that is a synchronisation, so
-    # only CPU decays are checked (the kernels there run in the interpreter anyway).
-    if decay.device.type == "cpu":
+    # Checking the values needs them on the host; on a GPU that is a synchronisation, so GPU
+    # decays are checked only when asked (HCCOMPILE_CHECK_GATES=1, kernels/value_checks.py).
+    if values_checked(decay.device):
         if not torch.isfinite(decay).all():
             raise ValueError("decay: log-decays must be finite")
         if (decay > 0).any():
