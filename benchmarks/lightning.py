@@ -144,10 +144,10 @@ def run_shape(name, shape, decayed, args, bandwidth):
 
 def kernel_resources():
     from hccompile.kernels._triton import compiled_resources
-    from hccompile.kernels.lightning import chunk
+    from hccompile.kernels.lightning import segments, sweeps
 
-    return [r for name in dir(chunk) if name.endswith("_kernel")
-            for r in compiled_resources(getattr(chunk, name))]
+    return [r for module in (segments, sweeps) for name in dir(module) if name.endswith("_kernel")
+            for r in compiled_resources(getattr(module, name))]
 
 
 def main(argv=None):

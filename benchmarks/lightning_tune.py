@@ -1,6 +1,6 @@
 """Sweep the lightning kernels' exact tuning knobs (block, micro-chunk, column tile, warps,
 segment) on the GPU and print the time of each forward and backward configuration, so the
-defaults in kernels/lightning/chunk.py are chosen by measurement.
+defaults in kernels/lightning/chunk.py and sweeps.py are chosen by measurement.
 
     python benchmarks/lightning_tune.py [--shapes B4-T4096-H16-D128,...] [--out tune.jsonl]
 """
@@ -19,7 +19,7 @@ def main(argv=None):
     from triton.testing import do_bench
 
     from hccompile.kernels._triton import compiled_resources
-    from hccompile.kernels.lightning import chunk
+    from hccompile.kernels.lightning import chunk, sweeps
     from hccompile.lowering.lightning import alibi_decay
 
     p = argparse.ArgumentParser()
@@ -41,7 +41,7 @@ def main(argv=None):
             except Exception as error:  # noqa: BLE001  (out of resources for a config)
                 print(name, knobs, "failed:", str(error).splitlines()[0][:120])
                 continue
-            res = compiled_resources(chunk._reverse_sweep_kernel)
+            res = compiled_resources(sweeps._reverse_sweep_kernel)
             shared = max((r["shared_bytes"] or 0) for r in res) if res else None
             row = dict(shape=name, **knobs, fwd_ms=f, bwd_ms=bw, max_reverse_shared=shared)
             rows.append(row)
@@ -50,7 +50,7 @@ def main(argv=None):
         best_f = min((r for r in rows if r["shape"] == name), key=lambda r: r["fwd_ms"])
         best_b = min((r for r in rows if r["shape"] == name), key=lambda r: r["bwd_ms"])
         print("best fwd", best_f, "\nbest bwd", best_b, flush=True)
-    for r in compiled_resources(chunk._reverse_sweep_kernel) + compiled_resources(chunk._forward_sweep_kernel):
+    for r in compiled_resources(sweeps._reverse_sweep_kernel) + compiled_resources(sweeps._forward_sweep_kernel):
         print(r)
     if args.out:
         with open(args.out, "a") as f:

@@ -49,7 +49,7 @@ from torch import Tensor
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.lightning.chunk import (MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd,
                                        triton_available)
-from ..kernels.lightning.chunk import _forward_sweep_bwd_kernel, _forward_sweep_kernel, _reverse_sweep_kernel
+from ..kernels.lightning.sweeps import _forward_sweep_bwd_kernel, _forward_sweep_kernel, _reverse_sweep_kernel
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
 from ..kernels.value_checks import checks_on_gpu

@@ -1,0 +1,288 @@
+"""Segments: the unit of parallelism along time for the lightning kernels.
+
+One program per (batch, head) sweeping the whole sequence leaves most of a GPU idle (B1 T32768 H16 is 16 programs). Time is therefore cut into segments
+of whole blocks, and each sweep program starts from its segment's state, made by two small
+passes: a parallel summary (what each segment adds to the state: one matrix product per
+segment) and a sequential prefix over the segments of each sequence (not over blocks). This
+is the affine-summary idea of context parallelism (seed 002) inside one GPU; it is exact for any
+segment length, and the block and micro-chunk split inside a segment stays chunk.py's.
+Variable-length batches (FLA's cu_seqlens) are segments that never cross a sequence boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .tiles import _block_dim, _dot_options, _state_strides
+
+from .._triton import direct, dot, load_tile, tl, triton
+
+# Segments: the auto length aims at this many sweep programs per streaming multiprocessor, and
+# never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v.
+SWEEP_WAVES = 8
+MIN_SEGMENT = 256
+# Summary pass: rows per step and the state tile per program; prefix pass: its state tile.
+SUMMARY_CHUNK = 64
+SUMMARY_ROW_TILE = 128
+SUMMARY_COLUMN_TILE = 64
+PREFIX_TILE = 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _table_segment(table_ptr, seg):
+        """(batch index, first token, length) of segment `seg`: a row of the varlen table."""
+        row = table_ptr + seg * 4
+        return tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
+
+    @triton.jit
+    def _fixed_segment(seg, time, seg_length, per_sequence):
+        """(batch index, first token, length) of segment `seg` of fixed-length rows of `time`
+        tokens cut into `per_sequence` segments of `seg_length`: from the index itself, no table,
+        so the plan needs no tensor values and can be traced.
+
+        A kernel calls this one or _table_segment under its IS_VARLEN branch, never one helper
+        given the table either way: torch's mutation analysis takes what a call returns as derived
+        from every pointer passed to it, so a store at an address built from the batch index would
+        count as a write to the table, whatever stands in for it (a traced graph input)."""
+        within = seg % per_sequence
+        start = within * seg_length
+        return (seg // per_sequence).to(tl.int64), start.to(tl.int64), tl.minimum(time - start, seg_length)
+
+    @triton.jit
+    def _segment_summary_kernel(
+        b_ptr, c_ptr, decay_ptr, table_ptr, x_ptr,
+        stride_bb, stride_bt, stride_bh, stride_bd,
+        stride_cb, stride_ct, stride_ch, stride_cd,
+        stride_xs, stride_xh, stride_xr, stride_xc,
+        stride_decay,
+        H, DIM_B, DIM_C, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
+        REVERSE: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_OPERANDS: tl.constexpr,
+    ):
+        """x[seg] = sum_m w_m b_m^T c_m over the rows m (local index) of one segment, with
+        w_m = exp(g (L - 1 - m)) (forward: what the segment adds to the state at its end) or
+        w_m = scale exp(g (m + 1)) (reverse: what it adds to the gradient state at its start).
+
+        Every segment's summary is independent, so this pass is parallel over the whole sequence;
+        only the small prefix pass below is sequential, and over segments, not blocks.
+        """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_sh = tl.program_id(0)
+        seg = pid_sh // H
+        head = (pid_sh % H).to(tl.int64)
+        if IS_VARLEN:
+            batch, start, seg_len = _table_segment(table_ptr, seg)
+        else:
+            batch, start, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
+        b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
+        c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
+        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
+
+        rows = tl.arange(0, CHUNK)
+        b_cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        c_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        acc = tl.zeros([BLOCK_B, BLOCK_C], dtype=tl.float32)
+        for chunk_start in range(0, seg_len, CHUNK):
+            local = chunk_start + rows
+            b_rows = load_tile(b_ptr, local, b_cols, stride_bt, stride_bd, seg_len, DIM_B)
+            c_rows = load_tile(c_ptr, local, c_cols, stride_ct, stride_cd, seg_len, DIM_C)
+            if REVERSE:
+                weights = tl.exp(gamma * (local + 1).to(tl.float32)) * scale
+            else:
+                weights = tl.exp(gamma * tl.maximum(seg_len - 1 - local, 0).to(tl.float32))
+            weights = tl.where(local < seg_len, weights, 0.0)
+            b_rows = (b_rows * weights[:, None]).to(c_rows.dtype)
+            acc += dot(tl.trans(b_rows), c_rows, DOT_PRECISION, UPCAST_OPERANDS)
+        x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
+        x_ptrs = x_ptr + b_cols[:, None] * stride_xr + c_cols[None, :] * stride_xc
+        tl.store(x_ptrs, acc, mask=(b_cols[:, None] < DIM_B) & (c_cols[None, :] < DIM_C))
+
+    @triton.jit
+    def _segment_prefix_kernel(
+        x_ptr, decay_ptr, table_ptr, first_segment_ptr, x0_ptr, xt_ptr,
+        stride_xs, stride_xh, stride_xr, stride_xc,
+        stride_x0n, stride_x0h, stride_x0r, stride_x0c,
+        stride_xtn, stride_xth, stride_xtr, stride_xtc,
+        stride_decay,
+        H, DIM_B, DIM_C, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
+        REVERSE: tl.constexpr,
+        HAS_X0: tl.constexpr,
+        STORE_XT: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        """Turns one sequence's segment summaries, in place, into the state each segment's sweep
+        starts from: X = x0, then per segment (first to last; last to first if REVERSE)
+        x[s] <- X and X <- exp(g L_s) X + x[s]. The last X is the final state (forward) or the
+        initial state's gradient (reverse), stored when STORE_XT."""
+        pid_nh = tl.program_id(0)
+        seq = pid_nh // H
+        head = (pid_nh % H).to(tl.int64)
+        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
+        if IS_VARLEN:
+            first = tl.load(first_segment_ptr + seq)
+            count = tl.load(first_segment_ptr + seq + 1) - first
+        else:
+            first = seq * per_sequence
+            count = per_sequence
+        rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < DIM_B) & (cols[None, :] < DIM_C)
+        seq = seq.to(tl.int64)
+        if HAS_X0:
+            x0_ptrs = x0_ptr + seq * stride_x0n + head * stride_x0h
+            state = tl.load(x0_ptrs + rows[:, None] * stride_x0r + cols[None, :] * stride_x0c,
+                            mask=mask, other=0.0).to(tl.float32)
+        else:
+            state = tl.zeros([BLOCK_B, BLOCK_C], dtype=tl.float32)
+        for i in range(0, count):
+            if REVERSE:
+                seg = first + count - 1 - i
+            else:
+                seg = first + i
+            if IS_VARLEN:
+                _, _, seg_len = _table_segment(table_ptr, seg)
+            else:
+                _, _, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
+            ptrs = x_ptr + seg.to(tl.int64) * stride_xs + head * stride_xh
+            ptrs += rows[:, None] * stride_xr + cols[None, :] * stride_xc
+            summary = tl.load(ptrs, mask=mask, other=0.0)
+            tl.store(ptrs, state, mask=mask)
+            state = state * tl.exp(gamma * seg_len.to(tl.float32)) + summary
+        if STORE_XT:
+            xt_ptrs = xt_ptr + seq * stride_xtn + head * stride_xth
+            xt_ptrs += rows[:, None] * stride_xtr + cols[None, :] * stride_xtc
+            tl.store(xt_ptrs, state.to(xt_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Time cut into segments, each swept by its own programs from a precomputed state.
+
+    Varlen: table [S, 4] int32 rows (batch index, first token, length, sequence); first [N + 1]
+    int32: the segments of sequence n are first[n] .. first[n + 1] - 1, in time order. Fixed-length
+    rows have no tables: row b's segments are b * per_sequence + (0 .. per_sequence - 1), each
+    `length` tokens but the last, and the kernels compute them from the segment index (sizes may
+    be symbolic: the plan is then traced, issue 24)."""
+
+    table: torch.Tensor | None
+    first: torch.Tensor | None
+    num_sequences: int
+    length: int
+    count: int
+    time: int = 0
+    per_sequence: int = 1
+
+    @property
+    def varlen(self) -> bool:
+        return self.table is not None
+
+    def kernel_args(self, placeholder: torch.Tensor) -> tuple:
+        """(table, first) pointers, then time, segment length, segments per sequence; `placeholder`
+        (any tensor, never read) stands in for the absent tables."""
+        if self.varlen:
+            return self.table, self.first, 0, self.length, 1
+        return placeholder, placeholder, self.time, self.length, self.per_sequence
+
+
+def _sequence_bounds(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch index, first token, length) of every sequence, as CPU int64 tensors."""
+    batch, time = q.shape[:2]
+    if cu_seqlens is None:
+        return (torch.arange(batch), torch.zeros(batch, dtype=torch.int64),
+                torch.full((batch,), time, dtype=torch.int64))
+    bounds = cu_seqlens.to("cpu", torch.int64)  # one host sync, as FLA's varlen path
+    count = bounds.numel() - 1
+    return torch.zeros(count, dtype=torch.int64), bounds[:-1], bounds[1:] - bounds[:-1]
+
+
+def _auto_segment_length(longest, total, heads: int, column_tiles: int, block: int, device: torch.device):
+    """Long enough that the summaries stay small next to q, k, v; short enough that the
+    sweeps fill the GPU: about SWEEP_WAVES programs per streaming multiprocessor. `longest` and
+    `total` are the longest sequence's and all sequences' token counts, possibly symbolic
+    (torch.sym_max / sym_min keep them so: one traced graph serves every length)."""
+    whole = triton.cdiv(torch.sym_max(longest, 1), block) * block
+    if device.type != "cuda":
+        return whole  # the interpreter runs programs one by one: parallelism buys nothing
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(SWEEP_WAVES * sms, max(1, heads * column_tiles))
+    length = torch.sym_max(torch.sym_max(triton.cdiv(total, wanted), MIN_SEGMENT), block)
+    return torch.sym_min(triton.cdiv(length, block) * block, whole)
+
+
+def _plan_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
+    if cu_seqlens is None:
+        return _fixed_segments(q, segment, block, column_tiles)
+    return _build_segments(q, cu_seqlens, segment, block, column_tiles)
+
+
+def _fixed_segments(q: torch.Tensor, segment: int | None, block: int, column_tiles: int) -> _Segments:
+    """Segments of fixed-length rows, from the sizes alone (symbolic sizes stay symbolic)."""
+    batch, time, heads = q.shape[:3]
+    if segment is None:
+        segment = _auto_segment_length(time, batch * time, heads, column_tiles, block, q.device)
+    per_sequence = torch.sym_max(triton.cdiv(time, segment), 1)  # an empty row keeps one empty segment
+    return _Segments(None, None, batch, segment, batch * per_sequence, time, per_sequence)
+
+
+def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
+    batch_index, starts, lengths = _sequence_bounds(q, cu_seqlens)
+    if segment is None:
+        longest = int(lengths.max()) if lengths.numel() else 0
+        segment = _auto_segment_length(longest, int(lengths.sum()), q.shape[2], column_tiles, block, q.device)
+    # An empty sequence keeps one segment of length 0, so its state still passes through.
+    per_sequence = torch.clamp((lengths + segment - 1) // segment, min=1)
+    first = torch.zeros(per_sequence.numel() + 1, dtype=torch.int64)
+    torch.cumsum(per_sequence, 0, out=first[1:])
+    sequence = torch.repeat_interleave(torch.arange(per_sequence.numel()), per_sequence)
+    within = torch.arange(int(first[-1])) - first[:-1][sequence]
+    offset = within * segment
+    seg_lengths = torch.clamp(torch.minimum(lengths[sequence] - offset, torch.tensor(segment)), min=0)
+    table = torch.stack([batch_index[sequence], starts[sequence] + offset, seg_lengths, sequence], dim=1)
+    device = q.device
+    return _Segments(table.to(torch.int32).to(device, non_blocking=True),
+                     first.to(torch.int32).to(device, non_blocking=True), per_sequence.numel(), segment,
+                     table.shape[0])
+
+
+def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay: torch.Tensor, scale: float,
+                    reverse: bool, x0: torch.Tensor | None = None, xt: torch.Tensor | None = None,
+                    wrap: Callable = direct) -> torch.Tensor:
+    """[S, H, DIM_B, DIM_C] fp32: the state each segment's sweep starts from (forward: the state
+    entering it, from x0; reverse: the gradient state leaving it, from x0 = dht). Writes the
+    last state (final state or dh0) into xt. `wrap`: torch's wrap_triton when traced."""
+    heads, dim_b, dim_c = b.shape[2], b.shape[3], c.shape[3]
+    states = torch.empty((segments.count, heads, dim_b, dim_c), dtype=torch.float32, device=b.device)
+    if heads == 0 or dim_b == 0 or dim_c == 0:
+        return states
+    block_b, block_c = _block_dim(dim_b, SUMMARY_ROW_TILE), _block_dim(dim_c, SUMMARY_COLUMN_TILE)
+    tiles = (triton.cdiv(dim_b, block_b), triton.cdiv(dim_c, block_c))
+    table, first, time, length, per_sequence = segments.kernel_args(decay)
+    wrap(_segment_summary_kernel)[(segments.count * heads, *tiles)](
+        b, c, decay, table, states,
+        *b.stride(), *c.stride(), *states.stride(), decay.stride(0),
+        heads, dim_b, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
+        REVERSE=reverse, CHUNK=SUMMARY_CHUNK, BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
+    )
+    prefix_b, prefix_c = _block_dim(dim_b, PREFIX_TILE), _block_dim(dim_c, PREFIX_TILE)
+    wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, triton.cdiv(dim_b, prefix_b),
+                                  triton.cdiv(dim_c, prefix_c))](
+        states, decay, table, first,
+        x0 if x0 is not None else states, xt if xt is not None else states,
+        *states.stride(), *_state_strides(x0, False), *_state_strides(xt, False), decay.stride(0),
+        heads, dim_b, dim_c, time, length, per_sequence, IS_VARLEN=segments.varlen,
+        REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, BLOCK_B=prefix_b, BLOCK_C=prefix_c,
+    )
+    return states

@@ -1,0 +1,235 @@
+"""The sweep kernels of lightning attention and their launcher.
+
+The forward and the dq computation have the same shape ("forward sweep": out_i from a_i, b_j, c_j
+and a state X of b^T c), and so have dk and dv ("reverse sweep"), so there are two kernels:
+
+    _forward_sweep_kernel:  o  = sweep(a=q,  b=k, c=v),  X = S   [K, V tile]   (+ final state)
+                            dq = sweep(a=do, b=v, c=k),  X = S^T [V, K tile]
+    _reverse_sweep_kernel:  dk = sweep(a=v,  b=do, c=q), X = dS^T [V, K tile]
+                            dv = sweep(a=k,  b=q, c=do), X = dS   [K, V tile]  (+ dh0)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .segments import _Segments
+from .tiles import _block_dim, _dot_options, _state_strides
+
+from .._triton import direct, dot, load_tile, tl, triton
+
+# Triton software-pipelines the inner loops, keeping one copy of the loaded tiles per stage.
+PIPELINE_SHARED_MEMORY_BUDGET = 96 * 1024
+MAX_PIPELINE_STAGES = 3
+
+
+if triton is not None:
+    from .segments import _fixed_segment, _table_segment
+
+    @triton.jit
+    def _decay_tile(gamma, distance, scale):
+        """scale * exp(gamma * distance) where distance >= 0, else 0 (the causal mask)."""
+        # Clamping first keeps the masked entries' exponent <= 0, so nothing overflows.
+        weights = tl.exp(gamma * tl.maximum(distance, 0).to(tl.float32)) * scale
+        return tl.where(distance >= 0, weights, 0.0)
+
+    @triton.jit
+    def _forward_sweep_kernel(
+        a_ptr, b_ptr, c_ptr, decay_ptr, table_ptr, x_ptr, out_ptr,
+        stride_ab, stride_at, stride_ah, stride_ad,
+        stride_bb, stride_bt, stride_bh, stride_bd,
+        stride_cb, stride_ct, stride_ch, stride_cd,
+        stride_ob, stride_ot, stride_oh, stride_od,
+        stride_xs, stride_xh, stride_xr, stride_xc,
+        stride_decay,
+        H, DIM_AB, DIM_C, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CBLOCK: tl.constexpr,
+        BLOCK_AB: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_OPERANDS: tl.constexpr,
+    ):
+        """out[t] = scale sum_{s<=t} exp(g (t-s)) (a_t . b_s) c_s + scale exp(g (t+1)) a_t X_seg
+        for the rows t of one segment, X_seg its starting state (from the prefix pass).
+
+        One program: one (segment, head) and one c-column tile, sequential over blocks of BLOCK
+        rows; inside a block, micro-chunks of CBLOCK query rows against micro-chunks of CBLOCK
+        key rows. Holds the fp32 state X [BLOCK_AB, BLOCK_C] (b^T c summed over past blocks).
+        """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_sh = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        seg = pid_sh // H
+        head = (pid_sh % H).to(tl.int64)
+        if IS_VARLEN:
+            batch, start, T = _table_segment(table_ptr, seg)
+        else:
+            batch, start, T = _fixed_segment(seg, time, seg_length, per_sequence)
+        a_ptr += batch * stride_ab + start * stride_at + head * stride_ah
+        b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
+        c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
+        out_ptr += batch * stride_ob + start * stride_ot + head * stride_oh
+        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
+
+        micro = tl.arange(0, CBLOCK)
+        ab_cols = tl.arange(0, BLOCK_AB)
+        c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
+        state = load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
+
+        for block_start in range(0, T, BLOCK):
+            block_len = tl.minimum(T - block_start, BLOCK)
+            n_micro = tl.cdiv(block_len, CBLOCK)
+            # Intra-block terms plus the inter-block term from the state entering the block.
+            for i in range(0, n_micro):
+                local_i = i * CBLOCK + micro
+                rows_i = block_start + local_i
+                a_i = load_tile(a_ptr, rows_i, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
+                acc = dot(a_i, state.to(a_i.dtype), DOT_PRECISION, UPCAST_OPERANDS) * row_decay[:, None]
+                for j in range(0, i + 1):
+                    rows_j = block_start + j * CBLOCK + micro
+                    b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
+                    scores = dot(a_i, tl.trans(b_j), DOT_PRECISION, UPCAST_OPERANDS)
+                    scores = scores * _decay_tile(gamma, distance, scale)
+                    acc += dot(scores.to(c_j.dtype), c_j, DOT_PRECISION, UPCAST_OPERANDS)
+                out_ptrs = out_ptr + rows_i[:, None] * stride_ot + c_cols[None, :] * stride_od
+                out_mask = (rows_i[:, None] < T) & (c_cols[None, :] < DIM_C)
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            # State step over the whole block: the same BLOCK as the intra split above. The
+            # segment's last step is never read (the prefix pass made the next segment's state).
+            if block_start + BLOCK < T:
+                state = state * tl.exp(gamma * block_len.to(tl.float32))
+                for j in range(0, n_micro):
+                    local_j = j * CBLOCK + micro
+                    rows_j = block_start + local_j
+                    b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    key_decay = tl.where(
+                        local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
+                    )
+                    b_j = (b_j * key_decay[:, None]).to(c_j.dtype)
+                    state += dot(tl.trans(b_j), c_j, DOT_PRECISION, UPCAST_OPERANDS)
+
+    @triton.jit
+    def _reverse_sweep_kernel(
+        a_ptr, b_ptr, c_ptr, decay_ptr, table_ptr, x_ptr, out_ptr,
+        stride_ab, stride_at, stride_ah, stride_ad,
+        stride_bb, stride_bt, stride_bh, stride_bd,
+        stride_cb, stride_ct, stride_ch, stride_cd,
+        stride_ob, stride_ot, stride_oh, stride_od,
+        stride_xs, stride_xh, stride_xr, stride_xc,
+        stride_decay,
+        H, DIM_AB, DIM_C, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CBLOCK: tl.constexpr,
+        BLOCK_AB: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_OPERANDS: tl.constexpr,
+    ):
+        """out[s] = scale sum_{t>=s} exp(g (t-s)) (b_t . a_s) c_t + exp(g (L-1-m)) a_s X_{c+1}.
+
+        The reverse sweep over one segment: blocks from last to first, starting from the state
+        X at the segment's end (from the reverse prefix pass), X_c = exp(g L) X_{c+1} +
+        scale sum_l exp(g (l+1)) b_l^T c_l. Inside a block, each key micro-chunk j sums over
+        query micro-chunks i >= j, recomputing the [CBLOCK, CBLOCK] score tile; one writer per
+        output row.
+        """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_sh = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        seg = pid_sh // H
+        head = (pid_sh % H).to(tl.int64)
+        if IS_VARLEN:
+            batch, start, T = _table_segment(table_ptr, seg)
+        else:
+            batch, start, T = _fixed_segment(seg, time, seg_length, per_sequence)
+        a_ptr += batch * stride_ab + start * stride_at + head * stride_ah
+        b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
+        c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
+        out_ptr += batch * stride_ob + start * stride_ot + head * stride_oh
+        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
+
+        micro = tl.arange(0, CBLOCK)
+        ab_cols = tl.arange(0, BLOCK_AB)
+        c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
+        state = load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
+
+        n_blocks = tl.cdiv(T, BLOCK)
+        for reversed_index in range(0, n_blocks):
+            block_start = (n_blocks - 1 - reversed_index) * BLOCK
+            block_len = tl.minimum(T - block_start, BLOCK)
+            n_micro = tl.cdiv(block_len, CBLOCK)
+            # `state` is X_{c+1}: the gradient of the state leaving this block.
+            for j in range(0, n_micro):
+                local_j = j * CBLOCK + micro
+                rows_j = block_start + local_j
+                a_j = load_tile(a_ptr, rows_j, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                key_decay = tl.where(
+                    local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
+                )
+                acc = dot(a_j, state.to(a_j.dtype), DOT_PRECISION, UPCAST_OPERANDS) * key_decay[:, None]
+                for i in range(j, n_micro):
+                    rows_i = block_start + i * CBLOCK + micro
+                    b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    # scores[r, m] for query row r of micro-chunk i and key row m of micro-chunk j.
+                    distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
+                    scores = dot(b_i, tl.trans(a_j), DOT_PRECISION, UPCAST_OPERANDS)
+                    scores = scores * _decay_tile(gamma, distance, scale)
+                    acc += dot(tl.trans(scores.to(c_i.dtype)), c_i, DOT_PRECISION, UPCAST_OPERANDS)
+                out_ptrs = out_ptr + rows_j[:, None] * stride_ot + c_cols[None, :] * stride_od
+                out_mask = (rows_j[:, None] < T) & (c_cols[None, :] < DIM_C)
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            # State step over the whole block: the same BLOCK as the intra split above; the
+            # segment's first block needs none (the prefix pass made the previous segment's).
+            if block_start > 0:
+                state = state * tl.exp(gamma * block_len.to(tl.float32))
+                for i in range(0, n_micro):
+                    local_i = i * CBLOCK + micro
+                    rows_i = block_start + local_i
+                    b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                    c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
+                    row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
+                    c_i = (c_i * row_decay[:, None]).to(c_i.dtype)
+                    state += dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
+
+
+    # The forward sweep under a second JIT handle for the backward's launch (same source, same
+    # binary): a compiled graph names kernels, and hccompile.lowering tells the backward op's
+    # launches from the forward op's by the handle.
+    _forward_sweep_bwd_kernel = triton.jit(_forward_sweep_kernel.fn)
+
+
+def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, states_transposed: bool,
+                  scale: float, block: int, cblock: int, column_tile: int, num_warps: int | None,
+                  wrap: Callable = direct) -> None:
+    """One sweep; a, b: [B, T, H, DIM_AB] (contracted, held whole), c/out: [B, T, H, DIM_C] (tiled);
+    states [S, H, ., .] holds the segments' starting states, read transposed if asked."""
+    heads, dim_ab, dim_c = a.shape[2], a.shape[3], c.shape[3]
+    if heads == 0 or dim_c == 0 or a.shape[1] == 0:
+        return
+    block_ab = _block_dim(dim_ab)
+    block_c = _block_dim(dim_c, column_tile)
+    stage_bytes = cblock * (block_ab + block_c) * a.element_size()
+    num_stages = max(1, min(MAX_PIPELINE_STAGES, PIPELINE_SHARED_MEMORY_BUDGET // stage_bytes))
+    if num_warps is None:
+        num_warps = 8 if cblock * max(block_ab, block_c) >= 64 * 128 else 4
+    table, _, time, length, per_sequence = segments.kernel_args(decay)
+    wrap(kernel)[(segments.count * heads, triton.cdiv(dim_c, block_c))](
+        a, b, c, decay, table, states, out,
+        *a.stride(), *b.stride(), *c.stride(), *out.stride(),
+        *_state_strides(states, states_transposed), decay.stride(0),
+        heads, dim_ab, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
+        BLOCK=block, CBLOCK=cblock, BLOCK_AB=block_ab, BLOCK_C=block_c, **_dot_options(a.dtype),
+        num_stages=num_stages, num_warps=num_warps,
+    )
