@@ -63,9 +63,11 @@ test-gpu:
 # The GPU suite over more than one device call (a call may run 10 minutes; the suite takes ~14 on the
 # H100): `make test-gpu-start COMMIT=<sha>` copies the tree to GPU_COPY (the next call re-copies the
 # working tree under running workers) and starts `make test-gpu` there in its own session; each
-# following call runs `make test-gpu-wait`, which waits up to GPU_WAIT_S seconds for the report and,
-# once it is written, copies it to benchmarks/results/gpu-suite.txt (and to $$OUT when set) with the
-# logs. Issue the next call at once: the machine is given back after 30 s idle.
+# following call runs `make test-gpu-wait`, which waits up to GPU_WAIT_S seconds for the suite to end
+# (GPU_COPY/exit-status) and copies the report to benchmarks/results/gpu-suite.txt (and to $$OUT when
+# set) with the logs; a suite that ended without a report says so. Issue the next call at once: the
+# machine is given back after 30 s idle. Size GPU_WAIT_S to the call's limit: the report may land
+# seconds after a shorter wait gave up (session 12 lost a report so).
 GPU_COPY ?= /tmp/hccompile-gpu-suite
 GPU_WAIT_S ?= 540
 
@@ -80,13 +82,15 @@ before-tree:
 test-gpu-start:
 	@test -n "$(COMMIT)" || { echo "make test-gpu-start: no .git here; pass COMMIT=<sha>"; exit 2; }
 	rm -rf $(GPU_COPY) && mkdir -p $(GPU_COPY) && cp -a . $(GPU_COPY)/
-	cd $(GPU_COPY) && setsid nohup $(MAKE) test-gpu COMMIT=$(COMMIT) GPU_REPORT=$(GPU_COPY)/gpu-suite.txt \
-		> $(GPU_COPY)/suite.log 2>&1 < /dev/null &
+	cd $(GPU_COPY) && setsid nohup sh -c '$(MAKE) test-gpu COMMIT=$(COMMIT) GPU_REPORT=$(GPU_COPY)/gpu-suite.txt; \
+		echo $$? > $(GPU_COPY)/exit-status' > $(GPU_COPY)/suite.log 2>&1 < /dev/null &
 	@echo "started in $(GPU_COPY); follow with: make test-gpu-wait"
 
 test-gpu-wait:
-	@for i in $$(seq $(GPU_WAIT_S)); do test -s $(GPU_COPY)/gpu-suite.txt && break; sleep 1; done; \
+	@for i in $$(seq $(GPU_WAIT_S)); do test -e $(GPU_COPY)/exit-status && break; sleep 1; done; \
 	tail -3 $(GPU_COPY)/suite.log; \
+	if test -e $(GPU_COPY)/exit-status && ! test -s $(GPU_COPY)/gpu-suite.txt; then \
+		echo "make test-gpu ended (exit $$(cat $(GPU_COPY)/exit-status)) without a report: see suite.log"; exit 4; fi; \
 	if test -s $(GPU_COPY)/gpu-suite.txt; then \
 		cp $(GPU_COPY)/gpu-suite.txt benchmarks/results/gpu-suite.txt; \
 		if test -n "$$OUT"; then cp $(GPU_COPY)/gpu-suite.txt $(GPU_COPY)/suite.log "$$OUT"/; \
