@@ -35,10 +35,10 @@ FLA_TIMING_ONLY = ("timing only: FLA refuses this backward on Hopper with Triton
 
 OURS_FP32 = "ours, fp32 intermediates"
 FP32_NOTE = ("HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES=0: w, u, h in fp32 and tf32 products for bf16 inputs, "
-             "about a third of the default's (and FLA's) error on ill-conditioned chunks (see chunk.BF16_INTERMEDIATES)")
+             "about a third of the default's (and FLA's) error on ill-conditioned chunks (see plan.BF16_INTERMEDIATES)")
 
 OURS_WIDE = "ours, widest sweep tiles"
-WIDE_NOTE = ("chunk.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
+WIDE_NOTE = ("plan.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
              "fills at most half the SMs (the default narrows them)")
 
 
@@ -158,11 +158,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kernel_rows(args, meta) -> list[dict]:
-    from hccompile.kernels.delta_rule import chunk
+    from hccompile.kernels.delta_rule import plan as kernel_plan
 
     rows = []
     dtype = getattr(torch, args.dtype)
-    bf16_default, sweep_default = chunk.BF16_INTERMEDIATES, chunk.SWEEP_MIN_PROGRAMS
+    bf16_default, sweep_default = kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -203,8 +203,8 @@ def kernel_rows(args, meta) -> list[dict]:
             for name, fn, note in variants:
                 row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
                        "fla": fla_version, "note": note}
-                chunk.BF16_INTERMEDIATES = name != OURS_FP32
-                chunk.SWEEP_MIN_PROGRAMS = 0 if name == OURS_WIDE else sweep_default
+                kernel_plan.BF16_INTERMEDIATES = name != OURS_FP32
+                kernel_plan.SWEEP_MIN_PROGRAMS = 0 if name == OURS_WIDE else sweep_default
                 try:
                     if name == "FLA" and gate == "scalar":
                         locked = unlock_fla_gdn_backward()
@@ -222,7 +222,7 @@ def kernel_rows(args, meta) -> list[dict]:
                     row.update(run_variant(fn, inputs))
                 except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-                chunk.BF16_INTERMEDIATES, chunk.SWEEP_MIN_PROGRAMS = bf16_default, sweep_default
+                kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS = bf16_default, sweep_default
                 emit(rows, row, args.out)
                 torch.cuda.empty_cache()
     return rows

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hccompile.kernels.delta_rule import chunk, naive_recurrent_delta_rule  # noqa: E402
+from hccompile.kernels.delta_rule import naive_recurrent_delta_rule  # noqa: E402
+from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -73,7 +74,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu runs ours under TRITON_INTERPRET=1 (a smoke test)")
     args = p.parse_args()
     device = args.device
-    bf16_default = chunk.BF16_INTERMEDIATES
+    bf16_default = kernel_plan.BF16_INTERMEDIATES
     import hccompile
 
     for op in args.ops.split(","):
@@ -93,7 +94,7 @@ def main() -> None:
             ref = run(reference, rounded, do.double())
             for impl in args.impls.split(","):
                 if impl in ("ours", "fp32"):
-                    chunk.BF16_INTERMEDIATES = impl != "fp32"
+                    kernel_plan.BF16_INTERMEDIATES = impl != "fp32"
                     f = hccompile.chunk_gated_delta_rule if gate == "scalar" else hccompile.chunk_kda
 
                     def fn(q, k, v, g, beta, f=f):
@@ -115,7 +116,7 @@ def main() -> None:
                     print(f"{op} {kind} {impl}: failed: {str(error).splitlines()[0][:160]}", flush=True)
                     continue
                 finally:
-                    chunk.BF16_INTERMEDIATES = bf16_default
+                    kernel_plan.BF16_INTERMEDIATES = bf16_default
                 print(f"{op} {kind:7s} {impl:4s} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
                 if args.out:
                     with open(args.out, "a") as fh:

@@ -1,6 +1,6 @@
 """Launch options (num_warps, num_stages) of the delta-rule kernels, one kernel at a time: each
 variant overrides one kernel's options and times a whole forward+backward, next to the baseline
-in the same process. It finds which of chunk.py's fixed options (measured on sm_90 for spills,
+in the same process. It finds which of the kernels' fixed options (measured on sm_90 for spills,
 not for speed) leave time on the table.
 
     python benchmarks/tune_delta_rule.py --ops gdn,kda --shape B4T4096H16D128 --out tune.jsonl
@@ -20,22 +20,24 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hccompile.kernels.delta_rule import chunk  # noqa: E402
+from hccompile.kernels.delta_rule import chunk, qk_l2norm, scores  # noqa: E402
+from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 from profile_ops import parse_shape  # noqa: E402
 
-# kernel attribute of chunk.py -> option sets tried (the launcher's own options are the baseline);
-# an upper-case name is a module constant the launchers read, set to each value in turn
+# kernel attribute -> (the module whose launcher reads it, option sets tried); the launcher's own
+# options are the baseline. An upper-case name is a module constant the launchers read, set to each
+# value in turn.
 VARIANTS = {
-    "_wy_solve_kernel": [dict(num_warps=2), dict(num_warps=8), dict(num_stages=1)],
-    "_wy_backward_kernel": [dict(num_warps=4), dict(num_stages=1)],
-    "_decayed_scores_kernel": [dict(num_warps=4), dict(num_warps=8)],
-    "_decayed_scores_backward_kernel": [dict(num_warps=4)],
-    "_state_forward_kernel": [dict(num_warps=4), dict(num_stages=1)],
-    "_state_backward_kernel": [dict(num_warps=4), dict(num_stages=1)],
-    "_output_kernel": [dict(num_warps=8), dict(num_stages=1)],
+    "_wy_solve_kernel": (chunk, [dict(num_warps=2), dict(num_warps=8), dict(num_stages=1)]),
+    "_wy_backward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
+    "_decayed_scores_kernel": (scores, [dict(num_warps=4), dict(num_warps=8)]),
+    "_decayed_scores_backward_kernel": (scores, [dict(num_warps=4)]),
+    "_state_forward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
+    "_state_backward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
+    "_output_kernel": (chunk, [dict(num_warps=8), dict(num_stages=1)]),
     # Module constants the launchers read at call time: the values tried.
-    "L2NORM_BLOCK_ROWS": [32, 64],
-    "L2NORM_WARPS": [1, 2, 8],
+    "L2NORM_BLOCK_ROWS": (qk_l2norm, [32, 64]),
+    "L2NORM_WARPS": (qk_l2norm, [1, 2, 8]),
 }
 
 
@@ -91,22 +93,23 @@ def main() -> None:
     p.add_argument("--shape", default="B4T4096H16D128")
     p.add_argument("--modes", default="default,fp32",
                    help="intermediates: default and/or fp32 (BF16_INTERMEDIATES off, for bf16 inputs)")
-    p.add_argument("--kernels", default=",".join(VARIANTS), help="comma-separated chunk.py kernel names")
+    p.add_argument("--kernels", default=",".join(VARIANTS), help="comma-separated kernel (or constant) names")
     p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args()
     shape = parse_shape(args.shape)
-    bf16_default = chunk.BF16_INTERMEDIATES
+    bf16_default = kernel_plan.BF16_INTERMEDIATES
     for op in args.ops.split(","):
         step = step_fn(op, shape)
         for mode in args.modes.split(","):
-            chunk.BF16_INTERMEDIATES = mode != "fp32"
+            kernel_plan.BF16_INTERMEDIATES = mode != "fp32"
             base = measure(step)
             print(f"{op} {mode:7s} baseline {base:.3f} ms", flush=True)
             rows = [dict(op=op, mode=mode, kernel="baseline", options={}, ms=base, ratio=1.0)]
             for name in args.kernels.split(","):
-                original = getattr(chunk, name)
-                for options in VARIANTS[name]:
-                    setattr(chunk, name, options if name.isupper() else _Override(original, options))
+                module, variants = VARIANTS[name]
+                original = getattr(module, name)
+                for options in variants:
+                    setattr(module, name, options if name.isupper() else _Override(original, options))
                     started = time.perf_counter()
                     try:
                         ms = measure(step)
@@ -114,7 +117,7 @@ def main() -> None:
                         print(f"{op} {mode:7s} {name} {options}: failed: {str(error).splitlines()[0][:120]}")
                         continue
                     finally:
-                        setattr(chunk, name, original)
+                        setattr(module, name, original)
                     rows.append(dict(op=op, mode=mode, kernel=name, options=options, ms=ms, ratio=ms / base))
                     print(f"{op} {mode:7s} {name:32s} {str(options):22s} {ms:.3f} ms ({ms / base:.3f}x)"
                           f"  [{time.perf_counter() - started:.0f} s]", flush=True)
@@ -124,7 +127,7 @@ def main() -> None:
                 with open(args.out, "a") as f:
                     for row in rows:
                         f.write(json.dumps({**meta, **row}) + "\n")
-    chunk.BF16_INTERMEDIATES = bf16_default
+    kernel_plan.BF16_INTERMEDIATES = bf16_default
 
 
 if __name__ == "__main__":

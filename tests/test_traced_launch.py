@@ -177,9 +177,9 @@ def test_a_length_specialisation_is_caught():
 def sm_count(monkeypatch):
     """The delta-rule sweeps size their tiles by the GPU's multiprocessors: without a GPU, an H100's."""
     if not torch.cuda.is_available():
-        from hccompile.kernels.delta_rule import chunk
+        from hccompile.kernels.delta_rule import plan as kernel_plan
 
-        monkeypatch.setattr(chunk, "_multiprocessor_count", lambda device: 132)
+        monkeypatch.setattr(kernel_plan, "_multiprocessor_count", lambda device: 132)
 
 
 @needs_compiled_kernels

@@ -56,8 +56,10 @@ from torch import Tensor
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_delta_rule_bwd, chunk_delta_rule_fwd,
                                   chunk_delta_rule_ref, triton_available)
-from ..kernels.delta_rule.chunk import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, GRADIENT_NAMES, SUPPORTED_DTYPES,
-                                        _output_kernel, _wy_backward_kernel)
+from ..kernels.delta_rule.chunk import GRADIENT_NAMES
+from ..kernels.delta_rule.output import _output_kernel
+from ..kernels.delta_rule.plan import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES
+from ..kernels.delta_rule.wy import _wy_backward_kernel
 from ..kernels.delta_rule.reference import GATE_KINDS
 from ..kernels.value_checks import checks_on_gpu, values_checked
 from .. import compat as _compat

@@ -90,9 +90,9 @@ def test_summary_backward_matches_autograd(name, with_final_grad, poison):
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_summaries_with_narrowed_tiles_match_the_references(name, poison, monkeypatch):
     # A huge occupancy target narrows the summary sweeps' column tiles to 16 (two value tiles here).
-    from hccompile.kernels.delta_rule import chunk
+    from hccompile.kernels.delta_rule import plan as kernel_plan
 
-    monkeypatch.setattr(chunk, "SWEEP_MIN_PROGRAMS", 10**6)
+    monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", 10**6)
     test_summary_forward_matches_token_recurrence(name, poison)
     test_summary_backward_matches_autograd(name, True, poison)
 

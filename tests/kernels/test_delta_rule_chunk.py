@@ -291,6 +291,10 @@ def test_triton_available_reads_environment_at_call_time(monkeypatch):
 # The triangular solve (wy_solve) at every chunk size, on partial chunks and hard inputs.
 
 from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
+from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
+from hccompile.kernels.delta_rule import scores as score_kernels  # noqa: E402
+from hccompile.kernels.delta_rule import state as state_kernels  # noqa: E402
+from hccompile.kernels.delta_rule import wy as wy_kernels  # noqa: E402
 
 
 def aligned_keys_case(sizes, gate, options, seed):
@@ -334,18 +338,18 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
     inputs = kernel_inputs(inputs, torch.float32)
     q, k, v, beta, g = (inputs[n] for n in ("q", "k", "v", "beta", "g"))
     problem = chunk_kernels._validate(q, k, v, beta, g, gate, None, cu_seqlens, None, None, None, chunk)
-    plan = chunk_kernels._make_plan(problem, chunk, cu_seqlens, q)
+    plan = kernel_plan.make_plan(problem, chunk, cu_seqlens, q)
     # NaN poison: every element of a chunk's A rows (zeros above the diagonal included) must be written.
     fwd = chunk_kernels._forward(plan, q, k, v, beta, g, 1.0, None, None, None, False, None, None, None)
     inverse = fwd.inverse  # allocated with torch.empty: refill and rerun to poison it
     inverse.fill_(float("nan"))
     table, seqlens = plan.chunk_args()
-    chunk_kernels._wy_solve_kernel[(plan.num_chunks, problem.value_heads)](
+    wy_kernels._wy_solve_kernel[(plan.num_chunks, problem.value_heads)](
         fwd.k, v, beta, fwd.cum if fwd.cum is not None else plan.dummy, fwd.kdot, inverse, fwd.w,
         torch.empty_like(fwd.u), *fwd.k.stride(), *v.stride(), *beta.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-        problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, chunk_kernels.SUB_CHUNK),
-        BK=chunk_kernels._block(problem.key_dim), BV=chunk_kernels._block(problem.value_dim),
+        problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
+        BK=kernel_plan.block_size(problem.key_dim), BV=kernel_plan.block_size(problem.value_dim),
         DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen,
     )
     worst_inverse = worst_w = 0.0
@@ -407,13 +411,13 @@ def test_kernels_match_float64_recurrence_on_aligned_keys(gate, chunk, sizes, dt
                          ids=[f"{g}-BT{c}-{'bf16' if h else 'fp32'}-intermediates" for g, c, _, h, _ in
                               ALIGNED_BF16_CASES])
 def test_bf16_inputs_on_aligned_keys(monkeypatch, gate, chunk, sizes, half, tolerances):
-    monkeypatch.setattr(chunk_kernels, "BF16_INTERMEDIATES", half)
+    monkeypatch.setattr(kernel_plan, "BF16_INTERMEDIATES", half)
     inputs, kwargs = aligned_keys_case(sizes, gate, {"initial_state": True}, seed=sizes[1] + chunk)
     check_forward_and_backward(kernel_inputs(inputs, torch.bfloat16), kwargs, torch.bfloat16, chunk, tolerances)
 
 
 # ----------------------------------------------------------------------------------------
-# Half-precision intermediates (chunk.py's _Plan.intermediate_dtype), also through CP's kernels.
+# Half-precision intermediates (plan.py's Plan.intermediate_dtype), also through CP's kernels.
 
 
 @requires_triton
@@ -423,8 +427,8 @@ def test_intermediates_take_the_planned_dtype(dtype):
     inputs = kernel_inputs(inputs, dtype)
     q, k, v, beta, g = (inputs[n] for n in ("q", "k", "v", "beta", "g"))
     problem = chunk_kernels._validate(q, k, v, beta, g, "scalar", None, None, None, None, None, 32)
-    plan = chunk_kernels._make_plan(problem, 32, None, q)
-    half = dtype == torch.float16 or (dtype == torch.bfloat16 and chunk_kernels.BF16_INTERMEDIATES)
+    plan = kernel_plan.make_plan(problem, 32, None, q)
+    half = dtype == torch.float16 or (dtype == torch.bfloat16 and kernel_plan.BF16_INTERMEDIATES)
     assert plan.intermediate_dtype == (dtype if half else torch.float32)
     fwd = chunk_kernels._forward(plan, q, k, v, beta, g, 1.0, None, None, None, True, None, None, None)
     for name in ("w", "u", "h"):
@@ -463,28 +467,28 @@ def test_cp_summaries_with_half_intermediates_match_fp32(gate):
 
 
 # ----------------------------------------------------------------------------------------
-# Sweep tiles narrowed for occupancy (chunk.py's SWEEP_MIN_PROGRAMS).
+# Sweep tiles narrowed for occupancy (plan.py's SWEEP_MIN_PROGRAMS).
 
 
 def test_sweep_tiles_narrow_only_while_the_grid_fills_half_the_target(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 132)
+    monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", 132)
     # B1 H16, V128, fp32 intermediates' widest tile 32: 64 programs fill at most half of 132 -> the
     # forward sweep narrows to 16 (128 programs); the backward sweep stops at its floor, 32.
-    assert chunk_kernels._state_forward_block_v(128, 128, torch.float32, 16, cpu) == 16
-    assert chunk_kernels._state_backward_block_v(128, 128, 16, cpu) == chunk_kernels.MIN_BACKWARD_SWEEP_TILE == 32
+    assert state_kernels.state_forward_block_v(128, 128, torch.float32, 16, cpu) == 16
+    assert state_kernels.state_backward_block_v(128, 128, 16, cpu) == state_kernels.MIN_BACKWARD_SWEEP_TILE == 32
     # K = 64: the backward's widest tile is 64, so it may halve once.
-    assert chunk_kernels._state_backward_block_v(64, 128, 16, cpu) == 32
+    assert state_kernels.state_backward_block_v(64, 128, 16, cpu) == 32
     # B4 H16: 256 programs already -> unchanged; half intermediates' 64-wide tile: 128 programs -> unchanged.
-    assert chunk_kernels._state_backward_block_v(128, 128, 64, cpu) == 32
-    assert chunk_kernels._state_forward_block_v(128, 128, torch.float16, 64, cpu) == 64
+    assert state_kernels.state_backward_block_v(128, 128, 64, cpu) == 32
+    assert state_kernels.state_forward_block_v(128, 128, torch.float16, 64, cpu) == 64
     # Never below the smallest product dimension.
-    assert chunk_kernels._state_forward_block_v(128, 128, torch.float32, 1, cpu) == chunk_kernels.MIN_DOT_DIM
-    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 0)
-    assert chunk_kernels._state_backward_block_v(128, 128, 1, cpu) == 32
+    assert state_kernels.state_forward_block_v(128, 128, torch.float32, 1, cpu) == kernel_plan.MIN_DOT_DIM
+    monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", 0)
+    assert state_kernels.state_backward_block_v(128, 128, 1, cpu) == 32
     # Off CUDA the default (None) means no narrowing.
-    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", None)
-    assert chunk_kernels._state_forward_block_v(128, 128, torch.float32, 1, cpu) == 32
+    monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", None)
+    assert state_kernels.state_forward_block_v(128, 128, torch.float32, 1, cpu) == 32
 
 
 # name, sizes, gate, options, dtype, chunk size
@@ -493,7 +497,7 @@ NARROW_SWEEP_CASES = [
     ("kda-gva", (1, 50, 1, 2, 32, 64), "channel", {"initial_state": True}, torch.float16, 32),
     ("plain-varlen", THREE_SEQUENCES, "none", THREE_SEQUENCE_OPTIONS, torch.float32, 32),
     # The configuration whose 16-wide backward tiles gave a wrong initial-state gradient on the H100
-    # (see chunk.MIN_BACKWARD_SWEEP_TILE): K = 128, bf16, l2norm, two chunks.
+    # (see state.MIN_BACKWARD_SWEEP_TILE): K = 128, bf16, l2norm, two chunks.
     ("gdn-K128-bf16-h0-l2norm", (1, 70, 1, 2, 128, 128), "scalar", {"initial_state": True, "l2norm": True},
      torch.bfloat16, 64),
 ]
@@ -505,13 +509,13 @@ NARROW_SWEEP_CASES = [
 def test_kernels_with_narrowed_sweep_tiles_match_float64_recurrence(monkeypatch, name, sizes, gate, options, dtype,
                                                                     chunk):
     # A huge target forces the narrowest value tiles: 16 wide in the forward sweep, the floor in the backward.
-    monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 10**6)
+    monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", 10**6)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 1)
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
 
 
 # The configurations where two software-pipelining stages of wy_backward gave wrong dk and dg on
-# the H100 in some runs and right ones in others (see chunk.WY_BACKWARD_STAGES): a race or a
+# the H100 in some runs and right ones in others (see wy.WY_BACKWARD_STAGES): a race or a
 # miscompile shows as repeats that differ, so each case runs several times on the same inputs.
 REPEAT_CASES = [
     ("kda-gate-softplus-fp16", next(c for c in KERNEL_CASES if c[0] == "kda-gate-softplus"), False),
@@ -524,7 +528,7 @@ REPEAT_CASES = [
 def test_backward_is_deterministic(monkeypatch, case, narrow):
     _, sizes, gate, options, dtype, chunk = case
     if narrow:
-        monkeypatch.setattr(chunk_kernels, "SWEEP_MIN_PROGRAMS", 10**6)
+        monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", 10**6)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 3)
     inputs = kernel_inputs(inputs, dtype)
     do, dht = random_output_gradients(inputs, dtype)
@@ -592,7 +596,7 @@ def test_kept_intermediates_are_checked():
 
 # ----------------------------------------------------------------------------------------
 # Per-channel gates: the diagonal sub-chunk blocks factored, or summed exactly past
-# chunk.FACTOR_SPAN_LIMIT.
+# scores.FACTOR_SPAN_LIMIT.
 
 FACTORED_DIAGONAL_CASES = [
     ("kda-fp32-h0", (1, 100, 1, 2, 60, 32), "channel", {"initial_state": True}, torch.float32, 64),
@@ -607,7 +611,7 @@ FACTORED_DIAGONAL_CASES = [
                          ids=[c[0] for c in FACTORED_DIAGONAL_CASES])
 def test_channel_gate_diagonal_blocks_exact_or_factored(monkeypatch, limit, name, sizes, gate, options, dtype,
                                                         chunk):
-    monkeypatch.setattr(chunk_kernels, "FACTOR_SPAN_LIMIT", limit)
+    monkeypatch.setattr(score_kernels, "FACTOR_SPAN_LIMIT", limit)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 7)
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
 
@@ -615,7 +619,7 @@ def test_channel_gate_diagonal_blocks_exact_or_factored(monkeypatch, limit, name
 def sub_chunk_spans(g: torch.Tensor, chunk: int) -> torch.Tensor:
     """max over channels of G_first - G_last of every sub-chunk ([B, T, HV, K] log gates, T a chunk multiple)."""
     batch, time, heads, dim = g.shape
-    sub = chunk_kernels.SUB_CHUNK
+    sub = kernel_plan.SUB_CHUNK
     cum = g.double().view(batch, time // chunk, chunk, heads, dim).cumsum(2).view(batch, time // sub, sub, heads, dim)
     return (cum[:, :, 0] - cum[:, :, -1]).amax(-1)
 
@@ -629,6 +633,6 @@ def test_strong_gates_mix_factored_and_exact_diagonal_blocks(dtype):
     sizes, options = (1, 64, 1, 2, 32, 32), {"decay": 10.0, "initial_state": True}
     inputs, kwargs = build_case(sizes, "channel", options, seed=3)
     spans = sub_chunk_spans(inputs["g"], 64)
-    limit = chunk_kernels.FACTOR_SPAN_LIMIT
+    limit = score_kernels.FACTOR_SPAN_LIMIT
     assert (spans <= limit).any() and (spans > limit).any(), spans
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, 64)

@@ -1,9 +1,13 @@
 """The (gated) delta rule: plain, GDN (scalar gate) and KDA (per-channel gate).
 
-Triton kernels (chunk.py) beside their plain-PyTorch references (reference.py).
+Triton kernels (chunk.py's forward and backward, which run the step files gate_cumsum.py, scores.py,
+wy.py, state.py and output.py; cp.py for context parallelism) beside their plain-PyTorch references
+(reference.py).
 """
 
-from .chunk import MAX_HEAD_DIM, chunk_delta_rule_bwd, chunk_delta_rule_fwd, triton_available
+from .._triton import triton_available
+from .chunk import chunk_delta_rule_bwd, chunk_delta_rule_fwd
+from .plan import MAX_HEAD_DIM
 from .reference import (
     chunk_delta_rule_ref,
     check_delta_rule_inputs,

@@ -1,4 +1,4 @@
-"""Compile the delta-rule kernels (chunk.py and cp.py's summaries) for a GPU target without a GPU and
+"""Compile the delta-rule kernels (chunk.py's steps and cp.py's summaries) for a GPU target without a GPU and
 read their registers, stack (spills) and shared memory, as hccompile.kernels.mhc.compile_check does
 for the mHC kernels (whose compile and cuobjdump helpers this reuses).
 
@@ -30,10 +30,11 @@ SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
 
 @contextlib.contextmanager
 def _recording(calls: list):
-    from . import chunk, cp
+    from . import chunk, cp, gate_cumsum, output, qk_l2norm, scores, state, wy
 
     patched = []
-    for module in (chunk, cp):
+    # Every module that launches a kernel looks it up in its own globals: all of them are patched.
+    for module in (chunk, cp, gate_cumsum, output, qk_l2norm, scores, state, wy):
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"):
                 patched.append((module, name, value))
@@ -73,10 +74,11 @@ def recorded_launches(gate: str, key_dim: int, dtype: torch.dtype, varlen: bool)
     """[(name, kernel, args, kwargs)] of every kernel launch of the forward, the backward and (varlen) the CP
     summary kernels for one configuration."""
     from . import chunk, cp
+    from .plan import DEFAULT_CHUNK_SIZE
 
     inputs, do, dht = _case(gate, key_dim, dtype, varlen)
     batch, time, heads = do.shape[:3]
-    kept = tuple(torch.zeros(batch, time, heads, chunk.DEFAULT_CHUNK_SIZE) for _ in range(3))
+    kept = tuple(torch.zeros(batch, time, heads, DEFAULT_CHUNK_SIZE) for _ in range(3))
     runs = [
         ("fwd", lambda: chunk.chunk_delta_rule_fwd(**inputs, output_final_state=True)),
         ("bwd", lambda: chunk.chunk_delta_rule_bwd(**inputs, do=do, dht=dht)),

@@ -1,5 +1,5 @@
 """Context parallelism (CP) for the chunked delta rule: summary and merge kernels, and the per-rank
-forward and backward that run chunk.py's kernels around one exchange of summaries.
+forward and backward that run chunk.py's steps around one exchange of summaries.
 
 Math (per value head; plain, GDN and KDA alike). Over a segment of tokens, the chunk recurrence
 S_end = diag(gamma) S + K~^T (U~ - W S) is affine in the segment's initial state:
@@ -35,8 +35,10 @@ middle segment is sent once, with the forward summary, and used transposed by th
 The merge folds a chain of summaries, S = H_0, then S = M_j S + H_j (forward) or S = M_j^T S + dH_j
 (backward), in one kernel launch for all chains.
 
-This module builds on chunk.py's kernels and launch helpers (imported below, never changed here);
-it knows nothing of torch.distributed: the exchange is an object with start() and finish().
+This module builds on the step files' kernels and launchers (gate_cumsum.py, scores.py, wy.py,
+state.py, output.py, qk_l2norm.py) and plan.py's Plan, imported below from the modules that define
+them and never changed here; it knows nothing of torch.distributed: the exchange is an object with
+start() and finish().
 """
 from __future__ import annotations
 
@@ -47,42 +49,23 @@ from typing import Any
 import torch
 
 from .._triton import require_triton, tl, triton
-from .chunk import (
-    ACTIVATION_NONE,
-    ACTIVATION_SIGMOID,
-    ACTIVATION_SOFTPLUS,
-    GATE_CODES,
-    MAX_HEAD_DIM,
-    MIN_BACKWARD_SWEEP_TILE,
-    MIN_DOT_DIM,
-    STATE_TILE_ELEMENTS,
-    SUB_CHUNK,
-    WY_BACKWARD_OPTIONS,
-    _block,
-    _check_kernel_inputs,
-    _gate_activation_backward,
-    _gate_cumsum,
-    _l2norm_backward,
-    _l2norm_forward,
-    _launch_decayed_scores,
-    _launch_scores_backward,
-    _narrow_for_occupancy,
-    _output_kernel,
-    _Plan,
-    _state_backward_block_v,
-    _state_forward_block_v,
-    _state_backward_kernel,
-    _state_forward_kernel,
-    _state_launch_options,
-    _sum_key_groups,
-    _wy_backward_kernel,
-    _wy_solve_options,
-    _wy_solve_kernel,
-)
+from .chunk import sum_key_groups
+from .gate_cumsum import (ACTIVATION_NONE, ACTIVATION_SIGMOID, ACTIVATION_SOFTPLUS, gate_activation_backward,
+                          launch_gate_cumsum)
+from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
+                   narrow_for_occupancy)
+from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import DeltaRuleProblem, check_delta_rule_inputs
+from .scores import launch_decayed_scores, launch_scores_backward
+from .state import (MIN_BACKWARD_SWEEP_TILE, STATE_TILE_ELEMENTS, state_backward_block_v, state_forward_block_v,
+                    state_launch_options)
+from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
 
 if triton is not None:
-    from .chunk import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows
+    from .output import _output_kernel
+    from .state import _state_backward_kernel, _state_forward_kernel
+    from .tiles import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows
+    from .wy import _wy_backward_kernel, _wy_solve_kernel
 
 __all__ = [
     "CPBackward",
@@ -432,8 +415,8 @@ def merge_chains(plan, direction: str, summaries_out: torch.Tensor, summaries_in
     m_strides = list(m_source.stride())
     if direction == "backward":  # fold with M^T
         m_strides[2], m_strides[3] = m_strides[3], m_strides[2]
-    block_k_full = _block(key_dim, MAX_HEAD_DIM)
-    block_v = min(_block(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
+    block_k_full = block_size(key_dim, MAX_HEAD_DIM)
+    block_v = min(block_size(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
     _merge_kernel[(count, value_heads, triton.cdiv(value_dim, block_v))](
         h_source, m_source if m_source.numel() else h_source, chain_h, chain_m, lengths, destinations, out,
         *h_source.stride(), *m_strides, *out.stride(),
@@ -443,13 +426,13 @@ def merge_chains(plan, direction: str, summaries_out: torch.Tensor, summaries_in
 
 
 def _summary_blocks(problem, segments: int, with_transition: bool, device) -> tuple[int, int]:
-    """(BKF, BC) of the summary sweeps; BC narrowed for occupancy like chunk.py's state sweeps, not
+    """(BKF, BC) of the summary sweeps; BC narrowed for occupancy like state.py's sweeps, not
     below MIN_BACKWARD_SWEEP_TILE (the summaries' backward shares these blocks)."""
-    block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
+    block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     widest = max(MIN_DOT_DIM, min(64, STATE_TILE_ELEMENTS // block_k_full))
     columns = problem.value_dim + (problem.key_dim if with_transition else 0)
-    return block_k_full, _narrow_for_occupancy(widest, segments * problem.value_heads, columns, device,
-                                               floor=MIN_BACKWARD_SWEEP_TILE)
+    return block_k_full, narrow_for_occupancy(widest, segments * problem.value_heads, columns, device,
+                                              floor=MIN_BACKWARD_SWEEP_TILE)
 
 
 def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_transition: bool) -> None:
@@ -465,7 +448,7 @@ def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_t
         intra.k, cum, intra.w, intra.u_tilde, out, *intra.k.stride()[1:], *out.stride(), segments, slots,
         geometry.cu_seqlens, problem.value_heads, problem.group_size, problem.key_dim, problem.value_dim,
         value_tiles, GATE=kplan.gate_code, BT=kplan.chunk_size, BKF=block_k_full, BC=block_c,
-        DOT_PRECISION=kplan.dot_precision, **_state_launch_options(block_k_full, intra.k.dtype),
+        DOT_PRECISION=kplan.dot_precision, **state_launch_options(block_k_full, intra.k.dtype),
     )
 
 
@@ -487,7 +470,7 @@ def _launch_summary_backward(kplan, intra, geometry, do, final_grads, segments, 
         geometry.cu_seqlens, problem.value_heads, problem.group_size, problem.key_dim, problem.value_dim,
         value_tiles, float(scale), GATE=kplan.gate_code, BT=kplan.chunk_size, BKF=block_k_full, BC=block_c,
         HAS_FINAL_STATE_GRAD=final_grads is not None, DOT_PRECISION=kplan.dot_precision,
-        **_state_launch_options(block_k_full, intra.k.dtype),
+        **state_launch_options(block_k_full, intra.k.dtype),
     )
 
 
@@ -515,7 +498,7 @@ class _Local:
     """The caller's tensors flattened to [1, B*T, ...] and the launch plan of their segments."""
 
     plan: Any  # SegmentPlan
-    kplan: _Plan
+    kplan: Plan
     geometry: _Geometry
     batch: int
     time: int
@@ -558,11 +541,11 @@ def _local_problem(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, 
         if tuple(initial_state.shape) != expected:
             raise ValueError(f"initial_state: shape {tuple(initial_state.shape)} differs from the expected "
                              f"{expected} (one row per local sequence)")
-    _check_kernel_inputs(problem, chunk_size, q=q, k=k, v=v, beta=beta, g=g, initial_state=initial_state,
-                         A_log=A_log, dt_bias=dt_bias)
+    check_kernel_inputs(problem, chunk_size, q=q, k=k, v=v, beta=beta, g=g, initial_state=initial_state,
+                        A_log=A_log, dt_bias=dt_bias)
     require_triton(q.device, _output_kernel, "hccompile.kernels.delta_rule.cp", "the CP reference engine")
     geometry = _geometry(plan, chunk_size, q.device)
-    kplan = _Plan(
+    kplan = Plan(
         problem=problem, chunk_size=chunk_size, num_chunks=geometry.num_chunks,
         chunks_per_row=triton.cdiv(max(problem.time, 1), chunk_size), chunk_table=geometry.chunk_table,
         chunk_offsets=geometry.chunk_offsets, cu_seqlens=geometry.cu_seqlens, gate_code=GATE_CODES[problem.gate],
@@ -583,40 +566,39 @@ def _intra(local: _Local) -> _Intra:
     q, k = local.q, local.k
     stored = kplan.intermediate_dtype
     if local.use_qk_l2norm_in_kernel:
-        q, k = _l2norm_forward(q, kplan.normed_qk_dtype), _l2norm_forward(k, kplan.normed_qk_dtype)
+        q, k = l2norm_forward(q, kplan.normed_qk_dtype), l2norm_forward(k, kplan.normed_qk_dtype)
     cum = None
     if problem.gate != "none" and kplan.num_chunks:
         if problem.gate_in_kernel:
             activation = ACTIVATION_SOFTPLUS if local.lower_bound is None else ACTIVATION_SIGMOID
         else:
             activation = ACTIVATION_NONE
-        cum = _gate_cumsum(kplan, local.g, activation, local.A_log, local.dt_bias, local.lower_bound, reverse=False)
+        cum = launch_gate_cumsum(kplan, local.g, activation, local.A_log, local.dt_bias, local.lower_bound,
+                                 reverse=False)
     cum_arg = cum if cum is not None else kplan.dummy
     kdot, scores, inverse = (_empty(1, time, value_heads, chunk, device=device) for _ in range(3))
     w = _empty(1, time, value_heads, problem.key_dim, dtype=stored, device=device)
     u_tilde = _empty(1, time, value_heads, problem.value_dim, dtype=stored, device=device)
     if kplan.num_chunks:
         table, seqlens = kplan.chunk_args()
-        block_k, block_v = _block(problem.key_dim), _block(problem.value_dim)
-        _launch_decayed_scores(kplan, q, k, cum_arg, kdot, scores, kplan.num_chunks, table, seqlens)
+        block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
+        launch_decayed_scores(kplan, q, k, cum_arg, kdot, scores, kplan.num_chunks, table, seqlens)
         _wy_solve_kernel[(kplan.num_chunks, value_heads)](
             k, local.v, local.beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *local.v.stride(),
             *local.beta.stride(), table, seqlens, time, kplan.chunks_per_row, value_heads, problem.group_size,
             problem.key_dim, problem.value_dim,
             GATE=kplan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
-            DOT_PRECISION=kplan.dot_precision, IS_VARLEN=True, **_wy_solve_options(kplan),
+            DOT_PRECISION=kplan.dot_precision, IS_VARLEN=True, **wy_solve_options(kplan),
         )
     return _Intra(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde)
 
 
-
-
 def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_states, lo: int, hi: int) -> None:
-    """chunk.py's state_forward on segments [lo, hi)."""
+    """state_forward (state.py) on segments [lo, hi)."""
     kplan, problem, geometry = local.kplan, local.problem, local.geometry
-    block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
-    block_v = _state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype,
-                                     (hi - lo) * problem.value_heads, intra.k.device)
+    block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
+    block_v = state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype,
+                                    (hi - lo) * problem.value_heads, intra.k.device)
     _state_forward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
         intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.u_tilde, initial_states[lo:],
         h, u, final_states[lo:], *intra.k.stride(), *initial_states.stride(), *final_states.stride(),
@@ -624,17 +606,17 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
         problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, GATE=kplan.gate_code, BT=kplan.chunk_size, BKF=block_k_full, BV=block_v,
         HAS_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision,
-        **_state_launch_options(block_k_full, intra.k.dtype),
+        **state_launch_options(block_k_full, intra.k.dtype),
     )
 
 
 def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int) -> None:
-    """chunk.py's output kernel on the chunks of segments [lo, hi)."""
+    """The output kernel (output.py) on the chunks of segments [lo, hi)."""
     kplan, problem, geometry = local.kplan, local.problem, local.geometry
     first, last = geometry.chunk_starts[lo], geometry.chunk_starts[hi]
     if last == first:
         return
-    block_k, block_v = _block(problem.key_dim), _block(problem.value_dim)
+    block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
     _output_kernel[(last - first, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
         intra.q, intra.cum if intra.cum is not None else kplan.dummy, h[first:], intra.scores, u, o,
         *intra.q.stride(), *o.stride(), geometry.chunk_table[first:], geometry.cu_seqlens,
@@ -645,11 +627,11 @@ def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int) -> None:
 
 
 def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initial_grads, lo: int, hi: int) -> None:
-    """chunk.py's state_backward on segments [lo, hi)."""
+    """state_backward (state.py) on segments [lo, hi)."""
     kplan, problem, geometry = local.kplan, local.problem, local.geometry
-    block_k_full = _block(problem.key_dim, MAX_HEAD_DIM)
-    block_v = _state_backward_block_v(block_k_full, problem.value_dim, (hi - lo) * problem.value_heads,
-                                      intra.k.device)
+    block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
+    block_v = state_backward_block_v(block_k_full, problem.value_dim, (hi - lo) * problem.value_heads,
+                                     intra.k.device)
     _state_backward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
         intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.scores, do,
         final_grads[lo:], dh, du, initial_grads[lo:],
@@ -659,7 +641,7 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
         problem.value_dim, local.scale, BKF=block_k_full, BV=block_v,
         HAS_FINAL_STATE_GRAD=True, STORE_INITIAL_STATE_GRAD=True,
         GATE=kplan.gate_code, BT=kplan.chunk_size, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision,
-        **_state_launch_options(block_k_full, intra.k.dtype),
+        **state_launch_options(block_k_full, intra.k.dtype),
     )
 
 
@@ -838,7 +820,7 @@ class CPBackward(CPForward):
             self.dbeta.fill_(float("nan"))
 
     def _chunk_backward(self, lo: int, hi: int) -> None:
-        """chunk.py's wy_backward and decayed_scores_backward on the chunks of segments [lo, hi)."""
+        """wy_backward (wy.py) and decayed_scores_backward (scores.py) on the chunks of segments [lo, hi)."""
         local, intra, kplan, problem, geometry = self.local, self.intra, self.local.kplan, self.local.problem, \
             self.local.geometry
         first, last = geometry.chunk_starts[lo], geometry.chunk_starts[hi]
@@ -846,7 +828,7 @@ class CPBackward(CPForward):
             return
         cum = intra.cum if intra.cum is not None else kplan.dummy
         chunk = kplan.chunk_size
-        block_k, block_v = _block(problem.key_dim), _block(problem.value_dim)
+        block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
         common = dict(GATE=kplan.gate_code, BT=chunk, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision)
         table = geometry.chunk_table[first:]
         _wy_backward_kernel[(last - first, problem.value_heads)](
@@ -859,8 +841,8 @@ class CPBackward(CPForward):
             problem.value_dim, local.scale, BK=block_k, BV=block_v, **WY_BACKWARD_OPTIONS,
             **common,
         )
-        _launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
-                                self.dk_heads, self.dcum, last - first, table, geometry.cu_seqlens)
+        launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
+                               self.dk_heads, self.dcum, last - first, table, geometry.cu_seqlens)
 
     def _sweep_backward(self, incoming, outgoing) -> None:
         for lo, hi in _segments_where(self.plan, incoming, outgoing):
@@ -894,10 +876,10 @@ class CPBackward(CPForward):
         group = problem.group_size
         grads: dict[str, torch.Tensor | None] = dict.fromkeys(inputs)
         for name, x, heads in (("q", local.q, self.dq_heads), ("k", local.k, self.dk_heads)):
-            summed = _sum_key_groups(heads, problem.key_heads, group)
+            summed = sum_key_groups(heads, problem.key_heads, group)
             dx = torch.empty(x.shape, dtype=x.dtype, device=device)
             if local.use_qk_l2norm_in_kernel:
-                _l2norm_backward(x, summed, dx)
+                l2norm_backward(x, summed, dx)
             else:
                 dx.copy_(summed)
             grads[name] = dx.view(inputs[name].shape)
@@ -914,13 +896,13 @@ class CPBackward(CPForward):
         if problem.gate != "none":
             gate_width = problem.key_dim if problem.gate == "channel" else 1
             if local.geometry.num_chunks:
-                dg = _gate_cumsum(local.kplan, self.dcum, ACTIVATION_NONE, None, None, None, reverse=True)
+                dg = launch_gate_cumsum(local.kplan, self.dcum, ACTIVATION_NONE, None, None, None, reverse=True)
             else:
                 dg = torch.zeros(1, problem.time, problem.value_heads, gate_width, dtype=torch.float32, device=device)
             dg = dg.view(local.g.shape) if problem.gate == "channel" else dg.view(1, problem.time, problem.value_heads)
             if problem.gate_in_kernel:
-                dg, dA_log, ddt_bias = _gate_activation_backward(local.g, dg, local.A_log, local.dt_bias,
-                                                                 local.lower_bound)
+                dg, dA_log, ddt_bias = gate_activation_backward(local.g, dg, local.A_log, local.dt_bias,
+                                                                local.lower_bound)
                 grads["A_log"] = dA_log.to(inputs["A_log"].dtype)
                 grads["dt_bias"] = ddt_bias.to(inputs["dt_bias"].dtype)
             grads["g"] = dg.to(inputs["g"].dtype).view(inputs["g"].shape)

@@ -1,0 +1,61 @@
+"""Step 5 of the forward (output): O = scale ((Q e^G) h + P U) per chunk, value head and value tile,
+from the chunk-start states h and corrected values U of state_forward (state.py) and the scores P of
+decayed_scores (scores.py). Chunk-parallel, as every step but the state sweeps.
+"""
+
+from __future__ import annotations
+
+from .._triton import tl, triton
+
+if triton is not None:
+    from .tiles import _chunk_coords, _dot, _gate_offset, _load_rows, _load_stored_rows, _store_rows
+
+    @triton.jit
+    def _output_kernel(
+        q_ptr, cum_ptr, h_ptr, scores_ptr, u_ptr, o_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_ob, stride_ot, stride_oh, stride_ov,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V, scale,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile."""
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        h_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+        dot_dtype = h_ptr.dtype.element_ty
+
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        vc = pid_v * BV + tl.arange(0, BV)
+        acc = tl.zeros([BT, BV], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            if GATE == 2:
+                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+            else:
+                q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            state = _load_stored_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+            acc += _dot(q_tile, state, dot_dtype, DOT_PRECISION)
+        if GATE == 1:
+            acc *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+        scores = _load_rows(scores_ptr + (batch * T) * HV * BT + head * BT, tokens, local, HV * BT, 1, valid, BT)
+        scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+        u = _load_stored_rows(u_ptr + (batch * T) * HV * V + head * V, tokens, vc, HV * V, 1, valid, V)
+        acc += _dot(scores, u, dot_dtype, DOT_PRECISION)
+        _store_rows(o_ptr + batch * stride_ob + head * stride_oh, acc * scale, tokens, vc, stride_ot, stride_ov,
+                    valid, V)

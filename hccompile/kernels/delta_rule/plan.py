@@ -1,0 +1,223 @@
+"""Launch planning shared by chunk.py's two passes and cp.py: what the kernels support (dtypes, head
+dims, chunk sizes), the Plan of one call (chunk tables, gate code, the intermediates' dtype and the
+products' precision), tile widths, and how far the sequential sweeps' tiles narrow for occupancy.
+
+Precision. Running states, accumulators, gates and the [BT, BT] scores and inverse are fp32.
+With half intermediates (Plan.intermediate_dtype: fp16 inputs, and bf16 ones unless
+BF16_INTERMEDIATES is off) the intermediates that feed tensor-core products are stored in the input dtype
+(l2normed q and k, W, U~, U, the chunk states h, and the backward's dh and dU), and every product
+over K, V or the chunk takes half operands with fp32 accumulation (tiles._dot rounds fp32 register
+tiles, e.g. the running state, right before the product), as FLA does. Otherwise intermediates
+are fp32 and products exact (fp32 inputs) or tf32 (bf16 inputs with BF16_INTERMEDIATES off; their
+l2-normed q and k are stored in fp16, see Plan.normed_qk_dtype). Each kernel takes its operand
+dtype from the stored intermediate it reads (`dot_dtype`), so launchers only pick buffer dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .reference import DeltaRuleProblem
+
+from .._triton import direct, triton
+
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Half-precision intermediates (Plan.intermediate_dtype), as FLA keeps them. fp16 ones keep 10
+# mantissa bits, as many as the tf32 products they replace: every test case, the ill-conditioned
+# aligned-keys ones included, stays within FLA's limits (worst 1.6e-3 relative RMS). bf16 ones keep
+# 7: on random inputs o/state/grads stay near 4e-3 against float64, FLA 0.6.0's own errors (3.9e-3
+# o, 4.5e-3 dk measured side by side), within its test limits. On aligned keys (in-chunk condition
+# numbers ~100) the roundings of U~, U, h, dU and of the products' operands add up to ~1.6e-2 (o)
+# and ~5e-2 (dg), over FLA's test limits but again FLA's own errors there (1.5e-2, 4.5e-2); fp32
+# intermediates with tf32 products keep 4.5e-3 (o) there, at 1.5-1.75x the time.
+# HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES=0 (read at import; tests and benchmarks set this
+# attribute) selects those for bf16 inputs.
+BF16_INTERMEDIATES = os.environ.get("HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES", "1") != "0"
+CHUNK_SIZES = (16, 32, 64)
+DEFAULT_CHUNK_SIZE = 64
+# Per-channel decays cannot be factored over a whole chunk without overflow, so the
+# chunk is cut into sub-chunks of this size; blocks off the diagonal are factored
+# through the first row of their row sub-chunk, diagonal blocks are summed exactly.
+# The triangular solve inverts blocks of the same size first.
+SUB_CHUNK = 16
+MIN_DOT_DIM = 16
+# Key/value tiles of the chunk-parallel kernels (the sequential state kernels' are state.py's).
+MAX_TILE = 64
+# The state sweeps walk each sequence's chunks one after another, one program per (sequence,
+# value head, value tile), and each walk is latency-bound. With few sequences x heads (one long
+# sequence, a CP shard) the widest tile leaves most SMs idle: the tile is halved (down to
+# MIN_DOT_DIM in the forward sweep, state.MIN_BACKWARD_SWEEP_TILE in the backward ones) while the
+# grid would still fill at most half of SWEEP_MIN_PROGRAMS (narrow_for_occupancy). None means the
+# GPU's SM count (no narrowing off CUDA); 0 turns it off. Narrower tiles re-read k and w (from L2)
+# once more per tile. Read at call time: tests and benchmarks set it.
+SWEEP_MIN_PROGRAMS: int | None = None
+GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
+
+
+def check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:
+    """Checks beyond shapes: dtypes, devices, head-dim limits and the chunk size."""
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+    for name, dim in (("q", problem.key_dim), ("v", problem.value_dim)):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
+    device = named["q"].device
+    for name, tensor in named.items():
+        if tensor is None:
+            continue
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name}: dtype {tensor.dtype} is not supported; expected one of float16, bfloat16, float32"
+            )
+        if name in ("k", "v") and tensor.dtype != named["q"].dtype:
+            raise TypeError(f"{name}: dtype {tensor.dtype} differs from q's dtype {named['q'].dtype}")
+        if tensor.device != device:
+            raise ValueError(f"{name}: device {tensor.device} differs from q's device {device}")
+
+
+def block_size(dim: int, limit: int = MAX_TILE) -> int:
+    return min(max(MIN_DOT_DIM, triton.next_power_of_2(dim)), limit)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def narrow_for_occupancy(block_v: int, walks: int, value_dim: int, device: torch.device,
+                         floor: int = MIN_DOT_DIM) -> int:
+    """Halves a sweep's value tile, not below `floor`, while `walks` (sequences x value heads)
+    times the tile count would fill at most half of SWEEP_MIN_PROGRAMS programs (see there)."""
+    target = _multiprocessor_count(device) if SWEEP_MIN_PROGRAMS is None else SWEEP_MIN_PROGRAMS
+    while block_v > floor and 2 * walks * triton.cdiv(value_dim, block_v) <= target:
+        block_v //= 2
+    return block_v
+
+
+@dataclass
+class Plan:
+    """Launch geometry shared by the forward and backward launchers (chunk.py's and cp.py's)."""
+
+    problem: DeltaRuleProblem
+    chunk_size: int
+    num_chunks: int  # over all sequences
+    chunks_per_row: int  # NT, for fixed-length batches
+    chunk_table: torch.Tensor | None  # [num_chunks, 2] (sequence, chunk) for varlen
+    chunk_offsets: torch.Tensor | None  # [N] first global chunk of each sequence, for varlen
+    cu_seqlens: torch.Tensor | None
+    gate_code: int
+    input_dtype: torch.dtype  # q's (and k's, v's)
+    dummy: torch.Tensor  # stands in for absent optional tensors
+    launch: Callable = direct  # wraps a kernel before its launch (see make_plan)
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def intermediate_dtype(self) -> torch.dtype:
+        """dtype of the stored intermediates that feed the tensor-core products (l2normed q and
+        k, W, U~, U, h, dh, dU), hence of those products' operands: fp16 for fp16 inputs, as FLA
+        does; bf16 for bf16 inputs unless BF16_INTERMEDIATES is off (see there); fp32 otherwise.
+        States, accumulators, gates, scores and the in-chunk inverse stay fp32 either way."""
+        if self.input_dtype == torch.float16 or (self.input_dtype == torch.bfloat16 and BF16_INTERMEDIATES):
+            return self.input_dtype
+        return torch.float32
+
+    @property
+    def normed_qk_dtype(self) -> torch.dtype:
+        """dtype of the in-kernel l2-normed q and k: the intermediates', except fp16 for bf16
+        inputs whose intermediates are fp32. A unit vector's elements need no more range than
+        fp16's, and its 10 mantissa bits are as many as the tf32 products they feed keep; half
+        the bytes of fp32 in every kernel that reads q or k, and the state sweeps then fit two
+        software-pipelining stages (state.state_launch_options). Compiled for sm_90 (Triton 3.8, bf16
+        with l2norm), state_backward's spills went from 320/400 to 96/232 bytes per thread at
+        K = 128 (scalar/channel gates), state_forward's stay 0 with the second stage."""
+        if self.input_dtype == torch.bfloat16 and self.intermediate_dtype == torch.float32:
+            return torch.float16
+        return self.intermediate_dtype
+
+    @property
+    def half_dots(self) -> bool:
+        """Whether the products take half operands (the kernels without a stored intermediate to
+        take the dtype from are told so)."""
+        return self.intermediate_dtype != torch.float32
+
+    @property
+    def scores_half_dots(self) -> bool:
+        """half_dots of the score kernels. With per-channel gates their factored diagonal blocks
+        hold factors up to e^FACTOR_SPAN_LIMIT (scores.py), past fp16's range: fp16 intermediates take fp32
+        (tf32) operands there, bf16 ones (fp32's range) stay half."""
+        return self.half_dots and not (self.gate_code == GATE_CODES["channel"]
+                                       and self.intermediate_dtype == torch.float16)
+
+    @property
+    def dot_precision(self) -> str:
+        """input_precision of the products with fp32 operands: exact for fp32 inputs (tf32, the GPU
+        default, would cost about three digits), tf32 for half inputs."""
+        return "ieee" if self.input_dtype == torch.float32 else "tf32"
+
+    def chunk_args(self):
+        table = self.chunk_table if self.chunk_table is not None else self.dummy
+        seqlens = self.cu_seqlens if self.cu_seqlens is not None else self.dummy
+        return table, seqlens
+
+
+@functools.lru_cache(maxsize=16)
+def _dummy(device: torch.device) -> torch.Tensor:
+    """Stands in for absent optional tensors; never read or written by the kernels. One per
+    device instead of an allocation and a fill on every call."""
+    return torch.zeros(2, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _varlen_chunk_tables(lengths: tuple[int, ...], chunk_size: int, device: torch.device):
+    """(chunk_table [chunks, 2] (sequence, chunk), chunk_offsets [N]) as int32 device tensors.
+    Cached by the sequence lengths: a training loop that repeats its packing (or a benchmark)
+    pays the host-to-device copies once. The kernels only read them."""
+    counts = [triton.cdiv(length, chunk_size) for length in lengths]
+    pairs = [(seq, chunk) for seq, count in enumerate(counts) for chunk in range(count)]
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    chunk_table = torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=device)
+    chunk_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
+    return chunk_table, chunk_offsets
+
+
+def make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.Tensor,
+              launch: Callable = direct, dummy: torch.Tensor | None = None) -> Plan:
+    """`launch` wraps each kernel before its launch: `direct`, or torch's wrap_triton when the
+    launches are traced for Inductor (lowering/_launch.py; fixed-length rows only). `dummy`: a
+    float32 tensor of at least 2 elements for the absent optional tensors (default: a cached one)."""
+    device = q.device
+    chunk_table = chunk_offsets = None
+    if cu_seqlens is not None:
+        lengths = tuple(eos - bos for _, bos, eos in problem.sequences)
+        chunk_table, chunk_offsets = _varlen_chunk_tables(lengths, chunk_size, device)
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+        num_chunks = sum(triton.cdiv(length, chunk_size) for length in lengths)
+    else:
+        num_chunks = problem.batch * triton.cdiv(problem.time, chunk_size)
+    if dummy is None:
+        # traced: a buffer of the graph's own (a cached tensor would be a fake one, kept)
+        dummy = torch.empty(2, dtype=torch.float32, device=device) if launch is not direct else _dummy(device)
+    return Plan(
+        problem=problem,
+        chunk_size=chunk_size,
+        num_chunks=num_chunks,
+        chunks_per_row=triton.cdiv(problem.time, chunk_size),
+        chunk_table=chunk_table,
+        chunk_offsets=chunk_offsets,
+        cu_seqlens=cu_seqlens,
+        gate_code=GATE_CODES[problem.gate],
+        input_dtype=q.dtype,
+        dummy=dummy,
+        launch=launch,
+    )

@@ -1,0 +1,227 @@
+"""Step 4 of the forward (state_forward) and the backward's first kernel (state_backward): the only
+sequential work. One program per (sequence, value head, value tile) walks the sequence's chunks,
+forward or in reverse, with the fp32 state of the whole key dim and one value tile in registers:
+
+    forward:   h_c = S (stored),  U = U~ - W h_c,  S <- e^G_last S + (K e^(G_last - G))^T U
+    backward:  dh_c = dS (stored),  dU = scale P^T dO + (K e^(G_last - G)) dS,
+               dS <- scale (Q e^G)^T dO + e^G_last dS - W^T dU
+
+The tile widths here trade registers and shared memory against the number of programs, which few
+sequences x heads leave too small for the GPU (plan.narrow_for_occupancy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import MIN_DOT_DIM, block_size, narrow_for_occupancy
+
+from .._triton import tl, triton
+
+# The sequential state kernels hold the whole key dim and at most this many elements of the state
+# per program.
+STATE_TILE_ELEMENTS = 64 * 64
+# state_forward with half intermediates holds half [BT, K] tiles: compiled for sm_90 (Triton 3.8,
+# fp16, l2norm), BV = 64 at K = 128 took 188-236 registers, no spills, 88-121 KiB shared memory
+# with two stages (none, scalar, channel gates); state_backward at BV = 64 spilled 56-168 bytes
+# (scalar, channel) where BV = 32 spilled none, so it keeps STATE_TILE_ELEMENTS. At K = 256,
+# BV = 32: state_forward 162-252 registers, no spills, 52 KiB.
+HALF_STATE_FORWARD_TILE_ELEMENTS = 128 * 64
+# The narrowest value tile of the backward sweeps (state_backward, CP's summary sweeps). On the
+# H100 (Triton 3.6), state_backward with 16-wide tiles, K = 128 and bf16 inputs returned a wrong
+# initial-state gradient (relative RMS 0.27-0.33 against fp64; every other output right, and fp32
+# inputs right), at T = 70 (two chunks); 32-wide tiles were right in every GPU test. The
+# interpreter cannot show it (tests/kernels/test_delta_rule_chunk.py has the case).
+MIN_BACKWARD_SWEEP_TILE = 32
+
+
+if triton is not None:
+    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _sequence_bounds,
+                        _store_rows)
+
+    @triton.jit
+    def _state_forward_kernel(
+        k_ptr, cum_ptr, w_ptr, u_tilde_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_h0n, stride_h0h, stride_h0k, stride_h0v,
+        stride_htn, stride_hth, stride_htk, stride_htv,
+        chunk_offsets_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BKF: tl.constexpr,
+        BV: tl.constexpr,
+        HAS_INITIAL_STATE: tl.constexpr,
+        STORE_FINAL_STATE: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Walks one sequence's chunks for one value head and value tile.
+
+        Stores every chunk's starting state h ([chunks, HV, K, V]) and its corrected values
+        U = U~ - W h; S_end = e^G_last S + (K e^(G_last - G))^T U. The state is fp32; h, U and
+        the products' operands are in the intermediates' dtype (h's).
+        """
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+        if IS_VARLEN:
+            first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+        else:
+            first_chunk = seq.to(tl.int64) * NT
+        key_head = head // GROUP
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        w_ptr += (batch * T) * HV * K + head * K
+        u_tilde_ptr += (batch * T) * HV * V + head * V
+        u_ptr += (batch * T) * HV * V + head * V
+
+        dot_dtype = h_ptr.dtype.element_ty
+        kc = tl.arange(0, BKF)
+        vc = pid_v * BV + tl.arange(0, BV)
+        local = tl.arange(0, BT)
+        if HAS_INITIAL_STATE:
+            state = _load_rows(h0_ptr + seq * stride_h0n + head * stride_h0h, kc, vc, stride_h0k, stride_h0v,
+                               kc < K, V)
+        else:
+            state = tl.zeros([BKF, BV], dtype=tl.float32)
+        for chunk in range(0, tl.cdiv(eos - bos, BT)):
+            start = bos + chunk * BT
+            length = tl.minimum(eos - start, BT)
+            tokens = start + local
+            valid = local < length
+            h_chunk_ptr = h_ptr + ((first_chunk + chunk) * HV + head) * K * V
+            _store_rows(h_chunk_ptr, state, kc, vc, V, 1, kc < K, V)
+            w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            u = _load_rows(u_tilde_ptr, tokens, vc, HV * V, 1, valid, V)
+            u -= _dot(w, state, dot_dtype, DOT_PRECISION)
+            _store_rows(u_ptr, u, tokens, vc, HV * V, 1, valid, V)
+            if GATE != 0:
+                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
+                k_tile *= to_end
+                state *= whole[:, None]
+            else:
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            state += _dot(tl.trans(k_tile), u, dot_dtype, DOT_PRECISION)
+        if STORE_FINAL_STATE:
+            _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv,
+                        kc < K, V)
+
+    @triton.jit
+    def _state_backward_kernel(
+        q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_dob, stride_dot, stride_doh, stride_dov,
+        stride_dhtn, stride_dhth, stride_dhtk, stride_dhtv,
+        stride_dh0n, stride_dh0h, stride_dh0k, stride_dh0v,
+        chunk_offsets_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V, scale,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BKF: tl.constexpr,
+        BV: tl.constexpr,
+        HAS_FINAL_STATE_GRAD: tl.constexpr,
+        STORE_INITIAL_STATE_GRAD: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Walks one sequence's chunks backwards for one value head and value tile.
+
+        With dS the gradient of a chunk's end state: stores dS per chunk (dh), the full
+        gradient of the corrected values dU = scale P^T dO + (K e^(G_last - G)) dS, and
+        passes dS_start = scale (Q e^G)^T dO + e^G_last dS - W^T dU to the chunk before.
+        dS is fp32; dh, dU and the products' operands are in the intermediates' dtype (w's).
+        """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+        if IS_VARLEN:
+            first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+        else:
+            first_chunk = seq.to(tl.int64) * NT
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        do_ptr += batch * stride_dob + head * stride_doh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        w_ptr += (batch * T) * HV * K + head * K
+        scores_ptr += (batch * T) * HV * BT + head * BT
+        du_ptr += (batch * T) * HV * V + head * V
+
+        dot_dtype = w_ptr.dtype.element_ty
+        kc = tl.arange(0, BKF)
+        vc = pid_v * BV + tl.arange(0, BV)
+        local = tl.arange(0, BT)
+        if HAS_FINAL_STATE_GRAD:
+            dstate = _load_rows(dht_ptr + seq * stride_dhtn + head * stride_dhth, kc, vc, stride_dhtk, stride_dhtv,
+                                kc < K, V)
+        else:
+            dstate = tl.zeros([BKF, BV], dtype=tl.float32)
+        num_chunks = tl.cdiv(eos - bos, BT)
+        for step in range(0, num_chunks):
+            chunk = num_chunks - 1 - step
+            start = bos + chunk * BT
+            length = tl.minimum(eos - start, BT)
+            tokens = start + local
+            valid = local < length
+            _store_rows(dh_ptr + ((first_chunk + chunk) * HV + head) * K * V, dstate, kc, vc, V, 1, kc < K, V)
+            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
+            scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+            du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
+            if GATE != 0:
+                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
+                k_tile *= to_end
+                if GATE == 2:
+                    q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+                else:
+                    q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+            else:
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            du += _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
+            _store_rows(du_ptr, du, tokens, vc, HV * V, 1, valid, V)
+            w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+            if GATE != 0:
+                dstate *= whole[:, None]
+            dstate += scale * _dot(tl.trans(q_tile), do_tile, dot_dtype, DOT_PRECISION)
+            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)
+        if STORE_INITIAL_STATE_GRAD:
+            _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
+                        kc < K, V)
+
+
+def state_forward_block_v(block_k_full: int, value_dim: int, intermediate_dtype: torch.dtype, walks: int,
+                          device: torch.device) -> int:
+    """BV of state_forward (and CP's forward sweep) for `walks` = sequences x value heads."""
+    elements = STATE_TILE_ELEMENTS if intermediate_dtype == torch.float32 else HALF_STATE_FORWARD_TILE_ELEMENTS
+    widest = min(block_size(value_dim), max(MIN_DOT_DIM, elements // block_k_full))
+    return narrow_for_occupancy(widest, walks, value_dim, device)
+
+
+def state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device: torch.device) -> int:
+    """BV of state_backward (and CP's backward sweep)."""
+    widest = min(block_size(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
+    return narrow_for_occupancy(widest, walks, value_dim, device, floor=MIN_BACKWARD_SWEEP_TILE)
+
+
+def state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int]:
+    """num_warps and num_stages of the sequential state kernels; `dtype` is the one of the k they read
+    (the input's, or the intermediates' after the in-kernel l2norm).
+
+    They hold [chunk, K] tiles of the whole key dim: more warps mean fewer spills. Each
+    software-pipelining stage keeps another copy of those tiles in shared memory; compiled
+    for sm_90 (Triton 3.8), two stages at K = 128 took 148-173 KiB for half inputs and up to
+    217 KiB for fp32, three stages over 227 KiB (an H100's limit), so deeper ones are avoided.
+    """
+    num_warps = 4 if block_k_full <= 64 else 8
+    two_stages = block_k_full <= 64 or (block_k_full == 128 and dtype != torch.float32)
+    return {"num_warps": num_warps, "num_stages": 2 if two_stages else 1}

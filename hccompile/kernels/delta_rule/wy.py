@@ -1,0 +1,365 @@
+"""Step 3 of the forward (wy_solve) and the backward's second kernel (wy_backward): the WY form of a
+chunk's delta-rule updates,
+
+    A = (I + diag(beta) Kdot)^-1,   W = A diag(beta)(K e^G),   U~ = A diag(beta) V,
+
+with which the state sweep (state.py) needs only U = U~ - W h per chunk. A is fp32 [BT, BT] per
+chunk, lower triangular: its diagonal sub-chunk blocks come from forward substitution, the blocks
+below from the block recurrence, elementwise or with exact fp32 products, because every later product
+goes through it. The forward may keep A (and Kdot, P) for the backward, whose wy_solve then only
+forms W and U~.
+
+wy_backward, given dU and the chunk-start state gradients, returns dv and dbeta complete, the parts of
+dq, dk and dG that do not go through the pairwise decays, and dKdot and dP for decayed_scores_backward
+(scores.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import Plan
+
+from .._triton import tl, triton
+
+if triton is not None:
+    from .tiles import (_chunk_coords, _chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows,
+                        _store_rows)
+
+    @triton.jit
+    def _substitution_step(inverse, kdot_ptr, beta_ptr, stride_bt, start, first, length, row_stride, r,
+                           BC: tl.constexpr):
+        """Row r of (I + L_bb)^-1, for the [BC, BC] diagonal block of L = diag(beta) Kdot whose first row is `first`.
+
+        Forward substitution: row r of the inverse is e_r - sum_{j<r} L_rj row_j, and rows j < r
+        are final once steps 1..r-1 ran on `inverse` (which starts as the identity). Row r of L is
+        read from kdot (a cached [BC] load), so a step costs one [BC, BC] multiply-reduce.
+        Elementwise fp32: every later product goes through this inverse. Rows past `length` stay
+        unit rows.
+        """
+        sub = tl.arange(0, BC)
+        t = first + r
+        row_valid = t < length
+        token = start + t
+        # Columns j < r of a valid row: one block comparison (see _load_vector), no scalar splat.
+        l_row = tl.load(kdot_ptr + token * row_stride + first + sub, mask=sub < tl.where(row_valid, r, 0), other=0.0)
+        beta_t = tl.load(beta_ptr + token * stride_bt, mask=row_valid, other=0.0).to(tl.float32)
+        new_row = -beta_t * tl.sum(l_row[:, None] * inverse, axis=0)
+        return tl.where(sub[:, None] == r, inverse + new_row[None, :], inverse)
+
+    @triton.jit
+    def _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, block_i, block_j,
+                     BT: tl.constexpr, BC: tl.constexpr):
+        """The [BC, BC] block (block_i > block_j) of L = diag(beta) Kdot, zero in rows past `length`."""
+        rows = block_i * BC + tl.arange(0, BC)
+        cols = block_j * BC + tl.arange(0, BC)
+        valid = rows < length
+        beta = tl.load(beta_ptr + (start + rows) * stride_bt, mask=valid, other=0.0).to(tl.float32)
+        return _load_rows(kdot_ptr, start + rows, cols, row_stride, 1, valid, BT) * beta[:, None]
+
+    @triton.jit
+    def _store_block(a_ptr, block, start, length, row_stride, block_i, block_j, BT: tl.constexpr,
+                     BC: tl.constexpr):
+        rows = block_i * BC + tl.arange(0, BC)
+        cols = block_j * BC + tl.arange(0, BC)
+        _store_rows(a_ptr, block, start + rows, cols, row_stride, 1, rows < length, BT)
+
+    @triton.jit
+    def _off_diagonal_block(a_ii, coupled):
+        """A_ij = -A_ii sum_{j<=m<i} L_im A_mj, given that sum: row block i of (I + L) A = 0 off the diagonal.
+
+        Exact fp32 products of [BC, BC] tiles (cheap at this size); the inverse feeds every later product.
+        """
+        return -tl.dot(a_ii, coupled, input_precision="ieee")
+
+    @triton.jit
+    def _wy_solve_kernel(
+        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_vb, stride_vt, stride_vh, stride_vv,
+        stride_bb, stride_bt, stride_bh,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        SOLVE: tl.constexpr = True,
+    ):
+        """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V.
+
+        Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward) and only W
+        and U~ are formed.
+
+        The NS = BT / BC <= 4 diagonal [BC, BC] blocks are inverted by forward substitution,
+        the blocks below them by the block recurrence of _off_diagonal_block ([BC, BC] products
+        only), and every block is stored to `a_ptr`. The program then reads its whole [BT, BT]
+        A back (the barrier makes its own stores visible) for the tensor-core W and U~ products.
+        """
+        tl.static_assert(BT // BC <= 4, "wy_solve handles at most four sub-chunks per chunk")
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        v_ptr += batch * stride_vb + head * stride_vh
+        beta_ptr += batch * stride_bb + head * stride_bh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        square_offset = (batch * T) * HV * BT + head * BT
+        kdot_ptr += square_offset
+        a_ptr += square_offset
+        row_stride = HV * BT
+        NS: tl.constexpr = BT // BC
+
+        if SOLVE:
+            # The diagonal blocks' substitutions are independent chains: one loop runs them side by side.
+            sub = tl.arange(0, BC)
+            a00 = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
+            a11 = a00
+            a22 = a00
+            a33 = a00
+            for r in range(1, BC):
+                a00 = _substitution_step(a00, kdot_ptr, beta_ptr, stride_bt, start, 0, length, row_stride, r, BC)
+                if NS >= 2:
+                    a11 = _substitution_step(a11, kdot_ptr, beta_ptr, stride_bt, start, BC, length, row_stride, r, BC)
+                if NS >= 4:
+                    a22 = _substitution_step(a22, kdot_ptr, beta_ptr, stride_bt, start, 2 * BC, length, row_stride, r,
+                                             BC)
+                    a33 = _substitution_step(a33, kdot_ptr, beta_ptr, stride_bt, start, 3 * BC, length, row_stride, r,
+                                             BC)
+            _store_block(a_ptr, a00, start, length, row_stride, 0, 0, BT, BC)
+            if NS >= 2:
+                l10 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 1, 0, BT, BC)
+                a10 = _off_diagonal_block(a11, tl.dot(l10, a00, input_precision="ieee"))
+                _store_block(a_ptr, a11, start, length, row_stride, 1, 1, BT, BC)
+                _store_block(a_ptr, a10, start, length, row_stride, 1, 0, BT, BC)
+            if NS >= 4:
+                l20 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 0, BT, BC)
+                l21 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 1, BT, BC)
+                l30 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 0, BT, BC)
+                l31 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 1, BT, BC)
+                l32 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 2, BT, BC)
+                a21 = _off_diagonal_block(a22, tl.dot(l21, a11, input_precision="ieee"))
+                a32 = _off_diagonal_block(a33, tl.dot(l32, a22, input_precision="ieee"))
+                a20 = _off_diagonal_block(a22, tl.dot(l20, a00, input_precision="ieee")
+                                          + tl.dot(l21, a10, input_precision="ieee"))
+                a31 = _off_diagonal_block(a33, tl.dot(l31, a11, input_precision="ieee")
+                                          + tl.dot(l32, a21, input_precision="ieee"))
+                a30 = _off_diagonal_block(a33, tl.dot(l30, a00, input_precision="ieee")
+                                          + tl.dot(l31, a10, input_precision="ieee")
+                                          + tl.dot(l32, a20, input_precision="ieee"))
+                _store_block(a_ptr, a22, start, length, row_stride, 2, 2, BT, BC)
+                _store_block(a_ptr, a33, start, length, row_stride, 3, 3, BT, BC)
+                _store_block(a_ptr, a21, start, length, row_stride, 2, 1, BT, BC)
+                _store_block(a_ptr, a32, start, length, row_stride, 3, 2, BT, BC)
+                _store_block(a_ptr, a20, start, length, row_stride, 2, 0, BT, BC)
+                _store_block(a_ptr, a31, start, length, row_stride, 3, 1, BT, BC)
+                _store_block(a_ptr, a30, start, length, row_stride, 3, 0, BT, BC)
+            # The blocks above the diagonal are zero; written so that A is complete in memory.
+            zero_block = tl.zeros([BC, BC], dtype=tl.float32)
+            for block_i in tl.static_range(NS):
+                for block_j in tl.static_range(block_i + 1, NS):
+                    _store_block(a_ptr, zero_block, start, length, row_stride, block_i, block_j, BT, BC)
+            tl.debug_barrier()
+
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        dot_dtype = w_ptr.dtype.element_ty
+        inverse = _load_rows(a_ptr, tokens, local, row_stride, 1, valid, BT).to(dot_dtype)
+        beta = tl.load(beta_ptr + tokens * stride_bt, mask=valid, other=0.0).to(tl.float32)
+        if GATE == 1:
+            gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K) * beta[:, None]
+            if GATE == 2:
+                k_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+            elif GATE == 1:
+                k_tile *= gamma[:, None]
+            w = _dot(inverse, k_tile, dot_dtype, DOT_PRECISION)
+            _store_rows(w_ptr + (batch * T) * HV * K + head * K, w, tokens, kc, HV * K, 1, valid, K)
+        for v0 in range(0, V, BV):
+            vc = v0 + tl.arange(0, BV)
+            v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V) * beta[:, None]
+            u = _dot(inverse, v_tile, dot_dtype, DOT_PRECISION)
+            _store_rows(u_ptr + (batch * T) * HV * V + head * V, u, tokens, vc, HV * V, 1, valid, V)
+
+    @triton.jit
+    def _wy_backward_kernel(
+        q_ptr, k_ptr, v_ptr, beta_ptr, do_ptr, cum_ptr, inverse_ptr, kdot_ptr, u_ptr, du_ptr, h_ptr, dh_ptr,
+        dv_ptr, dbeta_ptr, dq_ptr, dk_ptr, dg_ptr, dkdot_ptr, dscores_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_vb, stride_vt, stride_vh, stride_vv,
+        stride_bb, stride_bt, stride_bh,
+        stride_dob, stride_dot, stride_doh, stride_dov,
+        stride_dvb, stride_dvt, stride_dvh, stride_dvv,
+        stride_dbb, stride_dbt, stride_dbh,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V, scale,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Per chunk and value head, everything but the pairwise-decay terms.
+
+        Through U = A diag(beta) V - W h and W = A diag(beta)(K e^G): dv, dbeta (complete);
+        through O's (Q e^G) h and S_end's terms: partial dq, dk and dG (the gradient of the
+        cumulative gate). Stores dKdot = beta * dL with dL = -A^T dA A^T (strictly lower) and
+        dP = scale dO U^T (lower) for decayed_scores_backward.
+        """
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        v_ptr += batch * stride_vb + head * stride_vh
+        do_ptr += batch * stride_dob + head * stride_doh
+        dv_ptr += batch * stride_dvb + head * stride_dvh
+        gate_offset = _gate_offset(batch, head, T, HV, K, GATE)
+        cum_ptr += gate_offset
+        dg_ptr += gate_offset
+        square_offset = (batch * T) * HV * BT + head * BT
+        value_offset = (batch * T) * HV * V + head * V
+        key_offset = (batch * T) * HV * K + head * K
+        h_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+        dh_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        last = start + length - 1
+        beta = tl.load(beta_ptr + batch * stride_bb + head * stride_bh + tokens * stride_bt, mask=valid,
+                       other=0.0).to(tl.float32)
+        dot_dtype = h_ptr.dtype.element_ty
+        # In the products' dtype through the loops; fp32 again for dL at the end.
+        inverse = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        inverse = tl.where(local[:, None] >= local[None, :], inverse, 0.0).to(dot_dtype)
+        d_inverse = tl.zeros([BT, BT], dtype=tl.float32)
+        d_scores = tl.zeros([BT, BT], dtype=tl.float32)
+        dbeta = tl.zeros([BT], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vc = v0 + tl.arange(0, BV)
+            u = _load_stored_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+            du = _load_stored_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V)
+            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)
+            d_inverse += _dot(du, tl.trans(v_tile * beta[:, None]), dot_dtype, DOT_PRECISION)
+            inverse_t_du = _dot(tl.trans(inverse), du, dot_dtype, DOT_PRECISION)
+            _store_rows(dv_ptr, inverse_t_du * beta[:, None], tokens, vc, stride_dvt, stride_dvv, valid, V)
+            dbeta += tl.sum(v_tile * inverse_t_du, axis=1)
+        # Stored now rather than at the end: one [BT, BT] tile fewer held through the key loop.
+        d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
+        _store_rows(dscores_ptr + square_offset, d_scores, tokens, local, HV * BT, 1, valid, BT)
+
+        dg_scalar = tl.zeros([BT], dtype=tl.float32)
+        # Per key tile, three passes over the value tiles, one accumulator each (dW, dQ's state
+        # term, dK's end-state term), each used up before the next: fewer [BT, BK] tiles live at
+        # once than in one pass, for two more reads of the (cached) h tiles.
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            if GATE == 2:
+                gamma = tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+            elif GATE == 1:
+                gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+            else:
+                gamma = tl.full([BT, 1], 1.0, dtype=tl.float32)
+            # Through W = A diag(beta)(K e^G) and U = U~ - W h.
+            dw = tl.zeros([BT, BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                state = _load_stored_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                du = _load_stored_rows(du_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                dw -= _dot(du, tl.trans(state), dot_dtype, DOT_PRECISION)
+            d_inverse += _dot(dw, tl.trans(k_tile * gamma * beta[:, None]), dot_dtype, DOT_PRECISION)
+            inverse_t_dw = _dot(tl.trans(inverse), dw, dot_dtype, DOT_PRECISION)
+            dbeta += tl.sum(inverse_t_dw * gamma * k_tile, axis=1)
+            dk = inverse_t_dw * gamma * beta[:, None]
+            # dG_t = k_t dk_t + q_t dq_t, less the end-state term of dk (whose G dependence is
+            # through G_last - G_t), plus that term's G_last part on the chunk's last row.
+            dg = k_tile * dk
+            # Through O's (Q e^G) h.
+            dq_state = tl.zeros([BT, BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                state = _load_stored_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+                dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)
+            dq = scale * gamma * dq_state
+            _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
+            # Through S_end = e^G_last S + (K e^(G_last - G))^T U.
+            dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
+            dg_whole = tl.zeros([BK], dtype=tl.float32)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                dstate = _load_stored_rows(dh_ptr, kc, vc, V, 1, kc < K, V)
+                u = _load_stored_rows(u_ptr + value_offset, tokens, vc, HV * V, 1, valid, V)
+                dk_to_end += _dot(u, tl.trans(dstate), dot_dtype, DOT_PRECISION)
+                if GATE != 0:
+                    state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
+                    dg_whole += tl.sum(state * dstate.to(tl.float32), axis=1)
+            if GATE != 0:
+                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                dg += q_tile * dq
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
+                dk_to_end *= to_end
+                k_to_end_grad = k_tile * dk_to_end
+                dg -= k_to_end_grad
+                dg_last = tl.sum(k_to_end_grad, axis=0) + whole * dg_whole
+                dg += tl.where(local[:, None] == length - 1, dg_last[None, :], 0.0)
+                if GATE == 2:
+                    _store_rows(dg_ptr, dg, tokens, kc, HV * K, 1, valid, K)
+                else:
+                    dg_scalar += tl.sum(dg, axis=1)
+            dk += dk_to_end
+            _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
+        if GATE == 1:
+            tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
+
+        # A = (I + L)^-1  =>  dL = -A^T dA A^T, kept strictly lower.
+        inverse = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        inverse = tl.where(local[:, None] >= local[None, :], inverse, 0.0)
+        d_lower = -tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=DOT_PRECISION), tl.trans(inverse),
+                          input_precision=DOT_PRECISION)
+        d_lower = tl.where((local[:, None] > local[None, :]) & valid[:, None], d_lower, 0.0)
+        kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        kdot = tl.where(local[:, None] > local[None, :], kdot, 0.0)
+        dbeta += tl.sum(d_lower * kdot, axis=1)
+        tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
+                 dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+        _store_rows(dkdot_ptr + square_offset, d_lower * beta[:, None], tokens, local, HV * BT, 1, valid, BT)
+
+
+# The options below were timed with benchmarks/tune_delta_rule.py (H100, Triton 3.6, B4 T4096 H16
+# K128 bf16, whole forward+backward, one kernel's options changed at a time; 2026-11-22).
+#
+# wy_backward holds A, dA and [BT, BK] accumulators next to the tiles it reads: compiled for
+# sm_90 (Triton 3.8, BT = BK = BV = 64, bf16 inputs with l2norm), 4 warps spilled 1.2-1.5 KiB per
+# thread, 8 warps 112-232 bytes (128 KiB shared memory either way), and 4 warps took 4-12 % longer.
+# Three software-pipelining stages took up to 208 KiB of shared memory; with fp32 intermediates one
+# stage beat two by 5-6 % (GDN, KDA), with half ones they tied. And with half intermediates two
+# stages gave wrong, run-to-run different dk and dg on the H100 with Triton 3.6 (dk 3e-2 to 1.2e-1
+# relative RMS in some runs and right in others, for the same inputs: fp16 KDA at K = V = 32, and
+# bf16 GDN at K = V = 128 with narrowed sweep tiles; one stage: right and identical in every run,
+# 2026-11-22). So one stage everywhere; test_backward_is_deterministic repeats those cases.
+WY_BACKWARD_STAGES = 1
+WY_BACKWARD_OPTIONS = {"num_warps": 8, "num_stages": WY_BACKWARD_STAGES}
+
+
+def wy_solve_options(plan: Plan) -> dict[str, int]:
+    """wy_solve's substitution is a chain of [16, 16] steps: with half inputs 2 warps took 1-5 % less
+    than 4 (8 warps 1 % more), although they spill 8-96 bytes per thread at sm_90. fp32 inputs' exact
+    (ieee) products spilled 10 KiB per thread at 2 warps, 5.5 KiB at 4 and 232-272 bytes at 8."""
+    return {"num_warps": 8 if plan.input_dtype == torch.float32 else 2}
