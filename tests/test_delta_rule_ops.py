@@ -434,3 +434,21 @@ def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
     assert relative_rms_error(final_state, final_ref) < TOLERANCE
     for n in names:
         assert relative_rms_error(leaves[n].grad, as64[n].grad) < TOLERANCE, n
+
+
+def test_eager_calls_skip_the_run_time_context_check(monkeypatch):
+    """Issue 24: the traced body's context_parallel check is an op of its own so that a compiled
+    graph runs it every time; an eager call of that body (CUDA, outside any block: _traceable
+    checked) allocates the kernels' scratch tensor without dispatching it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hccompile.lowering import delta_rule as D
+
+    calls = []
+    monkeypatch.setattr(D, "outside_context_parallel_op", lambda q: calls.append(q) or torch.empty(2))
+    q = torch.randn(1, 4, 2, 8)
+    scratch = D._scratch(q)
+    assert scratch.shape == (2,) and scratch.dtype == torch.float32 and not calls
+    with FakeTensorMode() as mode:
+        D._scratch(mode.from_tensor(q))
+    assert len(calls) == 1

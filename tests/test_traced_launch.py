@@ -200,7 +200,9 @@ def test_delta_rule_ops_trace_to_their_launches(gate, dtype, sm_count):
         gate_value = rest[0] if g else None
         return D.chunk_delta_rule_op(q, k, v, beta, gate_value, rest[-1], None, None, None, *options, True)
 
-    _check(trace(forward, q, q, v, beta, *g, h0), "chunk_delta_rule")
+    traced = trace(forward, q, q, v, beta, *g, h0)
+    _check(traced, "chunk_delta_rule")
+    _checks_context_at_run_time(traced[0])
 
     def backward(q, k, v, beta, *rest):
         gate_value = rest[0] if g else None
@@ -209,7 +211,15 @@ def test_delta_rule_ops_trace_to_their_launches(gate, dtype, sm_count):
                                               gate, 0.125, True, None, 64, kdot, scores, inverse)
 
     square = ((B, T, HV, 64), F32)
-    _check(trace(backward, q, q, v, beta, *g, h0, v, h0, square, square, square), "chunk_delta_rule_backward")
+    traced = trace(backward, q, q, v, beta, *g, h0, v, h0, square, square, square)
+    _check(traced, "chunk_delta_rule_backward")
+    _checks_context_at_run_time(traced[0])
+
+
+def _checks_context_at_run_time(gm) -> None:
+    """A traced delta-rule graph calls the run-time context_parallel check (eager calls skip it)."""
+    targets = [str(n.target) for n in gm.graph.nodes]
+    assert "hccompile.delta_rule_outside_context_parallel.default" in targets, targets
 
 
 @needs_compiled_kernels

@@ -405,8 +405,7 @@ def _chunk_delta_rule_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log,
     args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=None, dt_bias=None,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return _forward_kernels(q, k, v, beta, args, save_intermediates, wrap=wrap_triton,
-                            dummy=outside_context_parallel_op(q))
+    return _forward_kernels(q, k, v, beta, args, save_intermediates, wrap=wrap_triton, dummy=_scratch(q))
 
 
 def _kept_shape(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool) -> tuple:
@@ -513,7 +512,7 @@ def _chunk_delta_rule_backward_traced(q, k, v, beta, g, initial_state, cu_seqlen
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
                                  chunk_size=chunk_size, do=do.to(v.dtype),
                                  dht=None if dht is None else dht.to(torch.float32), intermediates=intermediates,
-                                 wrap=wrap_triton, dummy=outside_context_parallel_op(q))
+                                 wrap=wrap_triton, dummy=_scratch(q))
     return _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads)
 
 
@@ -564,6 +563,19 @@ def _outside_context_parallel_fake(q):
 
 
 runtime_check(outside_context_parallel_op)
+
+
+def _scratch(q: Tensor) -> Tensor:
+    """The float32 scratch tensor the kernels take for absent inputs. Traced, it comes from the
+    run-time check above, so that every run of the compiled graph checks it is outside
+    context_parallel(). Called eagerly, the body runs only where _traceable saw no active block
+    (inside one the call is a host op), so it skips the check op's dispatch."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if is_fake(q) or get_proxy_mode() is not None:
+        return outside_context_parallel_op(q)
+    return torch.empty(2, dtype=torch.float32, device=q.device)
 
 
 chunk_delta_rule_op = kernel_op("chunk_delta_rule", _chunk_delta_rule_host, _chunk_delta_rule_fake,
