@@ -15,6 +15,7 @@ without TRITON_INTERPRET, so run it in a process without that variable:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import subprocess
@@ -107,7 +108,10 @@ def compile_launch(kernel, args, kwargs, arch: int = ARCH):
     values = dict(zip(kernel.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k not in options})
     for idx, param in enumerate(kernel.params):
-        name, value = param.name, values[param.name]
+        # a parameter the launch leaves at its default (SOLVE: tl.constexpr = True) takes it
+        name, value = param.name, values.get(param.name, param.default)
+        if value is inspect.Parameter.empty:
+            raise KeyError(f"{kernel.fn.__name__}: the launch gives no {name} and it has no default")
         if param.is_constexpr:
             signature[name], constexprs[(idx,)] = "constexpr", value
             continue
