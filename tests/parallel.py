@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     workers = min(options.workers, len(chunks))
     print(f"{len(ids)} tests in {len(chunks)} chunks over {workers} workers; logs in {log_dir}", flush=True)
     env = dict(os.environ)
+    # Inductor compiles in a pool of subprocesses sized to the machine's cores, in every worker: 14
+    # workers on 16 cores may start 16 compile processes each, every one importing torch. The
+    # workers are the parallelism here: each compiles in its own process (a caller's setting wins).
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if options.gpu_memory_gib:
         env["HCCOMPILE_TEST_GPU_MEMORY_GIB"] = str(options.gpu_memory_gib)
     run = run_chunks(chunks, workers, extra, log_dir, env, options.chunk_timeout, len(ids))

@@ -65,7 +65,9 @@ def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
     durations = json.loads((tmp_path / "logs" / "durations.json").read_text())
     assert list(durations) == ["test_sample.py"] and durations["test_sample.py"] > 0
 
-    (tmp_path / "test_sample.py").write_text("def test_ok():\n    pass\n")
+    # each worker compiles in its own process: no Inductor compile pool per worker
+    (tmp_path / "test_sample.py").write_text(
+        "import os\ndef test_ok():\n    assert os.environ['TORCHINDUCTOR_COMPILE_THREADS'] == '1'\n")
     result = run_runner(tmp_path, "-n", "2", "test_sample.py", "--", "-x")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 tests in 1 chunks over 1 workers" in result.stdout and "1 passed" in result.stdout
