@@ -7,7 +7,7 @@ is the same, and the example runs in seconds instead of minutes."""
 import torch
 
 import hccompile
-import hccompile.passes.delta_rule  # noqa: F401  (registers the pass; redundant once it is in PASS_MODULES)
+import hccompile.passes.delta_rule  # noqa: F401  (registers the pass; hccompile.passes also does)
 from hccompile.nn.delta_net import TinyDeltaNetModel
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -128,6 +128,35 @@ def test_registry_has_stages():
     assert [p.name for p in passes_for_stage("post_grad")] == ["op_inventory"]
 
 
+def test_pipeline_lists_every_pass_once_under_its_stage():
+    """The run order is written in passes.PIPELINE (with its reasons), not derived from numbers:
+    every registered pass appears there once, under its own stage; an unlisted pass registered by
+    a user runs after the listed ones of its stage; a pass listed under the wrong stage is an error."""
+    from hccompile.passes import PIPELINE
+    from hccompile.passes import base
+
+    listed = [name for names in PIPELINE.values() for name in names]
+    assert sorted(listed) == all_pass_names() and len(set(listed)) == len(listed)
+    registry = base.registered_passes()
+    assert all(registry[name].stage == stage for stage, names in PIPELINE.items() for name in names)
+
+    class Extra(GraphPass):
+        name, stage = "test_extra_post_grad", "post_grad"
+
+        def run(self, graph, ctx, record):
+            return False
+
+    try:
+        base.register_pass(Extra)
+        assert [p.name for p in passes_for_stage("post_grad")] == ["op_inventory", "test_extra_post_grad"]
+        PIPELINE["joint"] = ("op_inventory",)
+        with pytest.raises(ValueError, match="PIPELINE lists pass 'op_inventory' under 'joint'"):
+            passes_for_stage("joint")
+    finally:
+        PIPELINE["joint"] = ()
+        base._REGISTRY.pop("test_extra_post_grad", None)
+
+
 def test_custom_pass_uuid_is_stable_and_tracks_config():
     from hccompile.config import resolve
     from hccompile.debug.report import GraphReport

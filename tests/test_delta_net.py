@@ -4,7 +4,7 @@ gradients, same parameters), and torch.compile(backend="hc") lowers the plain la
 import pytest
 import torch
 
-import hccompile.passes.delta_rule  # noqa: F401  (registers the pass until it is in PASS_MODULES)
+import hccompile.passes.delta_rule  # noqa: F401  (registers the pass now)
 from helpers import Collect, fwd_bwd, rel_err
 from hccompile.kernels.delta_rule import naive_recurrent_delta_rule
 from hccompile.nn.delta_net import (GatedDeltaNet, KimiDeltaAttention, TinyDeltaNetModel, plain_chunk_gated_delta_rule,

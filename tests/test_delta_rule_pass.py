@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch._higher_order_ops.scan import scan
 
-import hccompile.passes.delta_rule  # noqa: F401  (registers the pass until it is in PASS_MODULES)
+import hccompile.passes.delta_rule  # noqa: F401  (registers the pass now)
 from helpers import Collect, fwd_bwd, rel_err
 from hccompile.nn.delta_net import (plain_chunk_gated_delta_rule, plain_chunk_kda, plain_recurrent_delta_rule)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-import hccompile.passes.hc_fuse  # noqa: F401  (registered whether or not PASS_MODULES lists it yet)
+import hccompile.passes.hc_fuse  # noqa: F401  (registers the pass now)
 
 from hccompile.nn import TinyLinearTransformer
 from hccompile.nn.mhc import MHCGPT

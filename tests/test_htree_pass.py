@@ -13,7 +13,7 @@ import torch
 
 import hccompile.lowering.htree  # noqa: F401  (registers the ops, and defines the kernels before any test
 import hccompile.nn.htree as plain  # switches TRITON_INTERPRET off)
-import hccompile.passes.htree  # noqa: F401  (registers the pass; PASS_MODULES lists it once integrated)
+import hccompile.passes.htree  # noqa: F401  (registers the pass now)
 from hccompile.kernels.htree.reference import htree_attention_ref
 from hccompile.nn.htree import HTreeAttention, htree_attention_plain
 from helpers import Collect, rel_err

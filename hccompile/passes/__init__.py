@@ -1,23 +1,33 @@
 """FX passes, one file per pass. Adding a pass: write `passes/<name>.py` with a class decorated by
-`@register_pass`, then add its module name to `PASS_MODULES` below."""
+`@register_pass` whose `name` is the module's name, then put that name in PIPELINE below, at the
+place its stage should run it, with the reason for that place."""
 from __future__ import annotations
 
 import importlib
 
 from .base import GraphPass, PassContext, register_pass, registered_passes
 
-PASS_MODULES = (
-    "substitutes",
-    "depthwise_conv",
-    "hc_detect",
-    "hc_fuse",
-    "delta_rule",
-    "htree",
-    "linear_attn",
-    "recompute",
-    "saved_views",
-    "op_inventory",
-)
+# The passes of each stage, in the order they run. A pass registered elsewhere and not listed here
+# runs after the listed ones of its stage, in registration order.
+PIPELINE: dict[str, tuple[str, ...]] = {
+    "dynamo": (
+        "substitutes",     # reports what Dynamo already traced as our ops, before anything rewrites
+        "hc_detect",       # finds the hyper-connection layers ...
+        "hc_fuse",         # ... and fuses their ops, before recompute plans around the fused ones
+        "delta_rule",      # before linear_attn: a chunked delta rule holds masked products it would try
+        "htree",           # before linear_attn: the htree region holds matrix products it would inspect
+        "linear_attn",
+        "depthwise_conv",  # after the attention passes: its shifted slices are not a loop of theirs
+        "recompute",       # after every pass that emits our ops: block recompute plans around them
+        "saved_views",     # last: views feeding every op, with the tags recompute set kept
+    ),
+    "joint": (),
+    "post_grad": (
+        "op_inventory",    # the ops (and our kernels' launches) in the graph Inductor lowers
+    ),
+}
+
+PASS_MODULES = tuple(name for names in PIPELINE.values() for name in names)
 
 _loaded = False
 
@@ -32,7 +42,12 @@ def _load() -> None:
 
 def passes_for_stage(stage: str) -> list[type[GraphPass]]:
     _load()
-    return sorted((p for p in registered_passes().values() if p.stage == stage), key=lambda p: p.order)
+    registry = registered_passes()
+    listed = [registry[name] for name in PIPELINE.get(stage, ())]
+    for cls in listed:
+        if cls.stage != stage:
+            raise ValueError(f"PIPELINE lists pass {cls.name!r} under {stage!r}, but its stage is {cls.stage!r}")
+    return listed + [p for p in registry.values() if p.stage == stage and p not in listed]
 
 
 def all_pass_names() -> list[str]:
@@ -56,4 +71,4 @@ def pass_source_files() -> tuple[str, ...]:
 
 
 __all__ = ["GraphPass", "PassContext", "register_pass", "passes_for_stage", "all_pass_names",
-           "pass_source_files", "PASS_MODULES"]
+           "pass_source_files", "PASS_MODULES", "PIPELINE"]

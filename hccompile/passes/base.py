@@ -27,7 +27,6 @@ class GraphPass:
 
     name: ClassVar[str]
     stage: ClassVar[str]
-    order: ClassVar[int] = 100
 
     def run(self, graph_or_module: Any, ctx: PassContext, record: Any) -> bool:
         raise NotImplementedError

@@ -1921,7 +1921,6 @@ def find_loops(gm: fx.GraphModule, idx: _Index) -> list[_Loop]:
 class DeltaRulePass(GraphPass):
     name = "delta_rule"
     stage = "dynamo"
-    order = 90  # before linear_attn: a chunked delta rule contains masked products it would try
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         idx = _Index(gm.graph)

@@ -83,7 +83,6 @@ def _emit(graph: fx.Graph, node: fx.Node, fake_mode: Any) -> fx.Node:
 class DepthwiseConvPass(GraphPass):
     name = "depthwise_conv"
     stage = "dynamo"
-    order = 150  # after the attention passes (90, 100): its K shifted slices are not a loop of theirs
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         changed = False

@@ -532,7 +532,6 @@ def chain_layers(layers: list[HCLayer]) -> list[list[HCLayer]]:
 class HCDetectPass(GraphPass):
     name = "hc_detect"
     stage = "dynamo"
-    order = 10
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         layers, refusals = detect(gm.graph)

@@ -1314,7 +1314,6 @@ def rewrite_aggregate(plan: AggregatePlan, layer: HCLayer, gm: fx.GraphModule, c
 class HCFusePass(GraphPass):
     name = "hc_fuse"
     stage = "dynamo"
-    order = 50  # after hc_detect (10), before recompute (200)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         layers = [l for l in current_layers(gm) if not l.fused]

@@ -484,7 +484,6 @@ def _static(value: torch.Tensor) -> bool:
 class HTreeAttentionPass(GraphPass):
     name = "htree"
     stage = "dynamo"
-    order = 90  # before linear_attn: the htree region holds matrix products it would inspect
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         changed = False

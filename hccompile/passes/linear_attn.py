@@ -1748,7 +1748,6 @@ def _noncausal_state(node: fx.Node, facts: _Facts) -> str | None:
 class LinearAttentionPass(GraphPass):
     name = "linear_attn"
     stage = "dynamo"
-    order = 100
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         g = gm.graph

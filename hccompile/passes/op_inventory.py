@@ -52,7 +52,6 @@ def hccompile_ops(graph: fx.Graph) -> list[str]:
 class OpInventoryPass(GraphPass):
     name = "op_inventory"
     stage = "post_grad"
-    order = 1000
 
     def run(self, graph: fx.Graph, ctx: PassContext, record: Any) -> bool:
         ops = hccompile_ops(graph)

@@ -168,7 +168,6 @@ class HCRecomputePass(GraphPass):
 
     name = "recompute"
     stage = "dynamo"
-    order = 200
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         cfg = ctx.config

@@ -30,7 +30,6 @@ def _is_our_op(node: fx.Node) -> bool:
 class SavedViewsPass(GraphPass):
     name = "saved_views"
     stage = "dynamo"
-    order = 300  # after every pass that emits our ops and after recompute (200)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         views: list[fx.Node] = []

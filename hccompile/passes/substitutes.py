@@ -16,7 +16,6 @@ from .base import GraphPass, PassContext, register_pass
 class SubstitutesPass(GraphPass):
     name = "substitutes"
     stage = "dynamo"
-    order = 0
 
     def run(self, gm: fx.GraphModule, ctx: PassContext, record: Any) -> bool:
         for decision in take_decisions():
