@@ -4,6 +4,10 @@ benchmarks/*.py can be traced to the kernels that cause it.
     python benchmarks/profile_ops.py --ops gdn,kda,fla-gdn,fla-kda --shape B4T4096H16D128
     python benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B4T4096H16D128
     python benchmarks/profile_ops.py --ops htree,sdpa --shape B1T32768H32D128 --kv-heads 4
+    python benchmarks/profile_ops.py --ops gdn --compile eager,static,dynamic   # Inductor's launches
+
+--compile runs the op eagerly and/or under torch.compile (fullgraph; static or dynamic shapes), so a
+compiled step slower than the eager one shows in which kernels (TORCH_LOGS=output_code shows the code).
 """
 from __future__ import annotations
 
@@ -81,30 +85,41 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--fwd-only", action="store_true")
+    p.add_argument("--compile", default="eager", help="comma-separated: eager, static, dynamic")
     a = p.parse_args()
     shape = parse_shape(a.shape)
     for op in a.ops.split(","):
-        try:
-            leaves, fn = build(op, shape, a.kv_heads, getattr(torch, a.dtype))
-        except ImportError as e:
-            print(f"--- {op}: skipped ({e})", flush=True)
-            continue
-        out = fn()
-        do = torch.randn_like(out)
+        for mode in a.compile.split(","):
+            profile_one(a, op, shape, mode)
 
-        def step():
-            if a.fwd_only:
-                with torch.no_grad():
-                    fn()
-                return
-            for t in leaves:
-                t.grad = None
-            fn().backward(do)
 
-        for _ in range(3):
-            step()
-        table, _ = profile_step(step)
-        print(f"--- {op} {a.shape} {'fwd' if a.fwd_only else 'fwd+bwd'}\n{table}", flush=True)
+def profile_one(a, op: str, shape: dict, mode: str) -> None:
+    try:
+        leaves, fn = build(op, shape, a.kv_heads, getattr(torch, a.dtype))
+    except ImportError as e:
+        print(f"--- {op}: skipped ({e})", flush=True)
+        return
+    if mode != "eager":
+        if mode not in ("static", "dynamic"):
+            raise SystemExit(f"--compile: unknown mode {mode!r} (eager, static, dynamic)")
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, dynamic=mode == "dynamic")
+    out = fn()
+    do = torch.randn_like(out)
+
+    def step():
+        if a.fwd_only:
+            with torch.no_grad():
+                fn()
+            return
+        for t in leaves:
+            t.grad = None
+        fn().backward(do)
+
+    for _ in range(3):
+        step()
+    table, _ = profile_step(step)
+    print(f"--- {op} {a.shape} {'fwd' if a.fwd_only else 'fwd+bwd'} {mode}\n{table}", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from ..kernels.delta_rule.wy import _wy_backward_kernel
 from ..kernels.delta_rule.reference import GATE_KINDS
 from ..kernels.value_checks import checks_on_gpu, values_checked
 from .. import compat as _compat
-from ._launch import kernel_op, runtime_check, wrap_triton
+from ._launch import HEADS, kernel_op, runtime_check, wrap_triton
 
 __all__ = [
     "chunk_delta_rule",
@@ -578,12 +578,14 @@ def _scratch(q: Tensor) -> Tensor:
     return torch.empty(2, dtype=torch.float32, device=q.device)
 
 
+_FIXED_DIMS = {"q": HEADS, "v": HEADS}  # H, K and HV, V: see fix_sizes
 chunk_delta_rule_op = kernel_op("chunk_delta_rule", _chunk_delta_rule_host, _chunk_delta_rule_fake,
                                 _chunk_delta_rule_traced, SUPPORTED_DTYPES, kernels=(_output_kernel,),
-                                traceable=_traceable)
+                                traceable=_traceable, fixed_dims=_FIXED_DIMS)
 chunk_delta_rule_backward_op = kernel_op("chunk_delta_rule_backward", _chunk_delta_rule_backward_host,
                                          _chunk_delta_rule_backward_fake, _chunk_delta_rule_backward_traced,
-                                         SUPPORTED_DTYPES, kernels=(_wy_backward_kernel,), traceable=_traceable)
+                                         SUPPORTED_DTYPES, kernels=(_wy_backward_kernel,), traceable=_traceable,
+                                         fixed_dims=_FIXED_DIMS)
 
 
 # ----------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_an
 from ..kernels.lightning.reference import check_attention_shapes
 from ..kernels.value_checks import checks_on_gpu
 from .. import compat as _compat
-from ._launch import kernel_op, wrap_triton
+from ._launch import HEADS, kernel_op, wrap_triton
 
 __all__ = [
     "alibi_decay",
@@ -299,12 +299,13 @@ def _traceable(cu_seqlens=None, **_) -> bool:
 
 lightning_attn_op = kernel_op("lightning_attn", _lightning_attn_host, _lightning_attn_fake,
                               _lightning_attn_traced, SUPPORTED_DTYPES, kernels=(_forward_sweep_kernel,),
-                              traceable=_traceable)
+                              traceable=_traceable, fixed_dims={"q": HEADS, "v": HEADS})
 # its launches: two reverse sweeps (dk, dv) per call
 lightning_attn_backward_op = kernel_op("lightning_attn_backward", _lightning_attn_backward_host,
                                        _lightning_attn_backward_fake, _lightning_attn_backward_traced,
                                        SUPPORTED_DTYPES, kernels=(_reverse_sweep_kernel, _forward_sweep_bwd_kernel),
-                                       per_call=2, traceable=_traceable)
+                                       per_call=2, traceable=_traceable,
+                                       fixed_dims={"q": HEADS, "v": HEADS})
 
 
 # ----------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from .. import compat as _compat
-from ._launch import kernel_op, wrap_triton
+from ._launch import HEADS, kernel_op, wrap_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -113,11 +113,12 @@ def _simple_kernel(name: str):
 
 
 causal_linear_attn_op = kernel_op("causal_linear_attn", _fwd_host, _fwd_fake, _fwd_traced, SUPPORTED_DTYPES,
-                                  (_simple_kernel("_masked_linear_attn_kernel"),))
+                                  (_simple_kernel("_masked_linear_attn_kernel"),),
+                                  fixed_dims={"q": HEADS, "v": HEADS})
 # the backward launches the same kernel three times, through a JIT handle of its own
 causal_linear_attn_backward_op = kernel_op(
     "causal_linear_attn_backward", _bwd_host, _bwd_fake, _bwd_traced, SUPPORTED_DTYPES,
-    (_simple_kernel("_masked_linear_attn_bwd_kernel"),), per_call=3)
+    (_simple_kernel("_masked_linear_attn_bwd_kernel"),), per_call=3, fixed_dims={"q": HEADS, "v": HEADS})
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
-from ._launch import kernel_op, wrap_triton
+from ._launch import HEADS, kernel_op, wrap_triton
 from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
 from ..kernels.mhc import mapping as K_map
@@ -154,11 +154,14 @@ def _mhc_post_backward_traced(x, h_res, h_post, f, dout, transpose_res, out_orde
                                   common.check_order(out_order, 4), wrap=wrap_triton)
 
 
+# x [T1, T2, n, C]: the stream count and channels, fixed like a head count and head dim (fix_sizes)
+_STREAMS_AND_CHANNELS = {"x": HEADS}
 mhc_post_op = kernel_op("mhc_post", _mhc_post_host, _mhc_post_fake, _mhc_post_traced,
-                        common.SUPPORTED_DTYPES, _kernels(K_post, "_mhc_post_fwd_kernel"))
+                        common.SUPPORTED_DTYPES, _kernels(K_post, "_mhc_post_fwd_kernel"),
+                        fixed_dims=_STREAMS_AND_CHANNELS)
 mhc_post_backward_op = kernel_op("mhc_post_backward", _mhc_post_backward_host, _mhc_post_backward_fake,
                                  _mhc_post_backward_traced, common.SUPPORTED_DTYPES,
-                                 _kernels(K_post, "_mhc_post_bwd_kernel"))
+                                 _kernels(K_post, "_mhc_post_bwd_kernel"), fixed_dims=_STREAMS_AND_CHANNELS)
 
 
 def _post_setup(ctx, inputs, output) -> None:
@@ -239,10 +242,11 @@ def _mhc_aggregate_backward_traced(x, h_pre, dy, x_order):
 
 mhc_aggregate_op = kernel_op("mhc_aggregate", _mhc_aggregate_host, _mhc_aggregate_fake,
                              _mhc_aggregate_traced, common.SUPPORTED_DTYPES,
-                             _kernels(K_agg, "_mhc_aggregate_fwd_kernel"))
+                             _kernels(K_agg, "_mhc_aggregate_fwd_kernel"), fixed_dims=_STREAMS_AND_CHANNELS)
 mhc_aggregate_backward_op = kernel_op("mhc_aggregate_backward", _mhc_aggregate_backward_host,
                                       _mhc_aggregate_backward_fake, _mhc_aggregate_backward_traced,
-                                      common.SUPPORTED_DTYPES, _kernels(K_agg, "_mhc_aggregate_bwd_kernel"))
+                                      common.SUPPORTED_DTYPES, _kernels(K_agg, "_mhc_aggregate_bwd_kernel"),
+                                      fixed_dims=_STREAMS_AND_CHANNELS)
 
 
 def _aggregate_setup(ctx, inputs, output) -> None:

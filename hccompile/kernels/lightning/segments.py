@@ -213,13 +213,15 @@ def _auto_segment_length(longest, total, heads: int, column_tiles: int, block: i
     sweeps fill the GPU: about SWEEP_WAVES programs per streaming multiprocessor. `longest` and
     `total` are the longest sequence's and all sequences' token counts, possibly symbolic
     (torch.sym_max / sym_min keep them so: one traced graph serves every length)."""
-    whole = triton.cdiv(torch.sym_max(longest, 1), block) * block
+    # block * (a count of blocks): a symbolic length stays visibly a multiple of the block, which
+    # Inductor must see to mark it so for the kernels (the launcher sees it from the value)
+    whole = triton.cdiv(torch.sym_max(longest, 1), block)
     if device.type != "cuda":
-        return whole  # the interpreter runs programs one by one: parallelism buys nothing
+        return block * whole  # the interpreter runs programs one by one: parallelism buys nothing
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = triton.cdiv(SWEEP_WAVES * sms, max(1, heads * column_tiles))
     length = torch.sym_max(torch.sym_max(triton.cdiv(total, wanted), MIN_SEGMENT), block)
-    return torch.sym_min(triton.cdiv(length, block) * block, whole)
+    return block * torch.sym_min(triton.cdiv(length, block), whole)
 
 
 def _plan_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
