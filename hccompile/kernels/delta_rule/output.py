@@ -8,7 +8,8 @@ from __future__ import annotations
 from .._triton import tl, triton
 
 if triton is not None:
-    from .tiles import _chunk_coords, _dot, _gate_offset, _load_rows, _load_stored_rows, _store_rows
+    from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _row_chunk_coords, _store_rows,
+                        _varlen_chunk_coords)
 
     @triton.jit
     def _output_kernel(
@@ -30,7 +31,10 @@ if triton is not None:
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)

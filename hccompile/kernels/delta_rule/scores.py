@@ -30,7 +30,8 @@ FACTOR_SPAN_LIMIT = 40.0
 
 
 if triton is not None:
-    from .tiles import _chunk_coords, _dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector, _store_rows
+    from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector, _row_chunk_coords, _store_rows,
+                        _varlen_chunk_coords)
 
     @triton.jit
     def _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows, row_valid, g_rows, stride_kt, stride_kk,
@@ -75,7 +76,10 @@ if triton is not None:
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         block_i = tl.program_id(2)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
         k_ptr += batch * stride_kb + key_head * stride_kh
@@ -306,7 +310,10 @@ if triton is not None:
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         block_b = tl.program_id(2)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
         k_ptr += batch * stride_kb + key_head * stride_kh

@@ -36,8 +36,8 @@ MIN_BACKWARD_SWEEP_TILE = 32
 
 
 if triton is not None:
-    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _sequence_bounds,
-                        _store_rows)
+    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _row_bounds, _store_rows,
+                        _varlen_bounds)
 
     @triton.jit
     def _state_forward_kernel(
@@ -65,7 +65,10 @@ if triton is not None:
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
-        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+        if IS_VARLEN:
+            batch, bos, eos = _varlen_bounds(seq, cu_seqlens_ptr)
+        else:
+            batch, bos, eos = _row_bounds(seq, T)
         if IS_VARLEN:
             first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
         else:
@@ -140,7 +143,10 @@ if triton is not None:
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
-        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+        if IS_VARLEN:
+            batch, bos, eos = _varlen_bounds(seq, cu_seqlens_ptr)
+        else:
+            batch, bos, eos = _row_bounds(seq, T)
         if IS_VARLEN:
             first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
         else:

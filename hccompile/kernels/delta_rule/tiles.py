@@ -1,9 +1,10 @@
 """The @triton.jit helpers the delta-rule kernels share (every step file's and cp.py's).
 
 A program addresses token rows of [B, T, H, D] tensors and of the [B, T, HV, BT] intra-chunk
-matrices: _chunk_coords finds its chunk (a row of a fixed-length batch, or through the varlen chunk
-table a cu_seqlens span of batch 0), _gate_offset its head's cumulative gates. Loads are zero outside
-the valid rows and columns, so partial chunks and head dims below the tile width need no special case.
+matrices: _row_chunk_coords finds its chunk in a fixed-length batch, _varlen_chunk_coords through the
+varlen chunk table (a cu_seqlens span of batch 0), _gate_offset its head's cumulative gates. Loads are
+zero outside the valid rows and columns, so partial chunks and head dims below the tile width need no
+special case.
 _dot is every product over K, V or the chunk: fp32 accumulation, operands rounded to the dtype of the
 stored intermediates (plan.py says which).
 
@@ -35,33 +36,40 @@ if triton is not None:
         intermediates (half for half inputs: tensor-core rate; fp32 with ieee otherwise)."""
         return dot(a.to(dtype), b.to(dtype), DOT_PRECISION, UPCAST_DOT_OPERANDS)
 
-    @triton.jit
-    def _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN: tl.constexpr):
-        """(batch, bos, eos) of sequence `seq`: a row of the batch, or a cu_seqlens span of batch 0."""
-        if IS_VARLEN:
-            batch = seq * 0
-            bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-            eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
-        else:
-            batch = seq
-            bos = (seq * 0).to(tl.int64)
-            eos = bos + T
-        return batch.to(tl.int64), bos, eos
+    # A pointer passed into a jit helper makes torch's mutation analysis (a traced launch) take the
+    # helper's results as derived from it, so a store at an address built from them counts as a
+    # write to the table or cu_seqlens, and Inductor copies that argument before every launch (11
+    # extra kernels per GDN step). Hence a helper per layout, chosen under IS_VARLEN at each call:
+    # the fixed-length one takes no pointer.
 
     @triton.jit
-    def _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
-        """(batch, first token, valid rows) of global chunk `pid_chunk`."""
-        if IS_VARLEN:
-            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
-            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
-        else:
-            seq = pid_chunk // NT
-            chunk = pid_chunk % NT
-        batch, bos, eos = _sequence_bounds(seq, cu_seqlens_ptr, T, IS_VARLEN)
+    def _varlen_bounds(seq, cu_seqlens_ptr):
+        """(batch, bos, eos) of sequence `seq` of a varlen batch: a cu_seqlens span of batch 0."""
+        bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+        eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+        return (seq * 0).to(tl.int64), bos, eos
+
+    @triton.jit
+    def _row_bounds(seq, T):
+        """(batch, bos, eos) of sequence `seq` of a fixed-length batch: its row."""
+        bos = (seq * 0).to(tl.int64)
+        return seq.to(tl.int64), bos, bos + T
+
+    @triton.jit
+    def _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT: tl.constexpr):
+        """(batch, first token, valid rows) of global chunk `pid_chunk` of a varlen batch."""
+        seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+        chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+        batch, bos, eos = _varlen_bounds(seq, cu_seqlens_ptr)
         start = bos + chunk.to(tl.int64) * BT
-        length = tl.minimum(eos - start, BT)
-        return batch, start, length
+        return batch, start, tl.minimum(eos - start, BT)
+
+    @triton.jit
+    def _row_chunk_coords(pid_chunk, T, NT, BT: tl.constexpr):
+        """(batch, first token, valid rows) of global chunk `pid_chunk` of a fixed-length batch."""
+        batch, bos, eos = _row_bounds(pid_chunk // NT, T)
+        start = bos + (pid_chunk % NT).to(tl.int64) * BT
+        return batch, start, tl.minimum(eos - start, BT)
 
     @triton.jit
     def _load_rows(ptr, rows, cols, stride_row, stride_col, row_mask, n_cols):
