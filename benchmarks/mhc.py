@@ -17,7 +17,6 @@ tables.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -189,8 +188,12 @@ def main() -> None:
     for v in variants:
         if v not in ALL:
             raise SystemExit(f"unknown variant {v!r}; known: {ALL}")
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "layers": a.layers,
+    import triton
+
+    from targets import run_stamp
+
+    meta = {**run_stamp(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "layers": a.layers,
             "shape": f"L{a.layers} C{a.dim} H{a.heads} B{a.batch} S{a.seq} {a.dtype} dropout "
                      f"{a.dropout} sinkhorn {a.sinkhorn_iters}"}
     for v in variants:
