@@ -4,7 +4,10 @@ kernels of hccompile/kernels/mhc unless the variant ends in "-nofuse"). One forw
 the reference GPT (hccompile.nn.MHCGPT, layout [B, S, n, C]).
 
 Reports the median step time (CUDA events), the peak memory above parameters during the step, and
-the compile time (first step minus a warm step, caches off). Results are appended as JSON lines to
+the compile time (first step minus a warm step, caches off). n=4 rows carry issue 18's floor: the
+bytes the hyper-connection ops must move (floor_bytes_per_token, from the ops' contracts) over the
+copy bandwidth measured in the same run; with n1-inductor and n4-hc-block in one run it prints the
+excess (n4 - n1 step) and excess / floor. Results are appended as JSON lines to
 --out, so a long sweep can be split across runs (--variants); benchmarks/mhc_table.py makes the
 tables.
 
@@ -115,6 +118,48 @@ def measure(variant: str, a) -> dict:
             "compile_s": max(0.0, first - ms / 1e3) if compiled else 0.0}
 
 
+def floor_bytes_per_token(n: int, C: int, element_size: int) -> int:
+    """Bytes the hyper-connection ops of one sublayer must move per token in a training step with
+    block recompute, counted from the ops' contracts (each tensor read or written once by a kernel
+    that fuses everything the data flow allows; the stream x is [n, C], the sublayer's input a and
+    output f are [C]; the mixing coefficients, n^2+2n per token, are not counted):
+      forward   mapping + aggregate: read x, write a             nC + C
+                post + residual: read x and f, write the new x   2nC + C
+      backward  post: read dx_new, x, f; write dx, df            3nC + 2C
+                (the sublayer's backward gives da)
+                aggregate + mapping: read da, x, dx; write dx     3nC + C
+      recompute mapping + aggregate again (a is rebuilt)         nC + C
+    in all 10nC + 6C elements (n=4: 46C, 92C bytes in bf16). Rebuilding the stream between a
+    block's two sublayers costs more; it is left out, so this stays a lower bound."""
+    return (10 * n * C + 6 * C) * element_size
+
+
+def copy_bandwidth(device: str, mib: int = 1024, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device copy (read + write), the median of `repeats`: the
+    bandwidth a memory-bound kernel can reach on this GPU now, measured in the same run."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def floor_fields(a) -> dict:
+    """floor_ms of the n=4 model at this shape: all sublayers' floor bytes over the copy bandwidth."""
+    element_size = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
+    sublayers = 2 * a.layers  # attention and MLP, each behind a hyper-connection
+    total = floor_bytes_per_token(4, a.dim, element_size) * a.batch * a.seq * sublayers
+    bandwidth = copy_bandwidth(a.device)
+    return {"floor_ms": total / bandwidth * 1e3, "floor_bytes": total, "copy_gbs": bandwidth / 1e9}
+
+
 def kernel_bench(a) -> None:
     """--kernels: each fused kernel against its PyTorch reference compiled by Inductor, one sublayer's
     worth of tokens (B·S) at n=4; effective bandwidth from the bytes each must move."""
@@ -196,13 +241,21 @@ def main() -> None:
             "torch": torch.__version__, "triton": triton.__version__, "layers": a.layers,
             "shape": f"L{a.layers} C{a.dim} H{a.heads} B{a.batch} S{a.seq} {a.dtype} dropout "
                      f"{a.dropout} sinkhorn {a.sinkhorn_iters}"}
+    floor = floor_fields(a) if any(v.startswith("n4") for v in variants) else {}
+    steps = {}
     for v in variants:
         torch._dynamo.reset()
-        row = {**meta, **measure(v, a)}
+        row = {**meta, **measure(v, a), **(floor if v.startswith("n4") else {})}
+        steps[v] = row["step_ms"]
         print(f"{v:20s} step {row['step_ms']:8.2f} ms  peak {row['peak_gib']:6.2f} GiB  "
               f"compile {row['compile_s']:6.1f} s", flush=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
+    if floor and "n1-inductor" in steps and "n4-hc-block" in steps:
+        excess = steps["n4-hc-block"] - steps["n1-inductor"]
+        print(f"floor {floor['floor_ms']:.2f} ms ({floor['floor_bytes'] / 1e9:.2f} GB at {floor['copy_gbs']:.0f} GB/s "
+              f"copy bandwidth); excess n4-hc-block - n1-inductor {excess:.2f} ms = "
+              f"{excess / floor['floor_ms']:.2f}x the floor", flush=True)
 
 
 if __name__ == "__main__":
