@@ -159,7 +159,8 @@ def test_kda_gate_formulas():
     torch.testing.assert_close(kda_gate(g_raw, A_log, dt_bias), expected)
     bounded = kda_gate(g_raw, A_log, dt_bias, lower_bound=-5.0)
     torch.testing.assert_close(bounded, -5.0 * torch.sigmoid(A_log.exp().view(3, 1) * x))
-    assert (bounded < 0).all() and (bounded > -5).all()
+    # in (-5, 0) in exact arithmetic; in float64 the sigmoid rounds to 1 once A*x > ~37, so -5 is reached
+    assert (bounded < 0).all() and (bounded >= -5).all()
     assert kda_gate(g_raw.float(), A_log.float(), dt_bias.float()).dtype == torch.float32
 
 
