@@ -1,8 +1,12 @@
 """How far the bf16 gradients of the mHC recompute plans differ from no recompute on CUDA, in units
 that survive parameters whose true gradient is ~0 (their bf16 gradient is rounding noise), beside a
-dropout mask replayed wrong (another seed). The bounds of tests/test_hc_passes.py::
-test_gpu_bf16_recompute_with_dropout_is_exact come from this. Run from the repository root."""
-import sys, time
+dropout mask replayed wrong (another seed), and beside the same plan run again ("off-again": what
+the kernels' and Inductor's reductions give twice). The bounds of tests/test_hc_passes.py::
+test_gpu_bf16_recompute_with_dropout_is_exact come from this. Run from the repository root;
+--dim/--heads/--batch/--seq/--layers/--layouts change the model (defaults: the test's).
+
+    python benchmarks/mhc_recompute_rounding.py --dim 1024 --heads 16 --batch 4 --seq 4096 --layouts bsnc"""
+import argparse, sys, time
 sys.path.insert(0, "tests")
 import torch
 from helpers import Collect
@@ -18,16 +22,24 @@ def step(m, x, opts, seed):
     (out.float() * w).sum().backward()
     return out.detach(), [p.grad.clone().float() for p in m.parameters()]
 
-for layout in ("bsnc", "sbnc", "folded"):
+p = argparse.ArgumentParser()
+p.add_argument("--dim", type=int, default=64)
+p.add_argument("--heads", type=int, default=2)
+p.add_argument("--layers", type=int, default=2)
+p.add_argument("--batch", type=int, default=2)
+p.add_argument("--seq", type=int, default=128)
+p.add_argument("--layouts", default="bsnc,sbnc,folded")
+a = p.parse_args()
+for layout in a.layouts.split(","):
     t = time.time()
     torch.manual_seed(0)
-    m = MHCGPT(64, 2, 2, n=4, layout=layout, sinkhorn_iters=8, dropout=0.1,
+    m = MHCGPT(a.dim, a.heads, a.layers, n=4, layout=layout, sinkhorn_iters=8, dropout=0.1,
                contract="sum" if layout == "folded" else "mean").cuda().bfloat16()
     names = [n for n, _ in m.named_parameters()]
-    x = torch.randn(2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(a.batch, a.seq, a.dim, device="cuda", dtype=torch.bfloat16)
     off = step(m, x, {"hc_recompute": "off"}, 1)
     G = torch.cat([g.flatten() for g in off[1]]); gmax = max(g.norm().item() for g in off[1])
-    for name, (out, g) in {"block": step(m, x, {}, 1), "layer": step(m, x, {"hc_recompute": "layer"}, 1),
+    for name, (out, g) in {"off-again": step(m, x, {"hc_recompute": "off"}, 1), "block": step(m, x, {}, 1),
                            "seed2": step(m, x, {"hc_recompute": "off"}, 2)}.items():
         D = torch.cat([a.flatten() - b.flatten() for a, b in zip(g, off[1])])
         per = [((a - b).norm().item(), b.norm().item(), n) for n, a, b in zip(names, g, off[1])]
