@@ -145,12 +145,20 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
     g_off = results["hc (hc_recompute=off)"][1]
     g_blk = results["hc (block recompute)"][1]
     exact = all(torch.equal(a, b) for a, b in zip(g_off, g_blk))
+    # Bit-identical at small sizes; at B4 T4096 C1024 on the H100 the step itself is not (the same
+    # plan twice differs by 7e-5 relative: reductions by atomics) and the recompute graph rounds
+    # differently (9e-4). The bound tests/test_hc_passes.py uses: 2% of a gradient's norm plus 1e-4
+    # of the largest; a dropout mask replayed wrong puts the gradients ~50% off.
+    largest = max(g.float().norm().item() for g in g_off)
+    worst = max((a.float() - b.float()).norm().item() / (2e-2 * b.float().norm().item() + 1e-4 * largest)
+                for a, b in zip(g_blk, g_off))
+    ok = exact or worst <= 1
     print("| compiled with | saved for backward (MiB) | fwd+bwd step (ms, median) |\n|---|---|---|")
     for name, (nbytes, _, ms) in results.items():
         print(f"| {name} | {nbytes / 2**20:.2f} | {ms:.2f} |")
-    print(f"\nblock recompute gradients identical to no recompute (dropout on): "
-          f"{'OK' if exact else 'MISMATCH'}")
-    return exact
+    how = "identical" if exact else f"within rounding ({worst:.2f} of the bound)"
+    print(f"\nblock recompute gradients against no recompute (dropout on): {how} -> {'OK' if ok else 'MISMATCH'}")
+    return ok
 
 
 # option -> (CUDA default, CPU default): on the GPU a size where the kernels matter (the quadratic
