@@ -116,10 +116,13 @@ def test_recurrent_gdn_grouped_heads_l2norm_states(reference_op):
     (m,) = be.matches
     assert m["grouped_heads"] and m["use_qk_l2norm_in_kernel"] and m["initial_state"] and m["final_state"]
     assert m["scale"] == pytest.approx(16 ** -0.5)
+    # the report says the unrolled loop's trip count stays guarded, and what serves every length
+    assert "12 iterations" in m["lengths"] and "hccompile.chunk_gated_delta_rule" in m["lengths"], m["lengths"]
 
 
 def test_recurrent_kda(reference_op):
-    _check(recurrent_kda_bthd, _inputs(T=10, gate="channel"), forms=[("recurrent", "channel")])
+    be = _check(recurrent_kda_bthd, _inputs(T=10, gate="channel"), forms=[("recurrent", "channel")])
+    assert "hccompile.chunk_kda" in be.matches[0]["lengths"]
 
 
 def test_recurrent_delta_rule_without_gate_or_state(reference_op):
@@ -199,6 +202,7 @@ def scan_gdn(q, k, v, beta, g, h0):
 def test_scan_form(reference_op):
     be = _check(scan_gdn, _inputs(T=13), forms=[("scan", "scalar")])
     assert be.matches[0]["scale"] == 0.25
+    assert "lengths" not in be.matches[0]  # a scan keeps the length symbolic: nothing to warn of
 
 
 def test_scan_dynamic_length_compiles_once(reference_op):
