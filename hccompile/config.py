@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from typing import Any, Callable
 
 ENV_PREFIX = "HCCOMPILE_"
@@ -50,58 +51,95 @@ def _check_probe_tolerance(value: Any) -> str | None:
     return None if 0 < value < 1 else f"must be in (0, 1), got {value}"
 
 
-OPTIONS: dict[str, Option] = {
-    o.name: o
-    for o in [
-        Option("dump_dir", None, (str, os.PathLike, type(None)),
-               "Write per-graph dumps (pass graphs before/after, report.json, report.md, depyf "
-               "sources, AOT and Inductor graphs) under this directory. Disables Inductor's caches.",
-               env="HCCOMPILE_DUMP", parse=str),
-        Option("strict", False, bool,
-               "Re-raise when one of our passes fails instead of falling back to plain Inductor.",
-               env="HCCOMPILE_STRICT", parse=_parse_bool),
-        Option("disable_passes", (), (tuple, list),
-               "Names of hccompile passes to skip (see `hccompile.passes.all_pass_names()`).",
-               env="HCCOMPILE_DISABLE_PASSES", parse=_parse_list, check=_check_pass_names),
-        Option("probe", True, bool,
-               "Verify every matched candidate numerically on random probe inputs at compile time "
-               "before replacing it; a mismatch refuses the candidate.",
-               env="HCCOMPILE_PROBE", parse=_parse_bool),
-        Option("probe_tolerance", 2e-2, float,
-               "Relative RMS error under which a low-precision (fp16/bf16) probe counts as a match; "
-               "fp32/fp64 probes use 1e-4.",
-               env="HCCOMPILE_PROBE_TOLERANCE", parse=float, check=_check_probe_tolerance),
-        Option("compiler", "inductor", str,
-               "What compiles the rewritten graph: 'inductor' (default), or 'aot_eager' (our "
-               "Dynamo-stage passes, then AOTAutograd with no code generation; for bisecting bugs; "
-               "joint and post-grad passes do not run).",
-               env="HCCOMPILE_COMPILER", parse=str,
-               check=lambda v: None if v in ("inductor", "aot_eager")
-               else f"must be 'inductor' or 'aot_eager', got {v!r}"),
-        Option("hc_recompute", "block", str,
-               "mHC recompute plan: 'block' keeps each block's input stream and every sublayer "
-               "output and rebuilds all hyper-connection intermediates in backward; 'layer' does "
-               "the same per sublayer; 'off' leaves the plan to the partitioner.",
-               env="HCCOMPILE_HC_RECOMPUTE", parse=str,
-               check=lambda v: None if v in ("block", "layer", "off")
-               else f"must be 'block', 'layer' or 'off', got {v!r}"),
-        Option("hc_recompute_block", None, (int, type(None)),
-               "Sublayers per recompute block; None uses the paper's L_r* = round(sqrt(n*L/(n+2))).",
-               env="HCCOMPILE_HC_RECOMPUTE_BLOCK", parse=int,
-               check=lambda v: None if v is None or v >= 1 else f"must be >= 1, got {v}"),
-        Option("hc_recompute_include_norm", True, bool,
-               "Also rebuild each sublayer's input norm (the norm applied to the aggregate) in "
-               "backward instead of saving its output.",
-               env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_NORM", parse=_parse_bool),
-        Option("hc_recompute_include_bda", True, bool,
-               "Rebuild the residual (bias-dropout-add) outputs inside a block; False saves each "
-               "sublayer's output stream.",
-               env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_BDA", parse=_parse_bool),
-        Option("depyf", True, bool,
-               "With dump_dir: also write depyf's decompiled Dynamo bytecode.",
-               env="HCCOMPILE_DEPYF", parse=_parse_bool),
-    ]
-}
+def _option(default: Any, doc: str, env: str, parse: Callable[[str], Any] | None = None,
+            check: Callable[[Any], str | None] | None = None, accepts: tuple[type, ...] = ()) -> Any:
+    """A field of Options: its default, its doc (docs/options.md), its environment variable, how
+    to parse that, a check of the value, and input types beyond the field's own (converted)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "env": env, "parse": parse, "check": check,
+                                                       "accepts": accepts})
+
+
+def _check_choice(*choices: str) -> Callable[[Any], str | None]:
+    named = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be {named}, got {value!r}"
+    return check
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """hccompile's options, typed: `torch.compile(model, backend="hc", options={...})` fills one,
+    validated by resolve(); passes read them as `ctx.config.<name>`."""
+
+    dump_dir: str | None = _option(
+        None, "Write per-graph dumps (pass graphs before/after, report.json, report.md, depyf sources, AOT "
+        "and Inductor graphs) under this directory. Disables Inductor's caches.",
+        env="HCCOMPILE_DUMP", parse=str, accepts=(os.PathLike,))
+    strict: bool = _option(
+        False, "Re-raise when one of our passes fails instead of falling back to plain Inductor.",
+        env="HCCOMPILE_STRICT", parse=_parse_bool)
+    disable_passes: tuple[str, ...] = _option(
+        (), "Names of hccompile passes to skip (see `hccompile.passes.all_pass_names()`).",
+        env="HCCOMPILE_DISABLE_PASSES", parse=_parse_list, check=_check_pass_names, accepts=(list,))
+    probe: bool = _option(
+        True, "Verify every matched candidate numerically on random probe inputs at compile time before "
+        "replacing it; a mismatch refuses the candidate.",
+        env="HCCOMPILE_PROBE", parse=_parse_bool)
+    probe_tolerance: float = _option(
+        2e-2, "Relative RMS error under which a low-precision (fp16/bf16) probe counts as a match; fp32/fp64 "
+        "probes use 1e-4.",
+        env="HCCOMPILE_PROBE_TOLERANCE", parse=float, check=_check_probe_tolerance)
+    compiler: str = _option(
+        "inductor", "What compiles the rewritten graph: 'inductor' (default), or 'aot_eager' (our Dynamo-stage "
+        "passes, then AOTAutograd with no code generation; for bisecting bugs; joint and post-grad passes do "
+        "not run).",
+        env="HCCOMPILE_COMPILER", parse=str, check=_check_choice("inductor", "aot_eager"))
+    hc_recompute: str = _option(
+        "block", "mHC recompute plan: 'block' keeps each block's input stream and every sublayer output and "
+        "rebuilds all hyper-connection intermediates in backward; 'layer' does the same per sublayer; 'off' "
+        "leaves the plan to the partitioner.",
+        env="HCCOMPILE_HC_RECOMPUTE", parse=str, check=_check_choice("block", "layer", "off"))
+    hc_recompute_block: int | None = _option(
+        None, "Sublayers per recompute block; None uses the paper's L_r* = round(sqrt(n*L/(n+2))).",
+        env="HCCOMPILE_HC_RECOMPUTE_BLOCK", parse=int,
+        check=lambda v: None if v is None or v >= 1 else f"must be >= 1, got {v}")
+    hc_recompute_include_norm: bool = _option(
+        True, "Also rebuild each sublayer's input norm (the norm applied to the aggregate) in backward instead "
+        "of saving its output.",
+        env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_NORM", parse=_parse_bool)
+    hc_recompute_include_bda: bool = _option(
+        True, "Rebuild the residual (bias-dropout-add) outputs inside a block; False saves each sublayer's "
+        "output stream.",
+        env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_BDA", parse=_parse_bool)
+    depyf: bool = _option(
+        True, "With dump_dir: also write depyf's decompiled Dynamo bytecode.",
+        env="HCCOMPILE_DEPYF", parse=_parse_bool)
+
+
+def _kinds(hint: Any) -> tuple[type, ...]:
+    """The runtime types of a field's annotation: `str | None` -> (str, NoneType), tuple[str, ...] -> (tuple,)."""
+    import typing
+
+    parts = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return tuple(typing.get_origin(p) or p for p in parts)
+
+
+def _options_table() -> dict[str, Option]:
+    import typing
+
+    hints = typing.get_type_hints(Options)
+    table = {}
+    for f in dataclasses.fields(Options):
+        m = f.metadata
+        kinds = _kinds(hints[f.name]) + m["accepts"]
+        table[f.name] = Option(f.name, f.default, kinds if len(kinds) > 1 else kinds[0], m["doc"], env=m["env"],
+                               parse=m["parse"], check=m["check"])
+    return table
+
+
+# name -> Option: what resolve() validates and docs/options.md lists, read off Options' fields
+OPTIONS: dict[str, Option] = _options_table()
 
 
 class OptionError(ValueError):
@@ -110,17 +148,22 @@ class OptionError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class HCConfig:
-    """Resolved hccompile options plus the Inductor config patches to apply."""
+    """Resolved hccompile options plus the Inductor config patches to apply. `cfg.strict` and the
+    like read the typed Options (`cfg.options`)."""
 
-    values: dict[str, Any]
+    options: Options
     inductor_patches: dict[str, Any]
     mode: str | None = None
 
     def __getattr__(self, name: str) -> Any:
-        values = object.__getattribute__(self, "values")
-        if name in values:
-            return values[name]
+        if name in OPTIONS:
+            return getattr(object.__getattribute__(self, "options"), name)
         raise AttributeError(name)
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The options by name (a copy)."""
+        return {name: getattr(self.options, name) for name in OPTIONS}
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.values, "mode": self.mode, "inductor": dict(self.inductor_patches)}
@@ -207,7 +250,7 @@ def resolve(options: dict[str, Any] | None = None, mode: str | None = None,
                 f"'triton.cudagraphs', 'epilogue_fusion')."
             )
         patches[attr] = val
-    return HCConfig(values=values, inductor_patches=patches, mode=mode)
+    return HCConfig(options=Options(**values), inductor_patches=patches, mode=mode)
 
 
 def options_table_markdown() -> str:
