@@ -47,3 +47,12 @@ def registered_passes() -> dict[str, type[GraphPass]]:
 
 def node_count(g: torch.fx.Graph) -> int:
     return len(g.nodes)
+
+
+def unrolled_loop_note(iterations: int, op: str) -> str:
+    """The report's `lengths` entry for a lowered loop that Dynamo unrolled: the op replaces the
+    iterations, but the guard Dynamo put on their count stays (a pass runs after it), so a length
+    with another count compiles a new graph; `op` ("hccompile.chunk_kda") serves every length."""
+    return (f"one graph per trip count: Dynamo unrolled this loop ({iterations} iterations) before the pass "
+            f"ran, so a length with another count compiles a new graph; for one graph at every length call "
+            f"{op} (FLA's arguments, [B, T, H, D]) in place of the loop")

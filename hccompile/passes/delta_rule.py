@@ -56,7 +56,7 @@ import torch.fx as fx
 from ..compat import concrete_shape, size_hint, view_attribute
 from ..lowering.delta_rule import keeps_intermediates
 from . import fx_match as M
-from .base import GraphPass, PassContext, register_pass
+from .base import GraphPass, PassContext, register_pass, unrolled_loop_note
 
 PATTERN = "delta_rule"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1890,20 +1890,12 @@ def lower_loop(loop: _Loop, gm: fx.GraphModule, idx: _Index, ctx: PassContext) -
         "layout": {"q": r.q.labels, "v": r.v.labels, "out": probe.out_labels},
         "region_nodes": len(region.nodes),
         "probe_rel_err": max(h.error, err),
-        **({"lengths": _unrolled_lengths_note(loop, r.gate)} if loop.kind == "unrolled" else {}),
+        **({"lengths": unrolled_loop_note(loop.steps, f"hccompile.{_PUBLIC_OP[r.gate]}")}
+           if loop.kind == "unrolled" else {}),
     }
 
 
 _PUBLIC_OP = {"none": "chunk_delta_rule", "scalar": "chunk_gated_delta_rule", "channel": "chunk_kda"}
-
-
-def _unrolled_lengths_note(loop: _Loop, gate: str) -> str:
-    """What the report says of a lowered loop that Dynamo unrolled: the op replaces the iterations,
-    but Dynamo's guard on the trip count stays, so each length whose count differs compiles a
-    graph; a pass cannot lift a guard Dynamo placed before it ran (issue 21, item 2)."""
-    return (f"one graph per trip count: Dynamo unrolled this loop ({loop.steps} iterations) before the pass "
-            f"ran, so a length with another count compiles a new graph; for one graph at every length call "
-            f"hccompile.{_PUBLIC_OP[gate]} (FLA's arguments, [B, T, H, D]) in place of the loop")
 
 
 def _form(loop: _Loop, span: int) -> str:

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from ..compat import concrete_shape, size_hint
 from . import fx_match as M
-from .base import GraphPass, PassContext, register_pass
+from .base import GraphPass, PassContext, register_pass, unrolled_loop_note
 
 # Report pattern names, one per recognised form.
 PATTERN = "causal_linear_attn"              # quadratic, no decay (the original name)
@@ -1853,5 +1853,6 @@ class LinearAttentionPass(GraphPass):
             details["decay"] = [round(float(x), 6) for x in cand.decay.values[:16]]
         if cand.form == "block_loop":
             details["blocks"] = cand.blocks
+            details["lengths"] = unrolled_loop_note(cand.blocks, f"hccompile.{op_name}")
         record.match(cand.pattern, node=where, **details)
         return True
