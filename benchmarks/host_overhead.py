@@ -5,8 +5,10 @@ kept busy) and the top of a cProfile of the enqueues; eager calls, and with --co
 step under torch.compile (Inductor's code launching the kernels, issue 24). --jsonl appends one
 row per op and mode for benchmarks/targets.py ("bench": "host").
 
-    python benchmarks/host_overhead.py --ops gdn,kda --shape B4T4096H16D128 --compiled \
+    python benchmarks/host_overhead.py --ops gdn,kda,floor --shape B4T4096H16D128 --compiled \
         --jsonl benchmarks/results/host_<date>_h100.jsonl --commit <sha>
+
+--ops floor: a pointwise op under the same compile, the host time torch.compile itself costs per step.
 """
 from __future__ import annotations
 
@@ -45,10 +47,28 @@ def main() -> None:
             measure_one(args, op, shape, compiled)
 
 
+def floor_step_fn(shape: dict, compiled: bool):
+    """The "floor" op: one pointwise op on q, k, v of the shape, forward and backward, so that a
+    compiled step costs what torch.compile itself costs per call (Dynamo's guards, AOTAutograd's
+    wrappers, the autograd engine, two generated `call`s with a launch each): the part of a
+    compiled GDN/KDA step's host time no kernel of ours can remove."""
+    B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    call = (lambda q, k, v: q * k + v)
+    if compiled:
+        call = torch.compile(call, fullgraph=True, dynamic=True)
+
+    def step():
+        torch.autograd.backward(call(q, k, v), do)
+
+    return step
+
+
 def measure_one(args, op: str, shape: dict, compiled: bool) -> None:
     import triton
 
-    step = step_fn(op, shape, compiled=compiled)
+    step = floor_step_fn(shape, compiled) if op == "floor" else step_fn(op, shape, compiled=compiled)
     label = f"{op} {args.shape}" + (" compiled" if compiled else "")
     for _ in range(3):
         step()
