@@ -108,6 +108,10 @@ class Options:
         True, "Also rebuild each sublayer's input norm (the norm applied to the aggregate) in backward instead "
         "of saving its output.",
         env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_NORM", parse=_parse_bool)
+    hc_recompute_include_activation: bool = _option(
+        True, "Also rebuild each sublayer's elementwise activations (an MLP's GELU or SiLU) in backward from "
+        "their input, which the backward keeps anyway, instead of saving both.",
+        env="HCCOMPILE_HC_RECOMPUTE_INCLUDE_ACTIVATION", parse=_parse_bool)
     hc_recompute_include_bda: bool = _option(
         True, "Rebuild the residual (bias-dropout-add) outputs inside a block; False saves each sublayer's "
         "output stream.",

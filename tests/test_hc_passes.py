@@ -87,7 +87,8 @@ def mhc_runs():
     for name, opts in {"off": {"hc_recompute": "off"}, "block": {}, "layer": {"hc_recompute": "layer"},
                        "block3": {"hc_recompute_block": 3},
                        "no_norm": {"hc_recompute_include_norm": False},
-                       "no_bda": {"hc_recompute_include_bda": False}}.items():
+                       "no_bda": {"hc_recompute_include_bda": False},
+                       "no_activation": {"hc_recompute_include_activation": False}}.items():
         saved, be, out, grads = train_step(m, x, **opts)
         runs[name] = (saved, be.reports[0], out, grads)
     return runs
@@ -101,7 +102,7 @@ def test_saved_bytes_equal_plan_and_drop(mhc_runs):
 
 def test_gradients_with_dropout_equal_exactly(mhc_runs):
     _, _, out_off, g_off = mhc_runs["off"]
-    for name in ("block", "layer", "block3", "no_norm", "no_bda"):
+    for name in ("block", "layer", "block3", "no_norm", "no_bda", "no_activation"):
         _, _, out, grads = mhc_runs[name]
         assert torch.equal(out, out_off), name
         assert all(torch.equal(a, b) for a, b in zip(grads, g_off)), name
@@ -118,6 +119,10 @@ def test_options_change_plan_as_documented(mhc_runs):
         assert len(b["saved"]) == 1 + len(b["layers"])  # block input + each sublayer output
     assert mhc_runs["no_norm"][0] > mhc_runs["block"][0]   # norm outputs saved instead
     assert mhc_runs["no_bda"][0] > mhc_runs["block"][0]    # streams inside a block saved
+    # the MLP's GELU output saved beside its input: one [tokens, 4C] float32 tensor per MLP
+    assert mhc_runs["no_activation"][0] - mhc_runs["block"][0] == 2 * (2 * 16 * 4 * 32 * 4)
+    hidden = [e for e in mhc_runs["block"][1].saved_bytes["names"] if e.split(":")[1] == "(32, 128)"]
+    assert len(hidden) == 2, mhc_runs["block"][1].saved_bytes["names"]   # the pre-activations only
     md = mhc_runs["block"][1].to_markdown()
     assert "## Recompute plan" in md and "Saved for backward" in md
 
