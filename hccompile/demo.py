@@ -3,11 +3,11 @@ backend="hc", check it against eager, print the report and compare with backend=
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .explain import explain
 from .lowering.linear_attn import implementation
 
 
@@ -48,79 +48,274 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@dataclass
+class Section:
+    """One capability's comparison: correctness against eager and one row per backend."""
+
+    title: str
+    ok: bool
+    rows: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)  # ms, MiB, compile s
+
+
+def _loss_weight(out: torch.Tensor, seed: int) -> torch.Tensor:
+    # a random projection, not .sum(): the sum of a LayerNorm output has zero gradient
+    gen = torch.Generator(out.device).manual_seed(seed)
+    return torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
+
+
+def _outputs_and_grads(fn, model: torch.nn.Module, x: torch.Tensor, seed: int):
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    out = fn(x)
+    (out.float() * _loss_weight(out, seed).float()).sum().backward()
+    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    return out.detach(), grads + ([x.grad.clone()] if x.grad is not None else [])
+
+
+def _check(hc, eager, fp32, tol: float) -> tuple[bool, float, float]:
+    """hc's output and gradients against eager's in the same dtype; in half precision, where the
+    two round differently, a tensor also passes when hc is as close to the float32 model as eager
+    itself is (within 2x)."""
+    (out, grads), (ref_out, ref_grads) = hc, eager
+    worst_out, worst_grad, ok = rel_err(out, ref_out), 0.0, True
+    for i, (a, b) in enumerate(zip([out, *grads], [ref_out, *ref_grads])):
+        err = rel_err(a, b)
+        if i:
+            worst_grad = max(worst_grad, err)
+        if err > tol:
+            exact = ([fp32[0]] + fp32[1])[i] if fp32 is not None else None
+            ok = ok and exact is not None and rel_err(a, exact) <= 2 * rel_err(b, exact) + tol
+    return ok, worst_out, worst_grad
+
+
+def compare_backends(title: str, model: torch.nn.Module, x: torch.Tensor, iters: int,
+                     inductor: bool = True, options: dict[str, Any] | None = None,
+                     full_report: bool = False, seed: int = 1) -> Section:
+    """Compiles `model` with hc (and Inductor), checks hc against eager and times all of them."""
+    from .explain import collect_reports
+
+    print(f"\n## {title}\n", flush=True)
+    dev, dtype = x.device, next(model.parameters()).dtype
+    ref = _outputs_and_grads(model, model, x, seed)
+    fp32 = None
+    if dtype != torch.float32:
+        import copy
+
+        model32 = copy.deepcopy(model).float()
+        x32 = x.detach().float().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+        fp32 = _outputs_and_grads(model32, model32, x32, seed)
+        del model32
+    compiled = {"hc": torch.compile(model, backend="hc", options=options)}
+    if inductor:
+        compiled["inductor"] = torch.compile(model, backend="inductor")
+    first_call: dict[str, float] = {}
+    results = {}
+    for name, fn in compiled.items():
+        torch._dynamo.reset()  # a cold compile each, not one left in Dynamo's cache
+        print(f"compiling with backend={name!r}...", flush=True)
+        with torch._inductor.config.patch(force_disable_caches=True), collect_reports() as report:
+            t0 = time.perf_counter()
+            results[name] = _outputs_and_grads(fn, model, x, seed)
+            _sync(dev)
+            first_call[name] = time.perf_counter() - t0
+        if name == "hc":
+            print(report.to_markdown() if full_report else _report_summary(report))
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    ok, out_err, grad_err = _check(results["hc"], ref, fp32, tol)
+    print(f"correctness vs eager: output rel err {out_err:.2e}, worst gradient rel err {grad_err:.2e} "
+          f"(tolerance {tol:g}{', or as close to float32 as eager' if fp32 is not None else ''}) "
+          f"-> {'OK' if ok else 'MISMATCH'}")
+    section = Section(title, ok)
+    for name, fn in (("eager", model), *compiled.items()):
+        _, nbytes = saved_bytes(fn, x)
+        section.rows[name] = (step_time(fn, x, iters) * 1e3, nbytes / 2**20, first_call.get(name))
+    print("\n| backend | fwd+bwd step (ms, median) | saved for backward (MiB) | first call incl. compile (s) |")
+    print("|---|---|---|---|")
+    for name, (ms, mib, comp) in section.rows.items():
+        print(f"| {name} | {ms:.2f} | {mib:.2f} | {'' if comp is None else f'{comp:.1f}'} |")
+    if dev.type == "cuda" and "inductor" in section.rows:
+        (ind_ms, ind_mib, ind_s), (hc_ms, hc_mib, hc_s) = section.rows["inductor"], section.rows["hc"]
+        print(f"\nhc against inductor: step {ind_ms / hc_ms:.2f}x as fast, saved for backward "
+              f"{hc_mib / max(ind_mib, 1e-9):.2f}x the memory, compile {hc_s:.0f} s vs {ind_s:.0f} s")
+    elif not inductor:
+        print("\n(inductor left out of this section: see --inductor)")
+    return section
+
+
+def _report_summary(report) -> str:
+    lines = [f"hc report: {g.summary_line()}" for g in report.graphs]
+    for r in report.refusals:
+        lines.append(f"  refused `{r['pattern']}` ({r['pass']}): {r['reason']}")
+    for g in report.graphs:
+        for graph, ops in g.lowered_ops.items():
+            lines.append(f"  {graph} graph runs: {', '.join(ops) if ops else 'no hccompile op'}")
+    return "\n".join(lines)
+
+
+class HTreeModel(torch.nn.Module):
+    """Pre-norm blocks of htree sparse attention (GQA) and a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int, layers: int, compression_rate: int, top_k: int):
+        from .nn import HTreeAttention
+
+        super().__init__()
+        kv_heads = max(1, heads // 4)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "norm1": torch.nn.RMSNorm(dim),
+            "attn": HTreeAttention(dim, heads, kv_heads, compression_rate=compression_rate, top_k=top_k),
+            "norm2": torch.nn.RMSNorm(dim),
+            "mlp": torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)),
+        }) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = x + blk["attn"](blk["norm1"](x))
+            x = x + blk["mlp"](blk["norm2"](x))
+        return x
+
+
+SECTIONS = ("linear", "gdn", "kda", "htree", "mhc")
+
+
 def run(device: str | None = None, batch: int = 2, seq: int = 128, dim: int = 64, heads: int = 4,
-        layers: int = 2, iters: int = 5, dump_dir: str | None = None) -> dict[str, Any]:
-    from .nn import TinyLinearTransformer
+        layers: int = 2, iters: int = 5, dump_dir: str | None = None, sections: tuple[str, ...] = SECTIONS,
+        inductor_sections: tuple[str, ...] = SECTIONS, delta_seq: int | None = None,
+        plot: str | None = None) -> dict[str, Any]:
+    from .nn import TinyDeltaNetModel, TinyLinearTransformer
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    model = TinyLinearTransformer(dim, heads, layers).to(dev, dtype)
-    x = torch.randn(batch, seq, dim, device=dev, dtype=dtype, requires_grad=True)
     impl = implementation(dev, dtype)
-    print(f"hccompile demo: device={dev} dtype={dtype} torch={torch.__version__} "
-          f"kernels={impl}")
-    print(f"model: TinyLinearTransformer(dim={dim}, heads={heads}, layers={layers}), "
-          f"input [B={batch}, T={seq}, C={dim}]")
-
-    options = {"dump_dir": dump_dir} if dump_dir else None
-    report = explain(model, x, options=options)
-    print()
-    print(report.to_markdown())
-
-    # a random projection, not .sum(): the sum of a LayerNorm output has zero gradient
-    w = torch.randn(batch, seq, dim, device=dev, generator=torch.Generator(dev).manual_seed(1)).to(dtype)
-
-    def grads(fn):
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        out = fn(x)
-        (out.float() * w.float()).sum().backward()
-        return out.detach(), [p.grad.detach().clone() for p in model.parameters()] + [x.grad.clone()]
-
-    hc_model = torch.compile(model, backend="hc", options=options)
-    ind_model = torch.compile(model, backend="inductor")
-    ref_out, ref_grads = grads(model)
-    torch._dynamo.reset()  # time a cold compile, not the one explain() left in Dynamo's cache
-    t0 = time.perf_counter()
-    hc_out, hc_grads = grads(hc_model)
-    hc_compile = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    grads(ind_model)
-    ind_compile = time.perf_counter() - t0
-
-    tol = 2e-2 if dtype != torch.float32 else 1e-4
-    out_err = rel_err(hc_out, ref_out)
-    grad_err = max(rel_err(a, b) for a, b in zip(hc_grads, ref_grads))
-    ok = out_err <= tol and grad_err <= tol
-    print(f"correctness vs eager: output rel err {out_err:.2e}, worst gradient rel err "
-          f"{grad_err:.2e} (tolerance {tol:g}) -> {'OK' if ok else 'MISMATCH'}")
-
-    rows = []
-    for name, fn, compile_s in (("eager", model, 0.0), ("inductor", ind_model, ind_compile),
-                                ("hc", hc_model, hc_compile)):
-        _, nbytes = saved_bytes(fn, x)
-        rows.append((name, step_time(fn, x, iters) * 1e3, nbytes / 2**20, compile_s))
-    print()
-    print("| backend | fwd+bwd step (ms, median) | saved for backward (MiB) | first call incl. compile (s) |")
-    print("|---|---|---|---|")
-    for name, ms, mib, comp in rows:
-        print(f"| {name} | {ms:.2f} | {mib:.2f} | {comp:.1f} |")
-    if dev.type == "cuda":  # on the CPU hc runs the interpreter or the reference: nothing to compare
-        (_, ind_ms, ind_mib, _), (_, hc_ms, hc_mib, _) = rows[1], rows[2]
-        print(f"\nhc against inductor: step {ind_ms / hc_ms:.2f}x as fast, saved for backward "
-              f"{hc_mib / max(ind_mib, 1e-9):.2f}x the memory")
-    mhc_ok = run_mhc(dev, dtype, batch, seq, dim, heads, iters)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"hccompile demo: device={dev} ({name}) dtype={dtype} torch={torch.__version__} kernels={impl}")
     if dev.type == "cpu":
-        print("\n(On the CPU the kernels run in Triton's interpreter or as the PyTorch reference: the "
-              "timings only show the pipeline works. On a CUDA GPU the demo runs the Triton kernels at "
-              "B4 T4096 C1024; performance claims come from benchmarks/ on the GPU.)")
-    return {"ok": ok and mhc_ok, "out_err": out_err, "grad_err": grad_err, "report": report,
-            "rows": rows}
+        print("On the CPU the kernels run in Triton's interpreter or as the PyTorch reference: the timings "
+              "below only show that the pipeline works. On a CUDA GPU the demo runs the Triton kernels at "
+              "B4 T4096 C1024, where they matter.")
+    options = {"dump_dir": dump_dir} if dump_dir else None  # every section's hc compile is dumped there
+    done: list[Section] = []
+    mhc_ok = True
+    if "linear" in sections:
+        torch.manual_seed(0)
+        model = TinyLinearTransformer(dim, heads, layers).to(dev, dtype)
+        x = torch.randn(batch, seq, dim, device=dev, dtype=dtype, requires_grad=True)
+        title = (f"Linear attention: TinyLinearTransformer(dim={dim}, heads={heads}, layers={layers}), "
+                 f"input [B={batch}, T={seq}, C={dim}]")
+        done.append(compare_backends(title, model, x, iters, "linear" in inductor_sections, options,
+                                     full_report=True))
+    t_delta = delta_seq or seq
+    delta_heads = max(1, heads // 2)
+    for kind, label in (("gdn", "Gated DeltaNet"), ("kda", "Kimi Delta Attention")):
+        if kind not in sections:
+            continue
+        torch.manual_seed(0)
+        model = TinyDeltaNetModel(vocab=256, hidden_size=dim, layers=layers, kind=kind, num_heads=delta_heads,
+                                  head_dim=dim // delta_heads).to(dev, dtype)
+        tokens = torch.randint(0, 256, (batch, t_delta), device=dev)
+        title = (f"{label} ({kind.upper()}): TinyDeltaNetModel(hidden={dim}, {delta_heads} heads of "
+                 f"{dim // delta_heads}, layers={layers}), tokens [B={batch}, T={t_delta}]")
+        done.append(compare_backends(title, model, tokens, iters, kind in inductor_sections, options))
+        if dev.type == "cuda":
+            _op_against_fla(kind, batch, t_delta, delta_heads, dim // delta_heads, dtype, dev, iters)
+    if "htree" in sections:
+        torch.manual_seed(0)
+        rate, top_k = (16, 64) if dev.type == "cuda" else (4, 8)
+        model = HTreeModel(dim, heads, layers, rate, top_k).to(dev, dtype)
+        x = torch.randn(batch, seq, dim, device=dev, dtype=dtype, requires_grad=True)
+        title = (f"htree sparse attention: {layers} blocks, {heads} heads ({max(1, heads // 4)} KV heads), "
+                 f"compression {rate}, top_k {top_k}, input [B={batch}, T={seq}, C={dim}]")
+        done.append(compare_backends(title, model, x, iters, "htree" in inductor_sections, options))
+    if "mhc" in sections:
+        mhc_ok, mhc_section = run_mhc(dev, dtype, batch, seq, dim, heads, iters)
+        done.append(mhc_section)
+    ok = all(s.ok for s in done) and mhc_ok
+    _summary(done, dev)
+    if plot and done:
+        write_plot(plot, done, f"hccompile demo, {name}, {dtype}".replace("torch.", ""))
+        print(f"\nplot: {plot}")
+    return {"ok": ok, "sections": done}
+
+
+def _summary(done: list[Section], dev: torch.device) -> None:
+    print("\n## Summary\n\n| capability | correct | hc step (ms) | inductor step (ms) | hc saved (MiB) | "
+          "inductor saved (MiB) |\n|---|---|---|---|---|---|")
+    for s in done:
+        hc, ind = s.rows.get("hc"), s.rows.get("inductor")
+        print(f"| {s.title.split(':')[0]} | {'OK' if s.ok else 'MISMATCH'} | {hc[0]:.2f} | "
+              f"{'' if ind is None else f'{ind[0]:.2f}'} | {hc[1]:.1f} | {'' if ind is None else f'{ind[1]:.1f}'} |")
+    if dev.type == "cpu":
+        print("\n(CPU: the kernels run as the reference or in the interpreter; performance claims come "
+              "from benchmarks/ on the GPU.)")
+
+
+def write_plot(path: str, done: list[Section], title: str) -> None:
+    import os
+
+    from .debug.plot import Panel, bar_chart_png
+
+    series = ["eager", "inductor", "hc"]
+
+    def short(s: Section) -> str:
+        return s.title.split(":")[0].split(" (")[0].replace("hyper-connections", "").strip()[:22]
+
+    panels = [Panel("fwd+bwd step", [(short(s), {k: s.rows[k][0] for k in series if k in s.rows}) for s in done], "ms"),
+              Panel("saved for backward", [(short(s), {k: s.rows[k][1] for k in series if k in s.rows})
+                                           for s in done], "MiB")]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    bar_chart_png(path, title, panels, series)
+
+
+def _op_against_fla(kind: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, dev: torch.device,
+                    iters: int) -> None:
+    """The delta-rule op alone, hccompile's kernels against FLA's (when FLA is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        print("(FLA not installed: pip install flash-linear-attention to see its kernels beside ours)")
+        return
+    from . import chunk_gated_delta_rule, chunk_kda
+
+    gen = torch.Generator(dev).manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, device=dev, generator=gen).to(dtype) for _ in range(3))
+    beta = torch.rand(B, T, H, device=dev, generator=gen).to(dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(*((B, T, H) if kind == "gdn" else (B, T, H, D)), device=dev,
+                                                   generator=gen))
+    try:
+        if kind == "gdn":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+            ours = chunk_gated_delta_rule
+        else:
+            from fla.ops.kda import chunk_kda as fla_op
+            ours = chunk_kda
+    except Exception as e:  # noqa: BLE001 - FLA's import failing is a line, not a crash
+        print(f"(FLA did not import: {type(e).__name__}: {e})")
+        return
+    times = {}
+    for name, op in (("hccompile", ours), ("FLA", fla_op)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
+
+        def step():
+            op(*leaves, use_qk_l2norm_in_kernel=True)[0].float().sum().backward()
+
+        try:
+            step()
+            samples = []
+            for _ in range(max(iters, 5)):
+                _sync(dev)
+                t0 = time.perf_counter()
+                step()
+                _sync(dev)
+                samples.append(time.perf_counter() - t0)
+            times[name] = sorted(samples)[len(samples) // 2] * 1e3
+        except Exception as e:  # noqa: BLE001 - e.g. FLA refusing its GDN backward on this Triton
+            times[name] = None
+            print(f"({name} {kind.upper()} op: {type(e).__name__}: {str(e)[:200]})")
+    shown = ", ".join(f"{n} {t:.2f} ms" for n, t in times.items() if t is not None)
+    print(f"\nthe {kind.upper()} op alone, fwd+bwd [B={B}, T={T}, H={H}, D={D}] {dtype}: {shown}")
 
 
 def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: int, heads: int,
-            iters: int = 5) -> bool:
+            iters: int = 5) -> tuple[bool, Section]:
     """mHC (n=4 streams, dropout 0.1): hc's block recompute against Inductor's own plan."""
     from .nn import MHCGPT
 
@@ -128,7 +323,8 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
     model = MHCGPT(dim, heads, layers=2, n=4, dropout=0.1, sinkhorn_iters=8).to(dev, dtype)
     x = torch.randn(batch, seq, dim, device=dev, dtype=dtype)
     w = torch.randn(batch, seq, dim, device=dev, generator=torch.Generator(dev).manual_seed(2)).to(dtype)
-    print("\n## mHC hyper-connections: MHCGPT(n=4, 2 layers, dropout 0.1)\n")
+    title = f"mHC hyper-connections: MHCGPT(n=4, 2 layers, dropout 0.1), input [B={batch}, T={seq}, C={dim}]"
+    print(f"\n## {title}\n", flush=True)
     results = {}
     for name, kwargs in (("inductor", {"backend": "inductor"}),
                          ("hc (hc_recompute=off)", {"backend": "hc", "options": {"hc_recompute": "off"}}),
@@ -158,13 +354,34 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
         print(f"| {name} | {nbytes / 2**20:.2f} | {ms:.2f} |")
     how = "identical" if exact else f"within rounding ({worst:.2f} of the bound)"
     print(f"\nblock recompute gradients against no recompute (dropout on): {how} -> {'OK' if ok else 'MISMATCH'}")
-    return ok
+    _, eager_bytes = saved_bytes(model, x)
+    section = Section(title, ok, {"eager": (step_time(model, x, iters) * 1e3, eager_bytes / 2**20, None)})
+    for name, key in (("inductor", "inductor"), ("hc", "hc (block recompute)")):
+        nbytes, _, ms = results[key]
+        section.rows[name] = (ms, nbytes / 2**20, None)
+    return ok, section
 
 
 # option -> (CUDA default, CPU default): on the GPU a size where the kernels matter (the quadratic
 # attention Inductor compiles from the plain model holds B*H*T^2 scores); on the CPU, where the
-# kernels run in Triton's interpreter or as the reference, a size that finishes in a minute
-SIZES = {"batch": (4, 2), "seq": (4096, 128), "dim": (1024, 64), "heads": (16, 4), "iters": (10, 5)}
+# kernels run in Triton's interpreter or as the reference, a size that finishes in minutes
+SIZES = {"batch": (4, 2), "seq": (4096, 128), "dim": (1024, 64), "heads": (16, 4), "iters": (10, 5),
+         "delta_seq": (2048, 128)}
+# Inductor compiles the plain chunked delta rule as written: its loops unrolled, about 150 s per
+# model on the H100 (benchmarks/results/delta_rule_compile_*) and about 2 min on two CPU cores.
+# The GPU demo shows it once (GDN); the CPU demo leaves both out.
+INDUCTOR_SECTIONS = ("linear,gdn,htree,mhc", "linear,htree,mhc")
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    import argparse
+
+    names = tuple(n for n in text.split(",") if n) if text not in ("none", "") else ()
+    bad = [n for n in names if n not in SECTIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown section {bad[0]!r}; expected a comma-separated subset of "
+                                         f"{','.join(SECTIONS)} (or none)")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,24 +393,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--seq", type=positive_int, default=None,
                    help="sequence length T (default: 4096 on CUDA, 128 on the CPU)")
+    p.add_argument("--delta-seq", type=positive_int, default=None, metavar="T",
+                   help="sequence length of the GDN and KDA models (default: 2048 on CUDA, 128 on the CPU)")
     p.add_argument("--batch", type=positive_int, default=None, help="batch size B (default: 4 on CUDA, 2 on the CPU)")
     p.add_argument("--dim", type=positive_int, default=None,
                    help="model width C, a multiple of --heads (default: 1024 on CUDA, 64 on the CPU)")
     p.add_argument("--heads", type=positive_int, default=None,
-                   help="attention heads (default: 16 on CUDA, 4 on the CPU)")
+                   help="attention heads (default: 16 on CUDA, 4 on the CPU; GDN/KDA use half as many, twice as wide)")
     p.add_argument("--layers", type=positive_int, default=2,
-                   help="blocks of the linear-attention model (default: 2; the mHC model has 2)")
+                   help="blocks of the linear-attention, delta-rule and htree models (default: 2; the mHC model has 2)")
     p.add_argument("--iters", type=positive_int, default=None,
                    help="timed steps per backend; the table shows their median (default: 10 on CUDA, 5 on the CPU)")
+    p.add_argument("--sections", type=_sections, default=SECTIONS, metavar="LIST",
+                   help=f"which capabilities to show, comma-separated (default: {','.join(SECTIONS)})")
+    p.add_argument("--inductor", type=_sections, default=None, metavar="LIST",
+                   help="the sections also compiled with backend='inductor' (default: "
+                        f"{INDUCTOR_SECTIONS[0]} on CUDA, {INDUCTOR_SECTIONS[1]} on the CPU: Inductor takes "
+                        "minutes to compile the plain delta-rule chunk loop; 'none' for none)")
     p.add_argument("--dump-dir", default=None, help="also write the dumps (docs/dumps.md) here")
+    p.add_argument("--plot", default=None,
+                   help="PNG of step time and memory per backend (default: demo.png in --dump-dir, else hc_dump/demo.png)")
     a = p.parse_args(argv)
     on_gpu = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     for name, (gpu, cpu) in SIZES.items():
         if getattr(a, name) is None:
             setattr(a, name, gpu if on_gpu else cpu)
+    if a.inductor is None:
+        a.inductor = _sections(INDUCTOR_SECTIONS[0 if on_gpu else 1])
     if a.dim % a.heads:
         p.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
     if a.dump_dir and os.path.exists(a.dump_dir) and not os.path.isdir(a.dump_dir):
         p.error(f"--dump-dir: {a.dump_dir} exists and is not a directory")
-    result = run(a.device, a.batch, a.seq, a.dim, a.heads, a.layers, a.iters, a.dump_dir)
+    plot = a.plot or os.path.join(a.dump_dir or "hc_dump", "demo.png")
+    result = run(a.device, a.batch, a.seq, a.dim, a.heads, a.layers, a.iters, a.dump_dir, a.sections,
+                 a.inductor, a.delta_seq, plot)
     return 0 if result["ok"] else 1

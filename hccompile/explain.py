@@ -1,8 +1,9 @@
 """`hccompile.explain(model, *example_inputs)`: the report, without a dump directory."""
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -19,10 +20,7 @@ def explain(model: Any, *args: Any, options: dict[str, Any] | None = None, mode:
     """
     from . import backend as hc
 
-    reports: list[Any] = []
-    stack = hc._collect.__dict__.setdefault("stack", [])
-    stack.append(reports)
-    try:
+    with collect_reports() as report:
         options = {"force_disable_caches": True, **(options or {})}
         cfg = hc.resolve(options, mode)
         compiled = torch.compile(model, backend=functools.partial(_backend, cfg=cfg),
@@ -33,9 +31,22 @@ def explain(model: Any, *args: Any, options: dict[str, Any] | None = None, mode:
             wrt = [p for p in _params(model)] + [a for a in _tensors((args, kwargs)) if a.requires_grad]
             if leaves and wrt:
                 torch.autograd.grad(sum(t.float().sum() for t in leaves), wrt, allow_unused=True)
-    finally:
-        stack.remove(reports)
-    return Report(reports)
+    return report
+
+
+@contextlib.contextmanager
+def collect_reports() -> Iterator[Report]:
+    """The report of every graph that backend="hc" compiles inside the block, in this thread (a
+    compile served whole from Dynamo's cache adds nothing)."""
+    from . import backend as hc
+
+    report = Report([])
+    stack = hc._collect.__dict__.setdefault("stack", [])
+    stack.append(report.graphs)
+    try:
+        yield report
+    finally:  # by identity: list.remove would take the first equal (e.g. empty) list of a nested block
+        del stack[next(i for i, graphs in enumerate(stack) if graphs is report.graphs)]
 
 
 def _backend(gm, example_inputs, *, cfg):

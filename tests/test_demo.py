@@ -1,13 +1,73 @@
+import struct
 import subprocess
 import sys
+import zlib
+
+from hccompile.debug.plot import Panel, bar_chart_png
 
 
-def test_demo_runs_and_checks_against_eager():
-    r = subprocess.run([sys.executable, "-m", "hccompile", "demo", "--seq", "40", "--dim", "32",
-                        "--heads", "2", "--layers", "1", "--iters", "1", "--batch", "2"],
-                       capture_output=True, text=True, timeout=900)
+def demo(*args, timeout=900):
+    r = subprocess.run([sys.executable, "-m", "hccompile", "demo", "--dim", "32", "--heads", "2", "--layers", "1",
+                        "--iters", "1", "--batch", "2", *args], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "correctness vs eager" in r.stdout and "-> OK" in r.stdout
-    assert "causal_linear_attn" in r.stdout
-    assert "| hc |" in r.stdout and "| inductor |" in r.stdout
-    assert "gradients against no recompute (dropout on): identical -> OK" in r.stdout  # bit-identical at this size
+    return r.stdout
+
+
+def read_png(path):
+    """Width, height and RGB rows of the plot writer's PNG form (one IDAT, 8-bit RGB, filter 0)."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + body)
+        chunks[kind] = body
+        pos += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2) and b"IEND" in chunks
+    raw = zlib.decompress(chunks[b"IDAT"])
+    stride = 1 + 3 * width
+    assert len(raw) == stride * height
+    return width, height, [raw[y * stride + 1:(y + 1) * stride] for y in range(height)]
+
+
+def test_plot_bars_are_proportional_and_missing_values_say_so(tmp_path):
+    path = tmp_path / "p.png"
+    bar_chart_png(str(path), "t", [Panel("step", [("a", {"x": 4.0, "y": 1.0}), ("b", {"x": None, "y": 2.0})], "ms")],
+                  ["x", "y"])
+    width, height, rows = read_png(path)
+    lengths = {}
+    for color in ((120, 120, 120), (66, 133, 244)):  # the palette's first two series
+        runs = [sum(1 for i in range(0, len(r), 3) if tuple(r[i:i + 3]) == color) for r in rows]
+        lengths[color] = sorted({n for n in runs if n > 20})
+    x_bars, y_bars = lengths[(120, 120, 120)], lengths[(66, 133, 244)]
+    assert len(x_bars) == 1 and len(y_bars) == 2  # b's x bar is missing ("n/a"), y's two differ
+    assert abs(y_bars[1] / y_bars[0] - 2.0) < 0.05 and abs(x_bars[0] / y_bars[1] - 2.0) < 0.05
+
+
+def test_demo_linear_attention_and_mhc_against_eager():
+    out = demo("--seq", "40", "--sections", "linear,mhc")
+    assert "correctness vs eager" in out and "-> OK" in out and "MISMATCH" not in out
+    assert "causal_linear_attn" in out
+    assert "| hc |" in out and "| inductor |" in out
+    assert "gradients against no recompute (dropout on): identical -> OK" in out  # bit-identical at this size
+
+
+def test_demo_delta_rule_and_htree_lowered_with_a_plot(tmp_path):
+    plot = tmp_path / "dumps" / "demo.png"
+    out = demo("--seq", "40", "--delta-seq", "128", "--sections", "gdn,kda,htree", "--inductor", "htree",
+               "--plot", str(plot))
+    assert out.count("matched delta_rule×1") == 2, out[-3000:]
+    assert "hccompile.htree_attention.default" in out and "hccompile.chunk_delta_rule_backward.default" in out
+    assert out.count("-> OK") == 3 and "MISMATCH" not in out
+    assert "inductor left out of this section" in out
+    assert "| Gated DeltaNet (GDN) | OK |" in out and "| htree sparse attention | OK |" in out
+    width, height, _ = read_png(plot)
+    assert width > 200 and height > 200
+
+
+def test_demo_rejects_unknown_sections():
+    r = subprocess.run([sys.executable, "-m", "hccompile", "demo", "--sections", "gdn,flash"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown section 'flash'" in r.stderr and "Traceback" not in r.stderr
