@@ -71,3 +71,27 @@ def test_demo_rejects_unknown_sections():
     r = subprocess.run([sys.executable, "-m", "hccompile", "demo", "--sections", "gdn,flash"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown section 'flash'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_half_precision_check_asks_float32_only_past_the_tolerance():
+    import torch
+
+    from hccompile.demo import _check
+
+    exact = torch.ones(100, dtype=torch.float64)
+    eager = exact + 0.03 * torch.randn(100, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    close_hc = exact + 0.03 * torch.randn(100, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    calls = []
+
+    def float32_run():
+        calls.append(1)
+        return exact, [exact]
+
+    # hc and eager round differently (each ~3% off float32, 4% apart): passes as close to float32 as eager
+    assert _check((close_hc, [exact]), (eager, [exact]), float32_run, 0.02)[0] and calls == [1]
+    # far from float32 (a wrong answer): fails
+    assert not _check((exact * 1.5, [exact]), (eager, [exact]), float32_run, 0.02)[0]
+    # within the tolerance: float32 never runs; without an arbiter, past the tolerance fails
+    calls.clear()
+    assert _check((exact, [exact]), (exact, [exact]), float32_run, 0.02)[0] and not calls
+    assert not _check((close_hc, [exact]), (eager, [exact]), None, 0.02)[0]
