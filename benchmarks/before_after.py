@@ -5,6 +5,8 @@
     make before-tree REF=<commit>     # hccompile of <commit> under .before/ (gitignored; carry it)
     python benchmarks/before_after.py --family mhc --out benchmarks/results/host_<date>_h100.jsonl \\
         -- --layers 4 --variants n4-hc-block
+    python benchmarks/before_after.py --family delta_rule --out ... \\
+        -- --what kernels --impls ours --ops gdn --shapes B1T32768H16D128
 
 The benchmark script (default per family, or --script) must take `--out FILE` and write JSON rows;
 the value compared is --field of its first row. The before tree runs first: it is imported through
@@ -27,7 +29,7 @@ sys.path.insert(0, str(HERE))
 
 from targets import run_stamp  # noqa: E402
 
-FAMILIES = {"mhc": ("mhc.py", "step_ms")}
+FAMILIES = {"mhc": ("mhc.py", "step_ms"), "delta_rule": ("delta_rule.py", "fwd_bwd_ms")}
 
 
 def measure(script: Path, tree: Path, args: list[str]) -> list[dict]:

@@ -25,7 +25,9 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compile
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# Appended, not put first: a tree named on PYTHONPATH (benchmarks/before_after.py's earlier tree)
+# must win over this checkout's.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DEFAULT_SHAPES = "B4T4096H16D128,B1T32768H16D128,B2T2048H8D128"
 DEFAULT_PLAIN_SHAPES = "B2T2048H8D128"
