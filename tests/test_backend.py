@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import hccompile
 import hccompile.backend as hc
 from hccompile.passes import all_pass_names, passes_for_stage
 from hccompile.passes.base import GraphPass
@@ -200,3 +201,34 @@ def test_einops_calls_are_traced_into_torch_ops():
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert not [t for t in targets if getattr(t, "__module__", "").startswith("einops")], targets
     assert torch.einsum in targets or any("einsum" in str(t) for t in targets), targets
+
+
+@pytest.mark.parametrize("family", ["linear", "gdn"])
+def test_compile_inside_a_users_saved_tensor_hooks(family):
+    """A user's pack hook that reads data_ptr() (what offloading and memory-accounting hooks do) is
+    active while the model compiles: the passes' own fake propagation must not call it (it undid the
+    linear_attn pass on the H100 when the demo compiled inside its memory-counting hook)."""
+    from hccompile.nn import TinyDeltaNetModel, TinyLinearTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    if family == "linear":
+        model, x = TinyLinearTransformer(32, 2, 1).to(device), torch.randn(2, 40, 32, device=device)
+        pattern = "causal_linear_attn"
+    else:
+        model = TinyDeltaNetModel(vocab=64, hidden_size=32, layers=1, num_heads=2, head_dim=16, chunk_size=8)
+        model, x = model.to(device), torch.randint(0, 64, (2, 24), device=device)
+        pattern = "delta_rule"
+    packed = []
+
+    def pack(t):
+        packed.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        report = hccompile.explain(model, x, options={"strict": True})
+        compiled = torch.compile(model, backend="hc", options={"strict": True})
+        out = compiled(x)
+    assert pattern in [m["pattern"] for m in report.matches], report.refusals
+    assert packed  # the hook still saw the real tensors of the runs
+    assert rel_err(out.detach(), model(x).detach()) < 1e-4

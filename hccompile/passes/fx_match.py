@@ -256,12 +256,18 @@ def view_chain(node: Any) -> list[fx.Node]:
     return chain
 
 
+def _same(t: Any) -> Any:
+    return t
+
+
 def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
     """Example value for a node a pass created, computed in the fake mode of its own inputs (Dynamo
     graphs can hold values of more than one fake mode, e.g. for lifted parameters; not
     detect_fake_mode(), which prefers the tracing context's mode); `fake_mode` when no input has one.
     The Python dispatcher is on, as while Dynamo traces: without it some ops' C++ meta functions
-    read symbolic sizes as ints and pin them (constant_pad_nd guarded T == 21)."""
+    read symbolic sizes as ints and pin them (constant_pad_nd guarded T == 21). Identity saved-tensor
+    hooks shadow any the user has active around the compile: an op with autograd saves its fake
+    inputs, and a user's pack hook (e.g. one reading data_ptr()) failed on them, undoing the pass."""
     args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
     kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value"))
     flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -270,7 +276,7 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
         return None
     from torch._dispatch.python import enable_python_dispatcher
 
-    with mode, enable_python_dispatcher():
+    with mode, enable_python_dispatcher(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         self_arg, *rest = args
