@@ -11,18 +11,23 @@ import torch
 from .lowering.linear_attn import implementation
 
 
-def saved_bytes(fn, *args: Any) -> tuple[Any, int]:
-    """Run fn and count the bytes autograd keeps for backward (distinct storages)."""
+def saved_bytes(fn, *args: Any) -> int:
+    """Run fn and count the bytes autograd keeps for backward (distinct storages). The output is
+    dropped here: kept, it would hold its whole graph (21 GiB for the GPU demo's eager htree) through
+    whatever runs next."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
-        return t
+        # detached: a saved output kept with its grad_fn is a cycle through C++ that gc cannot free
+        # when no backward runs (pytorch#189025); it held the eager graph, 19 GiB for the GPU demo's
+        # KDA model, into the next section
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    return out, sum(storages.values())
+        fn(*args)
+    return sum(storages.values())
 
 
 def _sync(device: torch.device) -> None:
@@ -49,12 +54,38 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @dataclass
+class Row:
+    """One backend's numbers in a section."""
+
+    ms: float                        # median forward+backward step
+    saved_mib: float                 # what autograd keeps for backward
+    peak_mib: float | None = None    # the step's peak allocation above what was live before it (CUDA)
+    compile_s: float | None = None   # the first call, compile included
+
+
+@dataclass
 class Section:
     """One capability's comparison: correctness against eager and one row per backend."""
 
+    label: str   # the capability, as the summary and the plot name it
     title: str
     ok: bool
-    rows: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)  # ms, MiB, compile s
+    rows: dict[str, Row] = field(default_factory=dict)
+
+
+def measure(fn, x: torch.Tensor, iters: int, compile_s: float | None = None) -> Row:
+    """Saved bytes, then the timed steps, then the peak of one step."""
+    nbytes = saved_bytes(fn, x)
+    ms = step_time(fn, x, iters) * 1e3
+    peak = None
+    if x.device.type == "cuda":
+        _free(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        before = torch.cuda.memory_allocated(x.device)
+        fn(x).float().sum().backward()
+        torch.cuda.synchronize(x.device)
+        peak = (torch.cuda.max_memory_allocated(x.device) - before) / 2**20
+    return Row(ms, nbytes / 2**20, peak, compile_s)
 
 
 def _loss_weight(out: torch.Tensor, seed: int) -> torch.Tensor:
@@ -93,7 +124,7 @@ def _check(hc, eager, float32_run, tol: float) -> tuple[bool, float, float]:
     return ok, worst_out, worst_grad
 
 
-def compare_backends(title: str, model: torch.nn.Module, x: torch.Tensor, iters: int,
+def compare_backends(label: str, title: str, model: torch.nn.Module, x: torch.Tensor, iters: int,
                      inductor: bool = True, options: dict[str, Any] | None = None,
                      full_report: bool = False, seed: int = 1) -> Section:
     """Compiles `model` with hc (and Inductor), checks hc against eager and times all of them."""
@@ -109,15 +140,15 @@ def compare_backends(title: str, model: torch.nn.Module, x: torch.Tensor, iters:
         model32 = copy.deepcopy(model).float()
         x32 = x.detach().float().requires_grad_(x.requires_grad) if x.is_floating_point() else x
         return _outputs_and_grads(model32, model32, x32, seed)
-    section = Section(title, True)
-    _, nbytes = saved_bytes(model, x)
-    section.rows["eager"] = (step_time(model, x, iters) * 1e3, nbytes / 2**20, None)
+    section = Section(label, title, True)
+    section.rows["eager"] = measure(model, x, iters)
     backends = {"hc": options, **({"inductor": None} if inductor else {})}
     results = {}
     for name, backend_options in backends.items():
         # One backend at a time, compiled cold and measured before the next is compiled: a wrapper
         # called after Dynamo's cache was reset for another backend would compile again, warm.
         torch._dynamo.reset()
+        _free(dev)
         fn = torch.compile(model, backend=name, options=backend_options)
         print(f"compiling with backend={name!r}...", flush=True)
         with torch._inductor.config.patch(force_disable_caches=True), collect_reports() as report:
@@ -127,8 +158,8 @@ def compare_backends(title: str, model: torch.nn.Module, x: torch.Tensor, iters:
             first_call = time.perf_counter() - t0
             if name == "hc":
                 print(report.to_markdown() if full_report else _report_summary(report))
-            _, nbytes = saved_bytes(fn, x)
-            section.rows[name] = (step_time(fn, x, iters) * 1e3, nbytes / 2**20, first_call)
+            section.rows[name] = measure(fn, x, iters, first_call)
+        del fn
     torch._dynamo.reset()
     tol = 2e-2 if dtype != torch.float32 else 1e-4
     half = dtype != torch.float32
@@ -138,18 +169,26 @@ def compare_backends(title: str, model: torch.nn.Module, x: torch.Tensor, iters:
           f"-> {'OK' if section.ok else 'MISMATCH'}")
     del ref, results
     _free(dev)
-    print("\n| backend | fwd+bwd step (ms, median) | saved for backward (MiB) | first call incl. compile (s) |")
-    print("|---|---|---|---|")
-    for name, (ms, mib, comp) in section.rows.items():
-        print(f"| {name} | {ms:.2f} | {mib:.2f} | {'' if comp is None else f'{comp:.1f}'} |")
+    _print_rows(section.rows)
     if dev.type == "cuda" and "inductor" in section.rows:
-        (ind_ms, ind_mib, ind_s), (hc_ms, hc_mib, hc_s) = section.rows["inductor"], section.rows["hc"]
-        print(f"\nhc against inductor: step {ind_ms / hc_ms:.2f}x as fast, saved for backward "
-              f"{hc_mib / max(ind_mib, 1e-9):.2f}x the memory, compile {hc_s:.0f} s vs {ind_s:.0f} s")
+        ind, hc = section.rows["inductor"], section.rows["hc"]
+        print(f"\nhc against inductor: step {ind.ms / hc.ms:.2f}x as fast, saved for backward "
+              f"{hc.saved_mib / max(ind.saved_mib, 1e-9):.2f}x the memory, peak {hc.peak_mib / max(ind.peak_mib, 1e-9):.2f}x, "
+              f"compile {hc.compile_s:.0f} s vs {ind.compile_s:.0f} s")
     elif not inductor:
         print("\n(inductor left out of this section: it compiles the plain chunk loop as written, unrolled, "
               "in minutes; --inductor includes it)")
     return section
+
+
+def _print_rows(rows: dict[str, Row]) -> None:
+    peak = any(r.peak_mib is not None for r in rows.values())
+    print("\n| backend | fwd+bwd step (ms, median) | saved for backward (MiB) |"
+          + (" peak of a step (MiB) |" if peak else "") + " first call incl. compile (s) |")
+    print("|---|---|---|" + ("---|" if peak else "") + "---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r.ms:.2f} | {r.saved_mib:.2f} |" + (f" {r.peak_mib:.0f} |" if peak else "")
+              + f" {'' if r.compile_s is None else f'{r.compile_s:.1f}'} |")
 
 
 def _free(dev: torch.device) -> None:
@@ -223,7 +262,7 @@ def run(device: str | None = None, batch: int = 2, seq: int = 128, dim: int = 64
         x = torch.randn(batch, seq, dim, device=dev, dtype=dtype, requires_grad=True)
         title = (f"Linear attention: TinyLinearTransformer(dim={dim}, heads={heads}, layers={layers}), "
                  f"input [B={batch}, T={seq}, C={dim}]")
-        done.append(compare_backends(title, model, x, iters, "linear" in inductor_sections, options,
+        done.append(compare_backends("Linear attention", title, model, x, iters, "linear" in inductor_sections, options,
                                      full_report=True))
     t_delta = delta_seq or seq
     delta_heads = max(1, heads // 2)
@@ -236,7 +275,7 @@ def run(device: str | None = None, batch: int = 2, seq: int = 128, dim: int = 64
         tokens = torch.randint(0, 256, (batch, t_delta), device=dev)
         title = (f"{label} ({kind.upper()}): TinyDeltaNetModel(hidden={dim}, {delta_heads} heads of "
                  f"{dim // delta_heads}, layers={layers}), tokens [B={batch}, T={t_delta}]")
-        done.append(compare_backends(title, model, tokens, iters, kind in inductor_sections, options))
+        done.append(compare_backends(kind.upper(), title, model, tokens, iters, kind in inductor_sections, options))
         if dev.type == "cuda":
             _op_against_fla(kind, batch, t_delta, delta_heads, dim // delta_heads, dtype, dev, iters)
     if "htree" in sections:
@@ -251,7 +290,7 @@ def run(device: str | None = None, batch: int = 2, seq: int = 128, dim: int = 64
         x = torch.randn(htree_batch, seq, dim, device=dev, dtype=dtype, requires_grad=True)
         title = (f"htree sparse attention: {layers} blocks, {heads} heads ({max(1, heads // 4)} KV heads), "
                  f"compression {rate}, top_k {top_k}, input [B={htree_batch}, T={seq}, C={dim}]")
-        done.append(compare_backends(title, model, x, iters, "htree" in inductor_sections, options))
+        done.append(compare_backends("htree", title, model, x, iters, "htree" in inductor_sections, options))
     if "mhc" in sections:
         mhc_ok, mhc_section = run_mhc(dev, dtype, batch, seq, dim, heads, iters)
         done.append(mhc_section)
@@ -268,8 +307,9 @@ def _summary(done: list[Section], dev: torch.device) -> None:
           "inductor saved (MiB) |\n|---|---|---|---|---|---|")
     for s in done:
         hc, ind = s.rows.get("hc"), s.rows.get("inductor")
-        print(f"| {s.title.split(':')[0]} | {'OK' if s.ok else 'MISMATCH'} | {hc[0]:.2f} | "
-              f"{'' if ind is None else f'{ind[0]:.2f}'} | {hc[1]:.1f} | {'' if ind is None else f'{ind[1]:.1f}'} |")
+        print(f"| {s.label} | {'OK' if s.ok else 'MISMATCH'} | {hc.ms:.2f} | "
+              f"{'' if ind is None else f'{ind.ms:.2f}'} | {hc.saved_mib:.1f} | "
+              f"{'' if ind is None else f'{ind.saved_mib:.1f}'} |")
     if dev.type == "cpu":
         print("\n(CPU: the kernels run as the reference or in the interpreter; performance claims come "
               "from benchmarks/ on the GPU.)")
@@ -282,11 +322,8 @@ def write_plot(path: str, done: list[Section], title: str) -> None:
 
     series = ["eager", "inductor", "hc"]
 
-    def short(s: Section) -> str:
-        return s.title.split(":")[0].split(" (")[0].replace("hyper-connections", "").strip()[:22]
-
-    panels = [Panel("fwd+bwd step", [(short(s), {k: s.rows[k][0] for k in series if k in s.rows}) for s in done], "ms"),
-              Panel("saved for backward", [(short(s), {k: s.rows[k][1] for k in series if k in s.rows})
+    panels = [Panel("fwd+bwd step", [(s.label, {k: s.rows[k].ms for k in series if k in s.rows}) for s in done], "ms"),
+              Panel("saved for backward", [(s.label, {k: s.rows[k].saved_mib for k in series if k in s.rows})
                                            for s in done], "MiB")]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     bar_chart_png(path, title, panels, series)
@@ -354,21 +391,27 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
     w = torch.randn(batch, seq, dim, device=dev, generator=torch.Generator(dev).manual_seed(2)).to(dtype)
     title = f"mHC hyper-connections: MHCGPT(n=4, 2 layers, dropout 0.1), input [B={batch}, T={seq}, C={dim}]"
     print(f"\n## {title}\n", flush=True)
-    results = {}
+    rows, grads = {"eager": measure(model, x, iters)}, {}
     for name, kwargs in (("inductor", {"backend": "inductor"}),
                          ("hc (hc_recompute=off)", {"backend": "hc", "options": {"hc_recompute": "off"}}),
                          ("hc (block recompute)", {"backend": "hc"})):
         torch._dynamo.reset()
+        _free(dev)
         fn = torch.compile(model, **kwargs)
         torch.manual_seed(1)
+        t0 = time.perf_counter()
         fn(x)  # compile
+        _sync(dev)
+        first_call = time.perf_counter() - t0
         torch.manual_seed(1)  # same dropout masks in every run
         model.zero_grad(set_to_none=True)
-        out, nbytes = saved_bytes(fn, x)
-        (out.float() * w.float()).sum().backward()
-        results[name] = (nbytes, [p.grad.clone() for p in model.parameters()], step_time(fn, x, iters) * 1e3)
-    g_off = results["hc (hc_recompute=off)"][1]
-    g_blk = results["hc (block recompute)"][1]
+        (fn(x).float() * w.float()).sum().backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+        rows[name] = measure(fn, x, iters, first_call)
+        del fn
+    torch._dynamo.reset()
+    g_off = grads["hc (hc_recompute=off)"]
+    g_blk = grads["hc (block recompute)"]
     exact = all(torch.equal(a, b) for a, b in zip(g_off, g_blk))
     # Bit-identical at small sizes; at B4 T4096 C1024 on the H100 the step itself is not (the same
     # plan twice differs by 7e-5 relative: reductions by atomics) and the recompute graph rounds
@@ -378,16 +421,13 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
     worst = max((a.float() - b.float()).norm().item() / (2e-2 * b.float().norm().item() + 1e-4 * largest)
                 for a, b in zip(g_blk, g_off))
     ok = exact or worst <= 1
-    print("| compiled with | saved for backward (MiB) | fwd+bwd step (ms, median) |\n|---|---|---|")
-    for name, (nbytes, _, ms) in results.items():
-        print(f"| {name} | {nbytes / 2**20:.2f} | {ms:.2f} |")
+    _print_rows(rows)
     how = "identical" if exact else f"within rounding ({worst:.2f} of the bound)"
     print(f"\nblock recompute gradients against no recompute (dropout on): {how} -> {'OK' if ok else 'MISMATCH'}")
-    _, eager_bytes = saved_bytes(model, x)
-    section = Section(title, ok, {"eager": (step_time(model, x, iters) * 1e3, eager_bytes / 2**20, None)})
-    for name, key in (("inductor", "inductor"), ("hc", "hc (block recompute)")):
-        nbytes, _, ms = results[key]
-        section.rows[name] = (ms, nbytes / 2**20, None)
+    section = Section("mHC", title, ok, {"eager": rows["eager"], "inductor": rows["inductor"],
+                                         "hc": rows["hc (block recompute)"]})
+    del grads, g_off, g_blk
+    _free(dev)
     return ok, section
 
 

@@ -256,6 +256,12 @@ def view_chain(node: Any) -> list[fx.Node]:
     return chain
 
 
+def _detached(t: Any) -> Any:
+    # not t itself: a saved output kept with its grad_fn is a cycle through C++ that gc cannot
+    # free when no backward runs (pytorch#189025), and no backward runs on these fake values
+    return t.detach()
+
+
 def _same(t: Any) -> Any:
     return t
 
@@ -276,7 +282,7 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
         return None
     from torch._dispatch.python import enable_python_dispatcher
 
-    with mode, enable_python_dispatcher(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+    with mode, enable_python_dispatcher(), torch.autograd.graph.saved_tensors_hooks(_detached, _same):
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         self_arg, *rest = args
