@@ -224,7 +224,10 @@ def main() -> None:
 
     fla_note = "disabled (--no-fla)" if args.no_fla else fla_available()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke run)"
-    meta = dict(date=datetime.date.today().isoformat(), device=name, world=world,
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from targets import run_stamp
+
+    meta = dict(**run_stamp(), device=name, world=world,
                 torch=torch.__version__, tokens=args.tokens, heads=args.heads, head_dim=args.head_dim,
                 dtype=args.dtype)
     try:
