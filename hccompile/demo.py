@@ -354,6 +354,8 @@ def _op_against_fla(kind: str, B: int, T: int, H: int, D: int, dtype: torch.dtyp
     except Exception as e:  # noqa: BLE001 - FLA's import failing is a line, not a crash
         print(f"(FLA did not import: {type(e).__name__}: {e})")
         return
+    print(f"(the {kind.upper()} op alone beside FLA's: FLA autotunes its kernels on their first call, "
+          "a minute or more)", flush=True)
     times = {}
     for name, op in (("hccompile", ours), ("FLA", fla_op)):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
