@@ -52,8 +52,15 @@ GPU_TESTS ?= tests
 GPU_PYTEST_ARGS ?=
 COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
 
+# A COMMIT read from git is trusted only for a clean tree: the device copies the working tree over a
+# .git that can be older (session 15: HEAD there was the session's first commit), so a report would
+# name a commit it did not test.
+GIT_TREE_CHECK = test "$(origin COMMIT)" != file || test -z "$$(git status --porcelain -- hccompile tests 2>/dev/null)" || \
+	{ echo "make $@: hccompile/ or tests/ differ from git's HEAD ($(COMMIT)); pass COMMIT=<the sha of this tree>"; exit 2; }
+
 test-gpu:
 	@test -n "$(COMMIT)" || { echo "make test-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
+	@$(GIT_TREE_CHECK)
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpu-memory-gib $(GPU_MEMORY_GIB) \
 		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
@@ -81,6 +88,7 @@ before-tree:
 
 test-gpu-start:
 	@test -n "$(COMMIT)" || { echo "make test-gpu-start: no .git here; pass COMMIT=<sha>"; exit 2; }
+	@$(GIT_TREE_CHECK)
 	rm -rf $(GPU_COPY) && mkdir -p $(GPU_COPY) && cp -a . $(GPU_COPY)/
 	cd $(GPU_COPY) && setsid nohup sh -c '$(MAKE) test-gpu COMMIT=$(COMMIT) GPU_REPORT=$(GPU_COPY)/gpu-suite.txt; \
 		echo $$? > $(GPU_COPY)/exit-status' > $(GPU_COPY)/suite.log 2>&1 < /dev/null &

@@ -611,7 +611,8 @@ def summary(lines: list[dict]) -> str:
 
 def run_stamp(repo: str | os.PathLike | None = None) -> dict:
     """Fields a benchmark script adds to every row it writes: today's date, the commit of the
-    measured tree (HCCOMPILE_COMMIT, else `git rev-parse HEAD`; absent when neither is known) and a
+    measured tree (HCCOMPILE_COMMIT, else `git rev-parse HEAD`, with "+dirty" when hccompile/ differs
+    from it; absent when neither is known) and a
     run id unique to this process. Standard library only."""
     root = Path(repo) if repo is not None else Path(__file__).resolve().parent.parent
     commit = os.environ.get("HCCOMPILE_COMMIT")
@@ -619,6 +620,12 @@ def run_stamp(repo: str | os.PathLike | None = None) -> dict:
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                     timeout=10).stdout.strip() or None
+            # HEAD names the measured code only for a clean hccompile/: the device copies the working
+            # tree over a .git that can be older than it
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "hccompile"], cwd=root,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            if commit and dirty:
+                commit += "+dirty"
         except (OSError, subprocess.SubprocessError):
             commit = None
     now = datetime.datetime.now(datetime.timezone.utc)
