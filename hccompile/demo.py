@@ -255,7 +255,6 @@ def run(device: str | None = None, batch: int = 2, seq: int = 128, dim: int = 64
               "B4 T4096 C1024, where they matter.")
     options = {"dump_dir": dump_dir} if dump_dir else None  # every section's hc compile is dumped there
     done: list[Section] = []
-    mhc_ok = True
     if "linear" in sections:
         torch.manual_seed(0)
         model = TinyLinearTransformer(dim, heads, layers).to(dev, dtype)
@@ -292,9 +291,8 @@ def run(device: str | None = None, batch: int = 2, seq: int = 128, dim: int = 64
                  f"compression {rate}, top_k {top_k}, input [B={htree_batch}, T={seq}, C={dim}]")
         done.append(compare_backends("htree", title, model, x, iters, "htree" in inductor_sections, options))
     if "mhc" in sections:
-        mhc_ok, mhc_section = run_mhc(dev, dtype, batch, seq, dim, heads, iters)
-        done.append(mhc_section)
-    ok = all(s.ok for s in done) and mhc_ok
+        done.append(run_mhc(dev, dtype, batch, seq, dim, heads, iters))
+    ok = all(s.ok for s in done)
     _summary(done, dev)
     if plot and done:
         write_plot(plot, done, f"hccompile demo, {name}, {dtype}".replace("torch.", ""))
@@ -381,7 +379,7 @@ def _op_against_fla(kind: str, B: int, T: int, H: int, D: int, dtype: torch.dtyp
 
 
 def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: int, heads: int,
-            iters: int = 5) -> tuple[bool, Section]:
+            iters: int = 5) -> Section:
     """mHC (n=4 streams, dropout 0.1): hc's block recompute against Inductor's own plan."""
     from .nn import MHCGPT
 
@@ -430,7 +428,7 @@ def run_mhc(dev: torch.device, dtype: torch.dtype, batch: int, seq: int, dim: in
                                          "hc": rows["hc (block recompute)"]})
     del grads, g_off, g_blk
     _free(dev)
-    return ok, section
+    return section
 
 
 # option -> (CUDA default, CPU default): on the GPU a size where the kernels matter (the quadratic

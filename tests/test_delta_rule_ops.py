@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch._dynamo.testing  # not imported by torch itself on 2.15: a chunk of tests without another importer failed
 import torch.nn.functional as F
 
 from hccompile.kernels.delta_rule import naive_recurrent_delta_rule

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import torch._dynamo.testing  # not imported by torch itself on 2.15: a chunk of tests without another importer failed
 
 from hccompile.kernels.lightning import lightning_attn_ref
 from hccompile.lowering.lightning import (alibi_decay, implementation, lightning_attn, lightning_attn_backward_op,

@@ -211,3 +211,25 @@ def test_run_stamp_gives_date_commit_and_run(monkeypatch):
     assert stamp["commit"] == "0123456789abcdef0123456789abcdef01234567"
     assert len(stamp["date"]) == 10 and str(os.getpid()) in stamp["run"]
     assert set(stamp) == {"date", "commit", "run"}
+
+
+def test_run_stamp_marks_a_commit_whose_hccompile_differs(tmp_path, monkeypatch):
+    """On the device the working tree is copied over a .git that can be older: HEAD then names
+    code that was not measured, and the stamp says so."""
+
+    targets = module()
+    monkeypatch.delenv("HCCOMPILE_COMMIT", raising=False)
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "hccompile").mkdir()
+    (tmp_path / "hccompile" / "x.py").write_text("a = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    clean = targets.run_stamp(tmp_path)["commit"]
+    assert len(clean) == 40 and "+" not in clean
+    (tmp_path / "hccompile" / "x.py").write_text("a = 2\n")
+    assert targets.run_stamp(tmp_path)["commit"] == clean + "+dirty"

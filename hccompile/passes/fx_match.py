@@ -271,8 +271,8 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
     graphs can hold values of more than one fake mode, e.g. for lifted parameters; not
     detect_fake_mode(), which prefers the tracing context's mode); `fake_mode` when no input has one.
     The Python dispatcher is on, as while Dynamo traces: without it some ops' C++ meta functions
-    read symbolic sizes as ints and pin them (constant_pad_nd guarded T == 21). Identity saved-tensor
-    hooks shadow any the user has active around the compile: an op with autograd saves its fake
+    read symbolic sizes as ints and pin them (constant_pad_nd guarded T == 21). Saved-tensor hooks of
+    our own (detaching, storing nothing) shadow any the user has active around the compile: an op with autograd saves its fake
     inputs, and a user's pack hook (e.g. one reading data_ptr()) failed on them, undoing the pass."""
     args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
     kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value"))

@@ -278,7 +278,6 @@ def chunk_delta_rule_bwd(
             raise ValueError(f"out[{name!r}]: given, but input {name} is None")
         like = inputs[name]
         _check_out(f"out[{name!r}]", given, tuple(like.shape), like.dtype, like.device)
-    _require_triton(q.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
     if intermediates is not None:
         square = (problem.batch, problem.time, problem.value_heads, chunk_size)
@@ -288,6 +287,8 @@ def chunk_delta_rule_bwd(
             _check_out(f"intermediates {name}", given, square, torch.float32, q.device)
             if not given.is_contiguous():
                 raise ValueError(f"intermediates {name}: expected a contiguous tensor")
+    # after the arguments: a wrong argument is named wherever the kernels can or cannot run
+    _require_triton(q.device)
     plan = make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
     fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, None, None, use_qk_l2norm_in_kernel,
                    A_log, dt_bias, lower_bound, kept=None if intermediates is None else tuple(intermediates))

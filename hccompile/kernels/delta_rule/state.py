@@ -102,18 +102,18 @@ if triton is not None:
             _store_rows(u_ptr, u, tokens, vc, HV * V, 1, valid, V)
             if GATE == 2:
                 k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
-                k_tile *= to_end
-                state *= whole[:, None]
             else:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-            if GATE == 1:
-                # A scalar gate's row decay scales the [BT, BV] values rather than the [BT, K] keys:
-                # (K e^(G_last - G))^T U = K^T (e^(G_last - G) U), a BV/K share of the elementwise
-                # work in the sequential loop, and k stays in its stored dtype.
+            if GATE != 0:
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
                 state *= whole[:, None]
-                u *= to_end
+                if GATE == 2:
+                    k_tile *= to_end
+                else:
+                    # A scalar gate's row decay scales the [BT, BV] values rather than the [BT, K] keys:
+                    # (K e^(G_last - G))^T U = K^T (e^(G_last - G) U), a BV/K share of the elementwise
+                    # work in the sequential loop, and k stays in its stored dtype.
+                    u *= to_end
             state += _dot(tl.trans(k_tile), u, dot_dtype, DOT_PRECISION)
         if STORE_FINAL_STATE:
             _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv,
@@ -191,23 +191,22 @@ if triton is not None:
             if GATE == 2:
                 k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
-                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
-                k_tile *= to_end
-                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
-                du += _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
-                q_do = do_tile
             else:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
-                if GATE == 1:
-                    # A scalar gate's row factors move to the [BT, BV] side, as in state_forward:
-                    # (K e^(G_last - G)) dS = e^(G_last - G) (K dS), (Q e^G)^T dO = Q^T (e^G dO).
-                    to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
-                    du += to_end * _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
-                    q_do = do_tile * tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
-                else:
-                    du += _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
-                    q_do = do_tile
+            q_do = do_tile
+            if GATE != 0:
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
+            if GATE == 2:
+                k_tile *= to_end
+                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+            k_dstate = _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
+            if GATE == 1:
+                # A scalar gate's row factors move to the [BT, BV] side, as in state_forward:
+                # (K e^(G_last - G)) dS = e^(G_last - G) (K dS), (Q e^G)^T dO = Q^T (e^G dO).
+                k_dstate *= to_end
+                q_do = do_tile * tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+            du += k_dstate
             _store_rows(du_ptr, du, tokens, vc, HV * V, 1, valid, V)
             w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
             if GATE != 0:
