@@ -14,6 +14,8 @@ from hccompile.kernels.delta_rule import (
     naive_recurrent_delta_rule,
     triton_available,
 )
+from hccompile.kernels.delta_rule import l2norm as l2norm_ref
+from hccompile.kernels.delta_rule.plan import normed_qk_dtype_for
 
 from test_delta_rule import build_case
 
@@ -565,19 +567,33 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(name, 
     o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
     o_plain, state_plain = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk)
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
-    assert all(t.shape == (*o.shape[:3], chunk) and t.dtype == torch.float32 for t in kept)
+    assert all(t.shape == (*o.shape[:3], chunk) and t.dtype == torch.float32 for t in kept[:3])
+    l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
+    if l2norm:
+        # The l2-normed q and k, in the plan's normed dtype, equal to the reference's l2norm.
+        for name_, normed in (("q", kept.q_normed), ("k", kept.k_normed)):
+            assert normed.shape == inputs[name_].shape and normed.is_contiguous()
+            assert normed.dtype == normed_qk_dtype_for(dtype)
+            assert relative_rms_error(normed, l2norm_ref(inputs[name_].double())) < 1e-6
+    else:
+        assert kept.q_normed is None and kept.k_normed is None
     do, dht = random_output_gradients(inputs, dtype)
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
     recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
     reused = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=kept)
-    # The same kernels on the same values: the kept inverse is bitwise the recomputed one.
+    matrices_only = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht,
+                                         intermediates=kept[:3])
+    # The same kernels on the same values: the kept inverse (and normed q, k) are bitwise the recomputed ones.
     for name_, grad in recomputed.items():
         if grad is not None:
             assert torch.isfinite(reused[name_]).all() and torch.equal(reused[name_], grad), name_
-    # Kept matrices that do not belong to these inputs change the gradients: they are really used.
-    wrong = tuple(t * 0.5 for t in kept)
-    changed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=wrong)
-    assert not torch.equal(changed["v"], recomputed["v"])
+            assert torch.equal(matrices_only[name_], grad), name_
+    # Kept tensors that do not belong to these inputs change the gradients: each is really used.
+    for index in range(5 if l2norm else 3):
+        wrong = tuple(t * 0.5 if i == index else t for i, t in enumerate(kept))
+        changed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=wrong)
+        assert any(not torch.equal(changed[n], g) for n, g in recomputed.items() if g is not None), \
+            kept._fields[index]
 
 
 def test_kept_intermediates_are_checked():
@@ -586,12 +602,19 @@ def test_kept_intermediates_are_checked():
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
     do = torch.zeros(1, 20, 1, 8, device=DEVICE)
     square = torch.zeros(1, 20, 1, 64, device=DEVICE)
-    with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\), got 2"):
+    with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\) or \(kdot, scores, inverse, q_normed, k_normed\), got 2"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square))
     with pytest.raises(ValueError, match=r"intermediates inverse: shape \(1, 20, 1, 32\) differs"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, torch.zeros(1, 20, 1, 32, device=DEVICE)))
     with pytest.raises(TypeError, match=r"intermediates kdot: dtype torch.float16 differs"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square.half(), square, square))
+    normed = torch.zeros(1, 20, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"q_normed and k_normed given, but use_qk_l2norm_in_kernel is False"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, square, normed, normed))
+    bwd_kwargs["use_qk_l2norm_in_kernel"] = True
+    with pytest.raises(ValueError, match=r"intermediates k_normed: shape \(1, 20, 1, 8\) differs"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do,
+                             intermediates=(square, square, square, normed, normed[..., :8]))
 
 
 # ----------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ reference.chunk_delta_rule_ref for the math they implement):
 The backward pass recomputes them (or takes the forward's kept Kdot, P and A), then runs
 state_backward (state.py; sequential, reverse), wy_backward (wy.py), decayed_scores_backward
 (scores.py) and gate_cumsum in reverse; a small kernel does the optional l2norm of q and k both ways
-(qk_l2norm.py).
+(qk_l2norm.py). A forward asked for its intermediates (return_intermediates) also hands over the
+l2-normed q and k, so that the backward's recomputation starts from them.
 
 The kernels share jit helpers (tiles.py: tiles, chunk coordinates, gates and their decays) and a
 launch plan (plan.py: what the kernels support, the precision of the intermediates, tile widths).
@@ -23,13 +24,14 @@ rank's segments around one exchange of state summaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from .gate_cumsum import (ACTIVATION_NONE, ACTIVATION_SIGMOID, ACTIVATION_SOFTPLUS, gate_activation_backward,
                           launch_gate_cumsum)
-from .plan import DEFAULT_CHUNK_SIZE, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs, make_plan
+from .plan import (DEFAULT_CHUNK_SIZE, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs, make_plan,
+                   normed_qk_dtype_for)
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
@@ -45,6 +47,7 @@ if triton is not None:
 
 __all__ = [
     "GRADIENT_NAMES",
+    "Kept",
     "chunk_delta_rule_bwd",
     "chunk_delta_rule_fwd",
     "sum_key_groups",
@@ -66,6 +69,18 @@ def _check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, devic
         raise ValueError(f"{name}: device {out.device} differs from the expected {device}")
 
 
+class Kept(NamedTuple):
+    """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
+    the intra-chunk matrices, each fp32 [B, T, HV, chunk_size], and with use_qk_l2norm_in_kernel the
+    l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without)."""
+
+    kdot: torch.Tensor
+    scores: torch.Tensor
+    inverse: torch.Tensor
+    q_normed: torch.Tensor | None = None
+    k_normed: torch.Tensor | None = None
+
+
 @dataclass
 class _Forward:
     """Intermediates of the forward pass, all contiguous; fp32 but for w, u and h (the plan's
@@ -83,11 +98,10 @@ class _Forward:
 
 
 def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
-             A_log, dt_bias, lower_bound, kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-             ) -> _Forward:
-    """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, the
-    (kdot, scores, inverse) of an earlier forward on the same inputs, decayed_scores and the WY
-    solve are skipped: wy_solve only forms W and U~ from the kept inverse."""
+             A_log, dt_bias, lower_bound, kept: Kept | None = None) -> _Forward:
+    """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, what an
+    earlier forward on the same inputs kept, decayed_scores and the WY solve are skipped (wy_solve
+    only forms W and U~ from the kept inverse), and so is the l2norm when it kept the normed q and k."""
     problem = plan.problem
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
     key_dim, value_dim = problem.key_dim, problem.value_dim
@@ -95,7 +109,10 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     device = q.device
     stored = plan.intermediate_dtype
     if use_qk_l2norm_in_kernel:
-        q, k = (l2norm_forward(x, plan.normed_qk_dtype, plan.launch) for x in (q, k))
+        if kept is not None and kept.q_normed is not None:
+            q, k = kept.q_normed, kept.k_normed
+        else:
+            q, k = l2norm_forward(q, k, plan.normed_qk_dtype, plan.launch)
     table, seqlens = plan.chunk_args()
     common = dict(IS_VARLEN=plan.varlen)
 
@@ -114,7 +131,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     if kept is None:
         kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
     else:
-        kdot, scores, inverse = kept
+        kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
     w = buffer(batch, time, value_heads, key_dim, dtype=stored)
     u_tilde = buffer(batch, time, value_heads, value_dim, dtype=stored)
     u = buffer(batch, time, value_heads, value_dim, dtype=stored)
@@ -194,9 +211,10 @@ def chunk_delta_rule_fwd(
 
     Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None), written
     into `out` / `final_state_out` when given (final_state_out implies output_final_state).
-    With return_intermediates, a third element: the (kdot, scores, inverse) intra-chunk matrices,
-    each fp32 [B, T, HV, chunk_size], which chunk_delta_rule_bwd(intermediates=...) then reuses
-    instead of recomputing them (FLA keeps its score matrices and solved A the same way).
+    With return_intermediates, a third element: a Kept, the (kdot, scores, inverse) intra-chunk
+    matrices, each fp32 [B, T, HV, chunk_size], and with use_qk_l2norm_in_kernel the l2-normed q and
+    k, which chunk_delta_rule_bwd(intermediates=...) then reuses instead of recomputing them (FLA
+    keeps its score matrices and solved A the same way).
     `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows);
     `dummy`: a float32 tensor of >= 2 elements standing in for absent optional tensors (never read).
     """
@@ -218,11 +236,34 @@ def chunk_delta_rule_fwd(
     fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, final_state_out, out, use_qk_l2norm_in_kernel,
                    A_log, dt_bias, lower_bound)
     if return_intermediates:
-        return out, final_state_out, (fwd.kdot, fwd.scores, fwd.inverse)
+        normed = (fwd.q, fwd.k) if use_qk_l2norm_in_kernel else (None, None)
+        return out, final_state_out, Kept(fwd.kdot, fwd.scores, fwd.inverse, *normed)
     return out, final_state_out
 
 
 GRADIENT_NAMES = ("q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias")
+
+
+def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2norm: bool) -> Kept:
+    """`intermediates` of chunk_delta_rule_bwd as a Kept, each tensor checked against the problem."""
+    if len(given) not in (3, 5):
+        raise ValueError("intermediates: expected (kdot, scores, inverse) or (kdot, scores, inverse, q_normed, "
+                         f"k_normed), got {len(given)} tensors")
+    kept = Kept(*given)
+    square = (problem.batch, problem.time, problem.value_heads, chunk_size)
+    expected = [("kdot", square, torch.float32), ("scores", square, torch.float32),
+                ("inverse", square, torch.float32)]
+    if kept.q_normed is not None or kept.k_normed is not None:
+        if not l2norm:
+            raise ValueError("intermediates: q_normed and k_normed given, but use_qk_l2norm_in_kernel is False")
+        normed_dtype = normed_qk_dtype_for(q.dtype)
+        expected += [("q_normed", tuple(q.shape), normed_dtype), ("k_normed", tuple(q.shape), normed_dtype)]
+    for name, shape, dtype in expected:
+        tensor = getattr(kept, name)
+        _check_out(f"intermediates {name}", tensor, shape, dtype, q.device)
+        if not tensor.is_contiguous():
+            raise ValueError(f"intermediates {name}: expected a contiguous tensor")
+    return kept
 
 
 def sum_key_groups(heads: torch.Tensor, key_heads: int, group: int) -> torch.Tensor:
@@ -253,7 +294,7 @@ def chunk_delta_rule_bwd(
     do: torch.Tensor,
     dht: torch.Tensor | None = None,
     out: dict[str, torch.Tensor] | None = None,
-    intermediates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    intermediates: Kept | tuple | None = None,
     wrap: Callable | None = None,
     dummy: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor | None]:
@@ -263,9 +304,9 @@ def chunk_delta_rule_bwd(
     keyed by input name: "q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias";
     a gradient is None where its input was None. Each has its input's dtype and shape ("g"
     is the gradient of the raw g_raw when A_log/dt_bias are given). Gradients are written
-    into the tensors of `out` (same keys, any subset) when given. `intermediates`: the
-    (kdot, scores, inverse) that chunk_delta_rule_fwd(return_intermediates=True) returned for
-    the same inputs and chunk size; the recomputation then skips them. `wrap`, `dummy`: as the forward's.
+    into the tensors of `out` (same keys, any subset) when given. `intermediates`: the Kept that
+    chunk_delta_rule_fwd(return_intermediates=True) returned for the same inputs and chunk size (or
+    its first three, the matrices); the recomputation then skips them. `wrap`, `dummy`: as the forward's.
     """
     problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                         chunk_size, do=do, dht=dht)
@@ -280,18 +321,12 @@ def chunk_delta_rule_bwd(
         _check_out(f"out[{name!r}]", given, tuple(like.shape), like.dtype, like.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
     if intermediates is not None:
-        square = (problem.batch, problem.time, problem.value_heads, chunk_size)
-        if len(intermediates) != 3:
-            raise ValueError(f"intermediates: expected (kdot, scores, inverse), got {len(intermediates)} tensors")
-        for name, given in zip(("kdot", "scores", "inverse"), intermediates):
-            _check_out(f"intermediates {name}", given, square, torch.float32, q.device)
-            if not given.is_contiguous():
-                raise ValueError(f"intermediates {name}: expected a contiguous tensor")
+        intermediates = _checked_intermediates(intermediates, problem, chunk_size, q, use_qk_l2norm_in_kernel)
     # after the arguments: a wrong argument is named wherever the kernels can or cannot run
     _require_triton(q.device)
     plan = make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
     fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, None, None, use_qk_l2norm_in_kernel,
-                   A_log, dt_bias, lower_bound, kept=None if intermediates is None else tuple(intermediates))
+                   A_log, dt_bias, lower_bound, kept=intermediates)
 
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
     key_dim, value_dim, chunk = problem.key_dim, problem.value_dim, plan.chunk_size
@@ -353,13 +388,13 @@ def chunk_delta_rule_bwd(
     dq_sum = sum_key_groups(dq_heads, problem.key_heads, group)
     dk_sum = sum_key_groups(dk_heads, problem.key_heads, group)
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRADIENT_NAMES)
-    for name, x, dx_sum in (("q", q, dq_sum), ("k", k, dk_sum)):
-        dx = result(name)
-        if use_qk_l2norm_in_kernel:
-            l2norm_backward(x, dx_sum, dx, plan.launch)
-        else:
-            dx.copy_(dx_sum)
-        grads[name] = dx
+    dq, dk = result("q"), result("k")
+    if use_qk_l2norm_in_kernel:
+        l2norm_backward(q, k, dq_sum, dk_sum, dq, dk, plan.launch)
+    else:
+        dq.copy_(dq_sum)
+        dk.copy_(dk_sum)
+    grads["q"], grads["k"] = dq, dk
     grads["v"], grads["beta"], grads["initial_state"] = dv, dbeta, dh0
 
     if problem.gate != "none":

@@ -566,7 +566,7 @@ def _intra(local: _Local) -> _Intra:
     q, k = local.q, local.k
     stored = kplan.intermediate_dtype
     if local.use_qk_l2norm_in_kernel:
-        q, k = l2norm_forward(q, kplan.normed_qk_dtype), l2norm_forward(k, kplan.normed_qk_dtype)
+        q, k = l2norm_forward(q, k, kplan.normed_qk_dtype)
     cum = None
     if problem.gate != "none" and kplan.num_chunks:
         if problem.gate_in_kernel:
@@ -875,14 +875,15 @@ class CPBackward(CPForward):
                 self.dcum.zero_()
         group = problem.group_size
         grads: dict[str, torch.Tensor | None] = dict.fromkeys(inputs)
-        for name, x, heads in (("q", local.q, self.dq_heads), ("k", local.k, self.dk_heads)):
-            summed = sum_key_groups(heads, problem.key_heads, group)
-            dx = torch.empty(x.shape, dtype=x.dtype, device=device)
-            if local.use_qk_l2norm_in_kernel:
-                l2norm_backward(x, summed, dx)
-            else:
-                dx.copy_(summed)
-            grads[name] = dx.view(inputs[name].shape)
+        q, k = local.q, local.k
+        dq_sum, dk_sum = (sum_key_groups(heads, problem.key_heads, group) for heads in (self.dq_heads, self.dk_heads))
+        dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=device) for x in (q, k))
+        if local.use_qk_l2norm_in_kernel:
+            l2norm_backward(q, k, dq_sum, dk_sum, dq, dk)
+        else:
+            dq.copy_(dq_sum)
+            dk.copy_(dk_sum)
+        grads["q"], grads["k"] = dq.view(inputs["q"].shape), dk.view(inputs["k"].shape)
         grads["v"] = self.dv.view(inputs["v"].shape)
         grads["beta"] = self.dbeta.view(inputs["beta"].shape)
         if inputs["initial_state"] is not None:

@@ -102,6 +102,20 @@ def narrow_for_occupancy(block_v: int, walks: int, value_dim: int, device: torch
     return block_v
 
 
+def intermediate_dtype_for(input_dtype: torch.dtype) -> torch.dtype:
+    """Plan.intermediate_dtype for inputs of `input_dtype` (the ops' fakes ask it without a plan)."""
+    if input_dtype == torch.float16 or (input_dtype == torch.bfloat16 and BF16_INTERMEDIATES):
+        return input_dtype
+    return torch.float32
+
+
+def normed_qk_dtype_for(input_dtype: torch.dtype) -> torch.dtype:
+    """Plan.normed_qk_dtype for inputs of `input_dtype`."""
+    if input_dtype == torch.bfloat16 and intermediate_dtype_for(input_dtype) == torch.float32:
+        return torch.float16
+    return intermediate_dtype_for(input_dtype)
+
+
 @dataclass
 class Plan:
     """Launch geometry shared by the forward and backward launchers (chunk.py's and cp.py's)."""
@@ -128,9 +142,7 @@ class Plan:
         k, W, U~, U, h, dh, dU), hence of those products' operands: fp16 for fp16 inputs, as FLA
         does; bf16 for bf16 inputs unless BF16_INTERMEDIATES is off (see there); fp32 otherwise.
         States, accumulators, gates, scores and the in-chunk inverse stay fp32 either way."""
-        if self.input_dtype == torch.float16 or (self.input_dtype == torch.bfloat16 and BF16_INTERMEDIATES):
-            return self.input_dtype
-        return torch.float32
+        return intermediate_dtype_for(self.input_dtype)
 
     @property
     def normed_qk_dtype(self) -> torch.dtype:
@@ -141,9 +153,7 @@ class Plan:
         software-pipelining stages (state.state_launch_options). Compiled for sm_90 (Triton 3.8, bf16
         with l2norm), state_backward's spills went from 320/400 to 96/232 bytes per thread at
         K = 128 (scalar/channel gates), state_forward's stay 0 with the second stage."""
-        if self.input_dtype == torch.bfloat16 and self.intermediate_dtype == torch.float32:
-            return torch.float16
-        return self.intermediate_dtype
+        return normed_qk_dtype_for(self.input_dtype)
 
     @property
     def half_dots(self) -> bool:
