@@ -106,9 +106,10 @@ def test_opcheck_forward_and_backward(name, mode):
 
     o, final_state, *kept = chunk_delta_rule_op(*op_args(case, gate, **arg_kwargs))
     if arg_kwargs.get("save_intermediates"):
-        # The intra-chunk matrices, then the l2-normed q and k (op_args asks for the l2norm).
-        assert all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept[:3])
-        assert all(t.shape == case["q"].shape for t in kept[3:]) and len(kept) == 5
+        # The intra-chunk matrices, the l2-normed q and k (op_args asks for the l2norm), the gate's sum.
+        assert len(kept) == 6 and all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept[:3])
+        assert all(t.shape == case["q"].shape for t in kept[3:5])
+        assert kept[5].shape == case["g"].shape[:3] + (case["g"].shape[3] if case["g"].dim() == 4 else 1,)
     do = torch.randn_like(o)
     dht = torch.randn_like(final_state) if arg_kwargs.get("output_final_state", True) else None
     detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
@@ -121,7 +122,7 @@ def test_opcheck_forward_and_backward(name, mode):
 def test_absent_outputs_are_zero_size_placeholders(mode):
     case = make_case("scalar", initial_state=False)
     o, final_state, *kept = chunk_delta_rule_op(*op_args(case, "scalar", output_final_state=False))
-    assert [tuple(t.shape) for t in kept] == [(0,)] * 5  # nothing kept unless asked for
+    assert [tuple(t.shape) for t in kept] == [(0,)] * 6  # nothing kept unless asked for
     assert o.shape == case["v"].shape and final_state.shape == (0,) and final_state.dtype == torch.float32
     grads = chunk_delta_rule_backward_op(*op_args(case, "scalar")[:9], torch.ones_like(o), None, "scalar", 0.3,
                                          True, None, 16)

@@ -11,12 +11,12 @@ fixed-length calls are traced into their kernel launches, see _traceable):
         float scale, bool output_final_state, bool use_qk_l2norm_in_kernel, float? lower_bound,
         SymInt chunk_size, bool save_intermediates, bool check_gates)
         -> (Tensor o, Tensor final_state, Tensor kdot, Tensor scores, Tensor inverse, Tensor q_normed,
-            Tensor k_normed)
+            Tensor k_normed, Tensor cum)
     hccompile::chunk_delta_rule_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g,
         Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, Tensor do,
         Tensor? dht, str gate, float scale, bool use_qk_l2norm_in_kernel, float? lower_bound,
         SymInt chunk_size, Tensor? kdot, Tensor? scores, Tensor? inverse, Tensor? q_normed,
-        Tensor? k_normed) -> (dq, dk, dv, dbeta, dg, dinitial_state, dA_log, ddt_bias)
+        Tensor? k_normed, Tensor? cum) -> (dq, dk, dv, dbeta, dg, dinitial_state, dA_log, ddt_bias)
 
 Custom ops cannot return None, so: the forward op's `final_state` is a zero-size tensor of shape
 (0,) when output_final_state is False, and the backward op returns a zero-size (0,) tensor (q's
@@ -360,12 +360,13 @@ def _chunk_delta_rule_host(
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, gate: str, scale: float,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
     save_intermediates: bool = False, check_gates: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, final state, kdot, scores, inverse, q_normed, k_normed). With save_intermediates the
-    last five are kept for the backward so that it does not recompute them: the kernels' intra-chunk
-    matrices, fp32 [B, T, HV, chunk_size], and with use_qk_l2norm_in_kernel the l2-normed q and k
-    ([B, T, H, K] in normed_qk_dtype_for(q.dtype)); zeros where the reference or CP path ran (their
-    backwards recompute); zero-size placeholders for what is not kept. check_gates: raise unless the log-gates are finite and <= 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final state, kdot, scores, inverse, q_normed, k_normed, cum). With save_intermediates the
+    last six are kept for the backward so that it does not recompute them: the kernels' intra-chunk
+    matrices, fp32 [B, T, HV, chunk_size]; with use_qk_l2norm_in_kernel the l2-normed q and k
+    ([B, T, H, K] in normed_qk_dtype_for(q.dtype)); with a gate its chunk-local cumulative sum (fp32
+    [B, T, HV, K or 1]); zeros where the reference or CP path ran (their backwards recompute);
+    zero-size placeholders for what is not kept. check_gates: raise unless the log-gates are finite and <= 0
     (_check_gate_values); the public functions ask for it, the delta_rule pass does not (the math
     it lowers is the user's own, any finite gate included)."""
     if check_gates:
@@ -374,7 +375,7 @@ def _chunk_delta_rule_host(
     parallel = _context_parallel.forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
                                          output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
-        return (*parallel, *_kept_placeholders(q, v, chunk_size, save_intermediates, use_qk_l2norm_in_kernel))
+        return (*parallel, *_kept_placeholders(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel))
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
@@ -383,19 +384,19 @@ def _chunk_delta_rule_host(
         return _forward_kernels(q, k, v, beta, args, save_intermediates)
     o, final_state = chunk_delta_rule_ref(q, k, v, beta, **args)
     return _forward_outputs(q, v, o, final_state,
-                            _kept_placeholders(q, v, chunk_size, save_intermediates, use_qk_l2norm_in_kernel))
+                            _kept_placeholders(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel))
 
 
 def _forward_kernels(q, k, v, beta, args: dict, save_intermediates: bool, **launch) -> tuple[Tensor, ...]:
     """The forward op's outputs by the kernels; `launch`: wrap and dummy when traced."""
+    layout = _kept_layout(q, v, args["gate"], args["chunk_size"], save_intermediates, args["use_qk_l2norm_in_kernel"])
     if save_intermediates:
         o, final_state, kept = chunk_delta_rule_fwd(q, k, v, beta, **args, return_intermediates=True, **launch)
-        if kept.q_normed is None:
-            empty = _kept_placeholders(q, v, args["chunk_size"], False, False)[3:]
-            kept = (*kept[:3], *empty)
+        # What the kernels did not keep (no l2norm, no gate, or no chunk to sum over) as placeholders.
+        kept = tuple(q.new_zeros(shape, dtype=dtype) if t is None else t for t, (shape, dtype) in zip(kept, layout))
     else:
         o, final_state = chunk_delta_rule_fwd(q, k, v, beta, **args, **launch)
-        kept = _kept_placeholders(q, v, args["chunk_size"], False, False)
+        kept = tuple(q.new_zeros(shape, dtype=dtype) for shape, dtype in layout)
     return _forward_outputs(q, v, o, final_state, kept)
 
 
@@ -416,21 +417,25 @@ def _chunk_delta_rule_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log,
     return _forward_kernels(q, k, v, beta, args, save_intermediates, wrap=wrap_triton, dummy=_scratch(q))
 
 
-def _kept_layout(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool, l2norm: bool
+def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool
                  ) -> list[tuple[tuple, torch.dtype]]:
-    """Shape and dtype of each kept output (kdot, scores, inverse, q_normed, k_normed), the op's and
-    its fake's: the matrices [B, T, HV, chunk_size] fp32 when asked for, the normed q and k [B, T, H, K]
-    when asked for with l2norm; (0,) otherwise."""
-    square = (q.shape[0], q.shape[1], v.shape[2], chunk_size) if save_intermediates else (0,)
+    """Shape and dtype of each kept output (kdot, scores, inverse, q_normed, k_normed, cum), the op's
+    and its fake's, when asked for: the matrices [B, T, HV, chunk_size] fp32, the normed q and k
+    [B, T, H, K] with l2norm, the gate's cumulative sum [B, T, HV, K or 1] fp32 with a gate; (0,)
+    otherwise."""
+    batch, time, value_heads = q.shape[0], q.shape[1], v.shape[2]
+    square = (batch, time, value_heads, chunk_size) if save_intermediates else (0,)
     normed = tuple(q.shape) if save_intermediates and l2norm else (0,)
-    return [(square, torch.float32)] * 3 + [(normed, normed_qk_dtype_for(q.dtype))] * 2
+    width = q.shape[3] if gate == "channel" else 1
+    cum = (batch, time, value_heads, width) if save_intermediates and gate != "none" else (0,)
+    return [(square, torch.float32)] * 3 + [(normed, normed_qk_dtype_for(q.dtype))] * 2 + [(cum, torch.float32)]
 
 
-def _kept_placeholders(q: Tensor, v: Tensor, chunk_size: int, save_intermediates: bool, l2norm: bool
+def _kept_placeholders(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool
                        ) -> tuple[Tensor, ...]:
     """The kept outputs where no kernel fills them (zeros, so that they are deterministic)."""
     return tuple(q.new_zeros(shape, dtype=dtype)
-                 for shape, dtype in _kept_layout(q, v, chunk_size, save_intermediates, l2norm))
+                 for shape, dtype in _kept_layout(q, v, gate, chunk_size, save_intermediates, l2norm))
 
 
 def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
@@ -441,7 +446,7 @@ def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, d
     batch, time, value_heads, value_dim = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
     o = v.new_empty((batch, time, value_heads, value_dim))
     state_shape = _state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    kept = _kept_layout(q, v, chunk_size, save_intermediates, use_qk_l2norm_in_kernel)
+    kept = _kept_layout(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel)
     return (o, q.new_empty(state_shape, dtype=_state_dtype(q)),
             *(q.new_empty(shape, dtype=dtype) for shape, dtype in kept))
 
@@ -486,11 +491,11 @@ def _chunk_delta_rule_backward_host(
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, do: Tensor, dht: Tensor | None,
     gate: str, scale: float, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
     kdot: Tensor | None = None, scores: Tensor | None = None, inverse: Tensor | None = None,
-    q_normed: Tensor | None = None, k_normed: Tensor | None = None,
+    q_normed: Tensor | None = None, k_normed: Tensor | None = None, cum: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the forward op's inputs; kdot, scores, inverse are its kept matrices (all three
-    or none), q_normed and k_normed its kept l2-normed q and k (both or none); reused by the kernel
-    backward instead of recomputed."""
+    or none), q_normed and k_normed its kept l2-normed q and k (both or none), cum its gate's kept
+    cumulative sum; reused by the kernel backward instead of recomputed."""
     parallel = _context_parallel.backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                           scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
@@ -501,23 +506,24 @@ def _chunk_delta_rule_backward_host(
                 lower_bound=lower_bound, chunk_size=chunk_size)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
-        intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed)
+        intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum)
         grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, intermediates=intermediates, **args)
     else:
         grads = _reference_backward(q, k, v, beta, do=do, dht=dht, **args)
     return _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads)
 
 
-def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed) -> tuple | None:
+def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum) -> tuple | None:
     """The backward kernels' `intermediates` from the kept outputs the backward op was given: the
-    matrices when all three are real, then the normed q and k when both are (zero-size placeholders
-    stand for what the forward did not keep)."""
+    matrices when all three are real, then the normed q and k when both are and the gate's sum when
+    it is (zero-size placeholders stand for what the forward did not keep)."""
     def real(*tensors):
         return all(t is not None and t.numel() for t in tensors)
 
     if not real(kdot, scores, inverse):
         return None
-    return (kdot, scores, inverse, q_normed, k_normed) if real(q_normed, k_normed) else (kdot, scores, inverse)
+    normed = (q_normed, k_normed) if real(q_normed, k_normed) else (None, None)
+    return (kdot, scores, inverse, *normed, cum if real(cum) else None)
 
 
 def _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads) -> tuple[Tensor, ...]:
@@ -530,10 +536,10 @@ def _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads) ->
 
 def _chunk_delta_rule_backward_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                       scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, kdot=None,
-                                      scores=None, inverse=None, q_normed=None, k_normed=None):
+                                      scores=None, inverse=None, q_normed=None, k_normed=None, cum=None):
     """The backward op on CUDA, traced into its launches (see _traceable)."""
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
-    intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed)
+    intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum)
     grads = chunk_delta_rule_bwd(q, k, v, beta, g=g, gate=gate, scale=scale, initial_state=initial_state,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
                                  chunk_size=chunk_size, do=do.to(v.dtype),
@@ -544,7 +550,7 @@ def _chunk_delta_rule_backward_traced(q, k, v, beta, g, initial_state, cu_seqlen
 
 def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                     scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, kdot=None, scores=None,
-                                    inverse=None, q_normed=None, k_normed=None):
+                                    inverse=None, q_normed=None, k_normed=None, cum=None):
     _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                            do=do, dht=dht)
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
@@ -622,7 +628,7 @@ def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale, output_final_state,
      use_qk_l2norm_in_kernel, lower_bound, chunk_size, *_flags) = inputs  # save_intermediates, check_gates
     # The backward recomputes the forward's intermediates from its inputs, except the intra-chunk
-    # matrices and l2-normed q and k the forward kept (save_intermediates): those are saved as they are.
+    # matrices, l2-normed q and k and gate sum the forward kept (save_intermediates): saved as they are.
     kept = output[2:]
     ctx.mark_non_differentiable(*kept)
     # Unused outputs (always the kept matrices, often the final state) get None, not a zero tensor
@@ -682,7 +688,8 @@ def keeps_intermediates(*inputs: Tensor | None) -> bool:
     backward: when a gradient will be taken and no CP context is active (CP's backward recomputes its
     own). It costs three fp32 [B, T, HV, chunk_size] tensors per call until the backward, as FLA's kept
     score matrices and solved A do, plus with use_qk_l2norm_in_kernel two [B, T, H, K] in the normed
-    dtype (bf16 for bf16 inputs), and saves the backward their recomputation."""
+    dtype (bf16 for bf16 inputs) and with a gate its fp32 cumulative sum [B, T, HV, K or 1] (FLA keeps
+    both too), and saves the backward their recomputation."""
     if not torch.is_grad_enabled() or _context_parallel.current_context() is not None:
         return False
     return any(t is not None and t.requires_grad for t in inputs)

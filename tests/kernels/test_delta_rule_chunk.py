@@ -577,6 +577,11 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(name, 
             assert relative_rms_error(normed, l2norm_ref(inputs[name_].double())) < 1e-6
     else:
         assert kept.q_normed is None and kept.k_normed is None
+    if gate == "none":
+        assert kept.cum is None
+    else:
+        width = sizes[4] if gate == "channel" else 1
+        assert kept.cum.shape == (*o.shape[:3], width) and kept.cum.dtype == torch.float32
     do, dht = random_output_gradients(inputs, dtype)
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
     recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
@@ -589,7 +594,7 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(name, 
             assert torch.isfinite(reused[name_]).all() and torch.equal(reused[name_], grad), name_
             assert torch.equal(matrices_only[name_], grad), name_
     # Kept tensors that do not belong to these inputs change the gradients: each is really used.
-    for index in range(5 if l2norm else 3):
+    for index in (i for i, t in enumerate(kept) if t is not None):
         wrong = tuple(t * 0.5 if i == index else t for i, t in enumerate(kept))
         changed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=wrong)
         assert any(not torch.equal(changed[n], g) for n, g in recomputed.items() if g is not None), \
@@ -602,7 +607,7 @@ def test_kept_intermediates_are_checked():
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
     do = torch.zeros(1, 20, 1, 8, device=DEVICE)
     square = torch.zeros(1, 20, 1, 64, device=DEVICE)
-    with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\) or \(kdot, scores, inverse, q_normed, k_normed\), got 2"):
+    with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\) or \(kdot, scores, inverse, q_normed, k_normed, cum\), got 2"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square))
     with pytest.raises(ValueError, match=r"intermediates inverse: shape \(1, 20, 1, 32\) differs"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, torch.zeros(1, 20, 1, 32, device=DEVICE)))
@@ -610,11 +615,16 @@ def test_kept_intermediates_are_checked():
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square.half(), square, square))
     normed = torch.zeros(1, 20, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"q_normed and k_normed given, but use_qk_l2norm_in_kernel is False"):
-        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, square, normed, normed))
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do,
+                             intermediates=(square, square, square, normed, normed, None))
     bwd_kwargs["use_qk_l2norm_in_kernel"] = True
     with pytest.raises(ValueError, match=r"intermediates k_normed: shape \(1, 20, 1, 8\) differs"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do,
-                             intermediates=(square, square, square, normed, normed[..., :8]))
+                             intermediates=(square, square, square, normed, normed[..., :8], None))
+    with pytest.raises(ValueError, match=r"intermediates cum: shape \(1, 20, 1, 16\) differs from the expected "
+                                         r"\(1, 20, 1, 1\)"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, square, normed, normed,
+                                                                            normed))
 
 
 # ----------------------------------------------------------------------------------------

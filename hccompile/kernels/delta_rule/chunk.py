@@ -71,14 +71,16 @@ def _check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, devic
 
 class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
-    the intra-chunk matrices, each fp32 [B, T, HV, chunk_size], and with use_qk_l2norm_in_kernel the
-    l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without)."""
+    the intra-chunk matrices, each fp32 [B, T, HV, chunk_size]; with use_qk_l2norm_in_kernel the
+    l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
+    gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without)."""
 
     kdot: torch.Tensor
     scores: torch.Tensor
     inverse: torch.Tensor
     q_normed: torch.Tensor | None = None
     k_normed: torch.Tensor | None = None
+    cum: torch.Tensor | None = None
 
 
 @dataclass
@@ -101,7 +103,8 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
              A_log, dt_bias, lower_bound, kept: Kept | None = None) -> _Forward:
     """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, what an
     earlier forward on the same inputs kept, decayed_scores and the WY solve are skipped (wy_solve
-    only forms W and U~ from the kept inverse), and so is the l2norm when it kept the normed q and k."""
+    only forms W and U~ from the kept inverse), and so are the l2norm and the gate's cumulative sum
+    when it kept their results."""
     problem = plan.problem
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
     key_dim, value_dim = problem.key_dim, problem.value_dim
@@ -120,7 +123,9 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
         return torch.empty(*shape, dtype=dtype, device=device)
 
     cum = None
-    if problem.gate != "none" and plan.num_chunks:
+    if kept is not None and kept.cum is not None:
+        cum = kept.cum
+    elif problem.gate != "none" and plan.num_chunks:
         if problem.gate_in_kernel:
             activation = ACTIVATION_SOFTPLUS if lower_bound is None else ACTIVATION_SIGMOID
         else:
@@ -237,7 +242,7 @@ def chunk_delta_rule_fwd(
                    A_log, dt_bias, lower_bound)
     if return_intermediates:
         normed = (fwd.q, fwd.k) if use_qk_l2norm_in_kernel else (None, None)
-        return out, final_state_out, Kept(fwd.kdot, fwd.scores, fwd.inverse, *normed)
+        return out, final_state_out, Kept(fwd.kdot, fwd.scores, fwd.inverse, *normed, fwd.cum)
     return out, final_state_out
 
 
@@ -246,9 +251,9 @@ GRADIENT_NAMES = ("q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias
 
 def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2norm: bool) -> Kept:
     """`intermediates` of chunk_delta_rule_bwd as a Kept, each tensor checked against the problem."""
-    if len(given) not in (3, 5):
+    if len(given) not in (3, 6):
         raise ValueError("intermediates: expected (kdot, scores, inverse) or (kdot, scores, inverse, q_normed, "
-                         f"k_normed), got {len(given)} tensors")
+                         f"k_normed, cum), got {len(given)} tensors")
     kept = Kept(*given)
     square = (problem.batch, problem.time, problem.value_heads, chunk_size)
     expected = [("kdot", square, torch.float32), ("scores", square, torch.float32),
@@ -258,6 +263,11 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
             raise ValueError("intermediates: q_normed and k_normed given, but use_qk_l2norm_in_kernel is False")
         normed_dtype = normed_qk_dtype_for(q.dtype)
         expected += [("q_normed", tuple(q.shape), normed_dtype), ("k_normed", tuple(q.shape), normed_dtype)]
+    if kept.cum is not None:
+        if problem.gate == "none":
+            raise ValueError("intermediates: cum given, but there is no gate")
+        width = problem.key_dim if problem.gate == "channel" else 1
+        expected.append(("cum", (problem.batch, problem.time, problem.value_heads, width), torch.float32))
     for name, shape, dtype in expected:
         tensor = getattr(kept, name)
         _check_out(f"intermediates {name}", tensor, shape, dtype, q.device)
