@@ -316,8 +316,12 @@ def main() -> None:
         raise SystemExit("benchmarks/delta_rule.py needs a CUDA GPU")
     import triton
 
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from targets import run_stamp
+
+    # run_stamp: the date, the commit (HCCOMPILE_COMMIT on the device, whose .git can be older) and a run id
+    meta = {**run_stamp(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__}
     rows = []
     if "kernels" in args.what:
         rows += kernel_rows(args, meta)
