@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .debug.memory import SavedStorages
 from .lowering.linear_attn import implementation
 
 
@@ -15,19 +16,9 @@ def saved_bytes(fn, *args: Any) -> int:
     """Run fn and count the bytes autograd keeps for backward (distinct storages). The output is
     dropped here: kept, it would hold its whole graph (21 GiB for the GPU demo's eager htree) through
     whatever runs next."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        # detached: a saved output kept with its grad_fn is a cycle through C++ that gc cannot free
-        # when no backward runs (pytorch#189025); it held the eager graph, 19 GiB for the GPU demo's
-        # KDA model, into the next section
-        return t.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedStorages() as saved:
         fn(*args)
-    return sum(storages.values())
+    return saved.nbytes
 
 
 def _sync(device: torch.device) -> None:

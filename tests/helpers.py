@@ -8,6 +8,7 @@ import torch
 
 import hccompile.backend as hc
 from hccompile.config import resolve
+from hccompile.debug.memory import SavedStorages
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -68,21 +69,14 @@ def train_step(model, x, backend=None, **options):
     cm = torch.compile(model, backend=be)
     torch.manual_seed(123)
     cm(x)  # compile
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
     torch.manual_seed(123)  # the same dropout masks in every run
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedStorages(exclude=[*model.parameters(), x]) as saved:
         out = cm(x)
+    nbytes = saved.nbytes
+    del saved
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     grads = torch.autograd.grad((out * w).sum(), [x] + list(model.parameters()))
-    return sum(storages.values()), be, out.detach(), grads
+    return nbytes, be, out.detach(), grads
 
 
 def calls_through_hccompile_ops(code: str) -> list[str]:

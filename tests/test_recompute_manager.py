@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hccompile.debug.memory import SavedStorages
 from hccompile.recompute import (
     BlockRecomputeManager,
     CheckpointWithoutOutput,
@@ -238,26 +239,17 @@ def _held_bytes(model, thunk, managers=(), exclude=()):
     """Bytes kept for backward after the forward: distinct storages saved by autograd (recorded at
     pack time, measured after the forward, so discarded outputs count 0) plus what the checkpoints
     keep themselves (outputs, RNG snapshots). Parameters excluded."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()} | set(exclude)
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages.setdefault(s._cdata, s)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedStorages(exclude=[*model.parameters(), *exclude]) as saved:
         result = thunk()
     for m in managers:
-        for s in m.held_storages():
-            storages.setdefault(s._cdata, s)
-    return result, sum(s.nbytes() for k, s in storages.items() if k not in params)
+        saved.add(m.held_storages())
+    return result, saved.nbytes
 
 
 def _saved_by(model, fn, *inputs, count_inputs=False):
     """Bytes plain autograd saves for fn(*inputs) (inputs excluded unless count_inputs)."""
     inputs = [t.detach().requires_grad_(True) for t in inputs]
-    exclude = () if count_inputs else {t.untyped_storage()._cdata for t in inputs}
+    exclude = () if count_inputs else inputs
     return _held_bytes(model, lambda: fn(*inputs), exclude=exclude)[1]
 
 
