@@ -41,8 +41,9 @@ _REQUIRED = object()  # a parameter without a default
 
 @dataclasses.dataclass(frozen=True)
 class Client:
-    """One library function: where it lives, the parameters (name, default) it must have, and how
-    to build its substitute from a callable copy of the original and the client's name."""
+    """One library function: where it lives (`attribute` may be dotted, "Class.method", for a
+    method), the parameters (name, default) it must have, and how to build its substitute from a
+    callable copy of the original and the client's name."""
 
     module: str
     attribute: str
@@ -108,10 +109,17 @@ def _copy(fn: types.FunctionType) -> types.FunctionType:
     return clone
 
 
+def _lookup(module: types.ModuleType, attribute: str) -> Any:
+    obj: Any = module
+    for name in attribute.split("."):
+        obj = getattr(obj, name, None)
+    return obj
+
+
 def _install(client: Client, module: types.ModuleType) -> None:
     if client.name in _installed:
         return
-    fn = _raw_function(getattr(module, client.attribute, None))
+    fn = _raw_function(_lookup(module, client.attribute))
     if not isinstance(fn, types.FunctionType):
         _installed[client.name] = f"{client.attribute} is not a Python function in this release"
         return
@@ -158,11 +166,14 @@ def take_decisions() -> list[dict[str, Any]]:
     return pending
 
 
-def _decide(client: str, *config: Any) -> bool:
+def _applies() -> bool:
+    """Whether the frame being traced is compiled by hc with the substitutions on."""
     options = _hc_options()
-    if options is None:
-        return False
-    if PASS_NAME in tuple(options.get("disable_passes", ()) or ()):
+    return options is not None and PASS_NAME not in tuple(options.get("disable_passes", ()) or ())
+
+
+def _decide(client: str, *config: Any) -> bool:
+    if not _applies():
         return False
     key = (client, *config)
     with _lock:
@@ -200,11 +211,25 @@ def _use_substitute_traced(client: str, *config: Any) -> bool:
     return False
 
 
+def decline(client: str, reason: str, *config: Any) -> None:
+    """Called by a substitute that traces the original because the call uses something the
+    substitute does not cover (an option, a cache): the reason goes into the report as a refusal,
+    under hc only. Folded by Dynamo at trace time like use_substitute (the traceable stand-in
+    records nothing when an argument is not a constant)."""
+    if _applies():
+        _record({"client": client, "config": config, "error": None, "substituted": False, "reason": reason})
+
+
+def _decline_traced(client: str, reason: str, *config: Any) -> None:
+    return None
+
+
 def _register_decision_fold() -> None:
     from torch._dynamo.decorators import substitute_in_graph
 
     substitute_in_graph(use_substitute, can_constant_fold_through=True,
                         skip_signature_check=True)(_use_substitute_traced)
+    substitute_in_graph(decline, can_constant_fold_through=True, skip_signature_check=True)(_decline_traced)
 
 
 # --- installing for modules imported later ---------------------------------------------------------
