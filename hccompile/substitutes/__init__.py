@@ -1,11 +1,13 @@
 """Library functions that Dynamo would unroll, traced as one hccompile op when hc is the backend.
 
-HF transformers' plain-PyTorch delta rules loop over chunks in Python. Dynamo unrolls such a loop,
+HF transformers' plain-PyTorch delta rules loop over chunks in Python (hccompile.nn's plain chunked
+forms too; MiniMax's lightning layer loops over blocks inside its forward method). Dynamo unrolls such a loop,
 and its trip count pins the sequence length: every new length is a new graph, and compile time
 grows with T (on the H100, 144 s at T=2048 and 266 s at T=4096 for Kimi-Linear's KDA layer). The
 pass layer can still match the unrolled loop, but only after Dynamo has specialised T. For the
-functions listed in `clients.py`, hc asks Dynamo to trace a substitute that calls our op
-(`torch._dynamo.substitute_in_graph`): one graph for every T, compiled in seconds.
+functions listed in `clients.py` (a function, or a method as "Class.method"), hc asks Dynamo to
+trace a substitute that calls our op (`torch._dynamo.substitute_in_graph`): one graph for every T,
+compiled in seconds.
 
 Two rules keep this honest:
 - Only under hc. The substitute asks, at trace time, which backend the frame is traced for (a call
@@ -15,7 +17,8 @@ Two rules keep this honest:
   flags), the original function and the op's token-by-token reference run on the CPU on random
   float32 inputs of that configuration; they must agree within PROBE_TOLERANCE (relative RMS of the
   output and of the final state). A release of the library whose signature or math differs is
-  traced as written, and the report says why.
+  traced as written, and the report says why. A call the substitute does not cover (an option, a
+  cache) is traced as written too, with the reason (`decline`).
 
 Every decision (substituted, with the probe's error, or not, with the reason) goes into the report
 of the graph being traced (the `substitutes` pass drains them).
@@ -203,7 +206,9 @@ def _run_probe(client_name: str, config: tuple) -> tuple[bool, str, float | None
 def use_substitute(client: str, *config: Any) -> bool:
     """Called by the substitutes with the client's name and its static configuration (ints,
     bools). Dynamo folds the call at trace time (its arguments are constants); when one is not
-    (a symbolic head count), the traceable stand-in below runs instead and answers False."""
+    (a symbolic head count), the traceable stand-in below runs instead and answers False, and
+    nothing is reported. A substitute that must decide on sizes of a compiled function's own inputs
+    (symbols under dynamic=True) fixes them first with operator.index (clients.py, hccompile.nn's)."""
     return _decide(client, *config)
 
 
