@@ -4,7 +4,8 @@ Gated DeltaNet, Kimi-Linear KDA. Each layer is built through its model's config 
 initialisation), compiled once with dynamic=True and run at three lengths: one graph, the chunked
 delta rule traced as hccompile.chunk_delta_rule (hccompile.substitutes) in forward and backward,
 the short convolution as shifted sums (passes/depthwise_conv.py), outputs and every gradient
-within the float32 error of HF's own code, both measured against HF's code in float64.
+within the float32 error of HF's own code, both measured against HF's code in float64. MiniMax's
+lightning attention layer the same way, its forward method substituted (one lightning_attn call).
 
 The op runs its plain-PyTorch fallback here (TRITON_INTERPRET=0 for its dispatch, as in
 test_delta_rule_pass.py): these tests are about the substitution; the kernels are checked against the
