@@ -7,8 +7,9 @@ For each layer: one torch.compile(backend="hc", dynamic=True) object run at ever
   {"bench": "graphs", "model", "lengths", "graphs", "lowered"}  graphs compiled over all lengths and
       whether an hccompile op reached the forward graph
 and the same with backend="inductor" for comparison. Layers: HF transformers' Qwen3-Next GDN,
-Qwen3.5 GDN, OLMo-hybrid GDN, Kimi-Linear KDA (tiny configs through their config classes, as
-tests/test_hf_clients.py builds them), and hccompile.nn's plain-PyTorch attention modules.
+Qwen3.5 GDN, OLMo-hybrid GDN, Kimi-Linear KDA and MiniMax's lightning attention (tiny configs
+through their config classes, as tests/test_hf_clients.py builds them), and hccompile.nn's
+plain-PyTorch attention modules.
 
     python benchmarks/compile_time.py --out benchmarks/results/compile_<date>_<device>.jsonl
 """
@@ -36,6 +37,7 @@ HIDDEN = 64  # the tiny configs' hidden size
 # and recompile past it: there, pass --lengths 96,160,250 to count our graphs, not that guard's.
 MODELS = {"qwen3_next": "HF Qwen3-Next GatedDeltaNet", "qwen3_5": "HF Qwen3.5 GatedDeltaNet",
           "olmo_hybrid": "HF OLMo-hybrid GatedDeltaNet", "kimi_linear": "HF Kimi-Linear KDA",
+          "minimax": "HF MiniMax lightning",
           "nn_gdn": "hccompile.nn GatedDeltaNet (plain)", "nn_kda": "hccompile.nn KimiDeltaAttention (plain)",
           "nn_lightning": "hccompile.nn LightningAttention (quadratic, decay)",
           "nn_linear": "hccompile.nn PlainCausalLinearAttention"}
@@ -55,6 +57,9 @@ def _layer(family: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     elif family == "nn_linear":
         from hccompile.nn.linear_attention import PlainCausalLinearAttention
         layer = PlainCausalLinearAttention(HIDDEN, 2)
+    elif family == "minimax":
+        from test_hf_clients import _Attention, _minimax
+        layer = _Attention(_minimax().layers[0].self_attn)  # called as layer(x): no position embeddings, no mask
     else:
         from test_hf_clients import _tiny
         layer = _tiny(family)
@@ -90,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
     ap.add_argument("--backends", default="hc,inductor")
-    ap.add_argument("--lengths", default="96,160,288")
+    ap.add_argument("--lengths", default="96,160,288", help="the GPU run's (issue 21); on the CPU see HIDDEN's note")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, help="append the rows (JSON lines) here")

@@ -1,5 +1,5 @@
 """Gated delta rule (GDN) and KDA: our op vs FLA 0.6.0 vs the plain-PyTorch chunked form (eager,
-Inductor, and hc, which lowers it to our op), forward and forward+backward, bf16; and the compile
+Inductor, and hc, which traces the chunk function as our op: hccompile.substitutes), forward and forward+backward, bf16; and the compile
 time of a plain Gated DeltaNet layer under hc and under Inductor.
 
 One command on a CUDA machine (FLA is optional: without it its rows are skipped with a note):
@@ -247,7 +247,10 @@ def compile_rows(args, meta) -> list[dict]:
             layer = GatedDeltaNet(hidden_size=args.compile_hidden, num_heads=args.compile_heads, head_dim=128,
                                   mode="plain").to("cuda", dtype)
             x = torch.randn(1, T, args.compile_hidden, device="cuda", dtype=dtype, requires_grad=True)
-            fn = torch.compile(layer, backend=backend, fullgraph=True)
+            if backend == "hc-unrolled":  # the chunk loop unrolled by Dynamo, lowered by the delta_rule pass
+                fn = torch.compile(layer, backend="hc", fullgraph=True, options={"disable_passes": ["substitutes"]})
+            else:  # "hc": the chunk function traced as the op (hccompile.substitutes)
+                fn = torch.compile(layer, backend=backend, fullgraph=True)
             row = {**meta, "bench": "compile", "model": f"GatedDeltaNet(hidden {args.compile_hidden}, "
                    f"{args.compile_heads} heads of 128) plain, fwd+bwd", "backend": backend, "T": T,
                    "dtype": args.dtype}
@@ -306,7 +309,9 @@ def main() -> None:
     p.add_argument("--compile-lengths", default="2048,8192")
     p.add_argument("--compile-hidden", type=int, default=1024)
     p.add_argument("--compile-heads", type=int, default=8)
-    p.add_argument("--compile-backends", default="hc,inductor", help="backends of the compile rows")
+    p.add_argument("--compile-backends", default="hc,inductor",
+                   help="backends of the compile rows; hc-unrolled: hc with substitutes off (the delta_rule "
+                        "pass on the unrolled loop, what 'hc' measured before 2026-11-26)")
     p.add_argument("--skip-inductor-compile", action="store_true",
                    help="skip the Inductor compile of the plain layer (minutes at T=8192)")
     p.add_argument("--dtype", default="bfloat16")

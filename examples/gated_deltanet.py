@@ -1,6 +1,8 @@
 """Compile a small Gated DeltaNet language model whose recurrence is written in plain PyTorch (the
-chunked form, hccompile.nn.delta_net.plain_chunk_gated_delta_rule). The hc backend lowers each
-layer's recurrence to hccompile's delta-rule op, forward and backward, and reports it.
+chunked form, hccompile.nn.delta_net.plain_chunk_gated_delta_rule). The hc backend traces that
+function as hccompile's delta-rule op (hccompile.substitutes, once a probe proves them equal: one graph
+for every length), forward and backward, and reports it. With the substitutes off, the delta_rule pass
+finds the same recurrence in Dynamo's unrolled loop and lowers it (one graph per chunk count).
 
 On a CPU the example stops short of Inductor's code generation (compiler="aot_eager"): the lowering
 is the same, and the example runs in seconds instead of minutes."""
@@ -20,7 +22,13 @@ compiled = torch.compile(model, backend="hc", options=options)
 torch.testing.assert_close(compiled(tokens), model(tokens), rtol=2e-3, atol=2e-3)
 
 report = hccompile.explain(model, tokens, options=options)
-# each layer's recurrence, lowered; the layers' short convolutions are matches too (depthwise_conv)
-assert [m["pattern"] for m in report.matches if m["pass"] == "delta_rule"] == ["delta_rule", "delta_rule"], \
-    report.refusals
+# the chunk function, substituted (one decision per configuration: both layers share it); the layers'
+# short convolutions are matches too (depthwise_conv)
+assert [m["client"] for m in report.matches if m["pattern"] == "substitute"] == \
+    ["hccompile.nn.delta_net.plain_chunk_gated_delta_rule"], report.refusals
 print(report)
+
+unrolled = hccompile.explain(model, tokens, options={**options, "disable_passes": ["substitutes"]})
+# each layer's unrolled recurrence, lowered by the pass
+assert [m["pattern"] for m in unrolled.matches if m["pass"] == "delta_rule"] == ["delta_rule", "delta_rule"], \
+    unrolled.refusals

@@ -2,6 +2,9 @@
 forward-substitution loop, scan — are lowered to hccompile::chunk_delta_rule (outputs and gradients
 as the uncompiled function), near-misses are refused with their reason.
 
+hccompile.nn's plain chunked forms are substituted by the op under hc (hccompile.substitutes); these
+tests turn that off (Collect below) so that the pass sees their unrolled loops.
+
 Most tests run the op through its documented plain-PyTorch fallback (TRITON_INTERPRET=0 for the
 op's dispatch): they test the lowering, and the Triton interpreter would spend minutes on kernels
 that tests/test_delta_rule_ops.py checks already. test_inductor_graphs_call_the_kernels runs the
@@ -14,7 +17,8 @@ import torch.nn.functional as F
 from torch._higher_order_ops.scan import scan
 
 import hccompile.passes.delta_rule  # noqa: F401  (registers the pass now)
-from helpers import Collect, fwd_bwd, rel_err
+import helpers
+from helpers import fwd_bwd, rel_err
 from hccompile.nn.delta_net import (plain_chunk_gated_delta_rule, plain_chunk_kda, plain_recurrent_delta_rule)
 
 OP = "hccompile.chunk_delta_rule.default"
@@ -28,6 +32,13 @@ def reference_op(monkeypatch):
     if torch.cuda.is_available():
         return
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def Collect(**options):
+    """hc with the substitutions off: hccompile.nn's plain chunked forms, which hc otherwise traces
+    as the op (hccompile.substitutes), reach this pass as written, their loops unrolled."""
+    disabled = tuple(options.pop("disable_passes", ())) + ("substitutes",)
+    return helpers.Collect(disable_passes=disabled, **options)
 
 
 def _inputs(B=1, T=21, H=2, HV=2, K=16, V=16, gate="scalar", h0=True, seed=0, layout="bthd"):

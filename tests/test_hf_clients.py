@@ -4,7 +4,8 @@ Gated DeltaNet, Kimi-Linear KDA. Each layer is built through its model's config 
 initialisation), compiled once with dynamic=True and run at three lengths: one graph, the chunked
 delta rule traced as hccompile.chunk_delta_rule (hccompile.substitutes) in forward and backward,
 the short convolution as shifted sums (passes/depthwise_conv.py), outputs and every gradient
-within the float32 error of HF's own code, both measured against HF's code in float64.
+within the float32 error of HF's own code, both measured against HF's code in float64. MiniMax's
+lightning attention layer the same way, its forward method substituted (one lightning_attn call).
 
 The op runs its plain-PyTorch fallback here (TRITON_INTERPRET=0 for its dispatch, as in
 test_delta_rule_pass.py): these tests are about the substitution; the kernels are checked against the
@@ -242,28 +243,144 @@ def test_a_changed_signature_is_not_substituted(tmp_path, monkeypatch):
     sys.modules.pop(name, None)
 
 
-def test_minimax_lightning_blocks_are_lowered(reference_op):
-    """HF MiniMax's lightning attention: its block loop is inline in forward (no function to
-    substitute) and its decay a precomputed buffer (diagonal_decay). The linear_attn pass lowers each
-    block's decayed intra-block attention, the decay read off the buffer and the whole buffer checked
-    against exp(γ_h (t−s)); the inter-block part stays as written (issue 21: not one loop yet)."""
+# --- HF MiniMax: lightning attention, the layer's forward substituted -------------------------------
+LIGHTNING_OP = "hccompile.lightning_attn.default"
+LIGHTNING_BWD = "hccompile.lightning_attn_backward.default"
+MINIMAX_CLIENT = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention.forward"
+
+
+def _minimax(**config):
+    """A tiny MiniMax model (linear-attention layer first, block size 16) as HF initialises it."""
     from transformers import MiniMaxConfig, MiniMaxModel
 
-    torch._dynamo.reset()
     torch.manual_seed(0)
-    model = MiniMaxModel(MiniMaxConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, num_local_experts=2, num_experts_per_tok=1, block_size=16,
-        layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2))
-    layer = model.layers[0].self_attn
+    return MiniMaxModel(MiniMaxConfig(**{
+        **dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=2, head_dim=32, num_local_experts=2, num_experts_per_tok=1, block_size=16,
+               layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        **config}))
+
+
+class _Attention(torch.nn.Module):
+    """The layer called as MiniMax's decoder layer calls it (no position embeddings, no mask)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x, None, None)[0]
+
+
+def test_minimax_layer_is_one_graph_for_every_length_and_equals_hf(reference_op):
+    """MiniMax's lightning layer runs its block loop inline in forward: hc substitutes the method,
+    the attention (the inter-block recurrence included) one lightning_attn call. dynamic=True at three
+    lengths: one graph, the op in forward and backward, outputs and every gradient within the
+    float32 error of HF's own code against HF's code in float64."""
+    torch._dynamo.reset()
+    layer = _Attention(_minimax().layers[0].self_attn).to(DEVICE)
+    layer64 = copy.deepcopy(layer).double()
+    be = Collect(force_disable_caches=True)
+    compiled = torch.compile(layer, backend=be, fullgraph=True, dynamic=True)
+    for T in LENGTHS:
+        gen = torch.Generator().manual_seed(T)
+        x = torch.randn(1, T, 64, generator=gen).to(DEVICE).requires_grad_(True)
+        w = torch.randn(1, T, 64, generator=gen).to(DEVICE)
+        out, grads = _run(compiled, x, w)
+        out32, grads32 = _run(layer, x, w)
+        out64, grads64 = _run(layer64, x.detach().double().requires_grad_(True), w.double())
+        names = ["x"] + [n for n, _ in layer.named_parameters()]
+        for name, a, a32, a64 in zip(["out"] + names, (out, *grads), (out32, *grads32), (out64, *grads64)):
+            ours, theirs = rel_err(a, a64), rel_err(a32, a64)
+            assert ours <= max(ERROR_RATIO * theirs, 1e-6), (T, name, ours, theirs)
+    assert len(be.reports) == 1, f"{len(be.reports)} graphs for lengths {LENGTHS}"
+    report = be.reports[0]
+    (m,) = [m for m in report.matches if m["pattern"] == "substitute"]
+    assert m["client"] == MINIMAX_CLIENT and m["config"] == [2, 32, 16, False], m  # heads, head dim, block, mask
+    assert m["probe_error"] < substitutes.PROBE_TOLERANCE
+    assert not [m for m in report.matches if m["pass"] == "linear_attn"]  # no block loop left to lower
+    assert LIGHTNING_OP in report.lowered_ops["forward"] and LIGHTNING_BWD in report.lowered_ops["backward"]
+    assert not report.fallback
+
+
+def test_minimax_model_without_cache_is_substituted_with_a_cache_traced_as_written(reference_op):
+    """The whole model (its decoder layers call the attention with keywords, through HF's
+    deprecate_kwarg wrapper): use_cache=False, the layer is substituted; use_cache=True hands the layer
+    a MiniMaxCache, which the substitute does not cover: HF's code is traced (each block's intra-block
+    product still lowered by the linear_attn pass) and the report says why."""
+    model = _minimax()
+    tokens = torch.randint(3, 64, (1, 40))
+
+    def run(use_cache):
+        torch._dynamo.reset()
+        be = Collect(compiler="aot_eager")
+        out = torch.compile(lambda t: model(t, use_cache=use_cache).last_hidden_state, backend=be,
+                            fullgraph=True)(tokens)
+        assert rel_err(out, model(tokens, use_cache=use_cache).last_hidden_state) < 1e-5
+        return be
+
+    be = run(False)
+    assert [m["client"] for m in be.matches if m["pattern"] == "substitute"] == [MINIMAX_CLIENT]
+    be = run(True)
+    assert not [m for m in be.matches if m["pattern"] == "substitute"]
+    (refused,) = [r for r in be.refusals if r["pattern"] == "substitute"]
+    assert refused["client"] == MINIMAX_CLIENT and refused["reason"].startswith("a cache is given"), refused
+    assert [m["pattern"] for m in be.matches if m["pass"] == "linear_attn"] == ["decayed_linear_attn"] * 3
+
+
+def test_a_minimax_release_whose_math_differs_is_traced_as_written(tmp_path, monkeypatch, reference_op):
+    """A copy of HF's layer whose inter-block state decays at half the rate (one changed line): the
+    probe (HF's forward against lightning_attn's reference on a layer that copy builds) refuses it,
+    and the copy's own code is traced."""
+    import inspect
+
+    from hccompile.substitutes.clients import (_MINIMAX_PARAMETERS, _minimax_probe, _minimax_substitute)
+    from transformers.models.minimax import modeling_minimax
+
+    source = textwrap.dedent(inspect.getsource(modeling_minimax.MiniMaxLightningAttention))
+    line = "block_decay = torch.exp(-self.slope_rate * current_block_size)"
+    assert line in source, "HF's MiniMax changed: pick another line to alter"
+    name = "hc_sub_minimax_halved"
+    (tmp_path / f"{name}.py").write_text(
+        "from transformers.models.minimax import modeling_minimax as _hf\n"
+        "globals().update({k: v for k, v in vars(_hf).items() if not k.startswith('__')})\n\n"
+        + source.replace(line, line.replace("current_block_size)", "current_block_size * 0.5)")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__(name)
+    client = f"{name}.MiniMaxLightningAttention.forward"
+    substitutes.register(substitutes.Client(name, "MiniMaxLightningAttention.forward", _MINIMAX_PARAMETERS,
+                                            _minimax_substitute, _minimax_probe))
+    assert substitutes.installed()[client] == "substituted"  # the signature is HF's: the probe decides
+    config = _minimax().config
+    torch.manual_seed(0)
+    layer = _Attention(module.MiniMaxLightningAttention(config, 0))
+    torch._dynamo.reset()
+    be = Collect(compiler="aot_eager")
+    x = torch.randn(1, 40, 64)
+    out = torch.compile(layer, backend=be, fullgraph=True)(x)
+    (refused,) = [r for r in be.refusals if r["pattern"] == "substitute"]
+    assert refused["client"] == client and "differ" in refused["reason"], refused
+    assert not [m for m in be.matches if m["pattern"] == "substitute"]
+    assert rel_err(out, layer(x)) < 1e-5
+
+
+def test_minimax_lightning_blocks_are_lowered_with_substitutes_disabled(reference_op):
+    """HF MiniMax's lightning attention with disable_passes=("substitutes",): its block loop, inline in
+    forward, reaches the passes unrolled, its decay a precomputed buffer (diagonal_decay). The
+    linear_attn pass lowers each block's decayed intra-block attention, the decay read off the buffer
+    and the whole buffer checked against exp(γ_h (t−s)); the inter-block part stays as written, and
+    the length stays pinned (one graph per block count)."""
+    torch._dynamo.reset()
+    layer = _minimax().layers[0].self_attn
 
     def attention(x):
         return layer(x, None, None)[0]
 
-    be = Collect(compiler="aot_eager")
+    be = Collect(compiler="aot_eager", disable_passes=("substitutes",))
     x = torch.randn(1, 40, 64)
     out, (dx,) = fwd_bwd(torch.compile(attention, backend=be, fullgraph=True), x)
     ref, (rx,) = fwd_bwd(attention, x)
+    assert not [m for m in be.matches if m["pattern"] == "substitute"]
     matches = [(m["pattern"], m["op"]) for m in be.matches if m["pass"] == "linear_attn"]
     assert matches == [("decayed_linear_attn", "lightning_attn")] * 3, be.refusals  # 40 tokens: 3 blocks
     assert rel_err(out, ref) < 1e-5 and rel_err(dx, rx) < 1e-5

@@ -18,18 +18,24 @@ def reference_op(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
+@pytest.mark.parametrize("route", ["substitute", "delta_rule pass"])
 @pytest.mark.parametrize("layer", [GatedDeltaNet, KimiDeltaAttention])
-def test_delta_layers_compile_with_a_symbolic_length_batch_one(layer, reference_op):
+def test_delta_layers_compile_with_a_symbolic_length_batch_one(layer, route, reference_op):
+    """Both routes to the op: the chunk function traced as the op (hccompile.substitutes, the
+    default) and, with substitutes disabled, the delta_rule pass rewriting the unrolled loop."""
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     m = layer(32, num_heads=2, head_dim=16).to(device)
-    be = Collect(strict=True)  # a failed compile raises instead of falling back
+    disabled = ("substitutes",) if route == "delta_rule pass" else ()
+    be = Collect(strict=True, disable_passes=disabled)  # strict: a failed compile raises instead of falling back
     cm = torch.compile(m, backend=be, dynamic=True, fullgraph=True)
     x = torch.randn(1, 70, 32, device=device)
     out, grads = fwd_bwd(cm, x)
     ref, ref_grads = fwd_bwd(m, x)
     report = be.reports[0]
     assert report.fallback is None
+    assert [m["pattern"] for m in report.matches if m["pattern"] in ("substitute", "delta_rule")] == \
+        [route.split()[0]]
     notes = [note for p in report.passes if p.name == "saved_views" for note in p.notes]
     assert len(notes) == 1 and "replayed in backward" in notes[0], notes
     assert rel_err(out, ref) < 1e-4 and rel_err(grads[0], ref_grads[0]) < 1e-4

@@ -1,11 +1,13 @@
 """Library functions that Dynamo would unroll, traced as one hccompile op when hc is the backend.
 
-HF transformers' plain-PyTorch delta rules loop over chunks in Python. Dynamo unrolls such a loop,
+HF transformers' plain-PyTorch delta rules loop over chunks in Python (hccompile.nn's plain chunked
+forms too; MiniMax's lightning layer loops over blocks inside its forward method). Dynamo unrolls such a loop,
 and its trip count pins the sequence length: every new length is a new graph, and compile time
 grows with T (on the H100, 144 s at T=2048 and 266 s at T=4096 for Kimi-Linear's KDA layer). The
 pass layer can still match the unrolled loop, but only after Dynamo has specialised T. For the
-functions listed in `clients.py`, hc asks Dynamo to trace a substitute that calls our op
-(`torch._dynamo.substitute_in_graph`): one graph for every T, compiled in seconds.
+functions listed in `clients.py` (a function, or a method as "Class.method"), hc asks Dynamo to
+trace a substitute that calls our op (`torch._dynamo.substitute_in_graph`): one graph for every T,
+compiled in seconds.
 
 Two rules keep this honest:
 - Only under hc. The substitute asks, at trace time, which backend the frame is traced for (a call
@@ -15,7 +17,8 @@ Two rules keep this honest:
   flags), the original function and the op's token-by-token reference run on the CPU on random
   float32 inputs of that configuration; they must agree within PROBE_TOLERANCE (relative RMS of the
   output and of the final state). A release of the library whose signature or math differs is
-  traced as written, and the report says why.
+  traced as written, and the report says why. A call the substitute does not cover (an option, a
+  cache) is traced as written too, with the reason (`decline`).
 
 Every decision (substituted, with the probe's error, or not, with the reason) goes into the report
 of the graph being traced (the `substitutes` pass drains them).
@@ -41,8 +44,9 @@ _REQUIRED = object()  # a parameter without a default
 
 @dataclasses.dataclass(frozen=True)
 class Client:
-    """One library function: where it lives, the parameters (name, default) it must have, and how
-    to build its substitute from a callable copy of the original and the client's name."""
+    """One library function: where it lives (`attribute` may be dotted, "Class.method", for a
+    method), the parameters (name, default) it must have, and how to build its substitute from a
+    callable copy of the original and the client's name."""
 
     module: str
     attribute: str
@@ -108,10 +112,17 @@ def _copy(fn: types.FunctionType) -> types.FunctionType:
     return clone
 
 
+def _lookup(module: types.ModuleType, attribute: str) -> Any:
+    obj: Any = module
+    for name in attribute.split("."):
+        obj = getattr(obj, name, None)
+    return obj
+
+
 def _install(client: Client, module: types.ModuleType) -> None:
     if client.name in _installed:
         return
-    fn = _raw_function(getattr(module, client.attribute, None))
+    fn = _raw_function(_lookup(module, client.attribute))
     if not isinstance(fn, types.FunctionType):
         _installed[client.name] = f"{client.attribute} is not a Python function in this release"
         return
@@ -158,11 +169,14 @@ def take_decisions() -> list[dict[str, Any]]:
     return pending
 
 
-def _decide(client: str, *config: Any) -> bool:
+def _applies() -> bool:
+    """Whether the frame being traced is compiled by hc with the substitutions on."""
     options = _hc_options()
-    if options is None:
-        return False
-    if PASS_NAME in tuple(options.get("disable_passes", ()) or ()):
+    return options is not None and PASS_NAME not in tuple(options.get("disable_passes", ()) or ())
+
+
+def _decide(client: str, *config: Any) -> bool:
+    if not _applies():
         return False
     key = (client, *config)
     with _lock:
@@ -192,7 +206,9 @@ def _run_probe(client_name: str, config: tuple) -> tuple[bool, str, float | None
 def use_substitute(client: str, *config: Any) -> bool:
     """Called by the substitutes with the client's name and its static configuration (ints,
     bools). Dynamo folds the call at trace time (its arguments are constants); when one is not
-    (a symbolic head count), the traceable stand-in below runs instead and answers False."""
+    (a symbolic head count), the traceable stand-in below runs instead and answers False, and
+    nothing is reported. A substitute that must decide on sizes of a compiled function's own inputs
+    (symbols under dynamic=True) fixes them first with operator.index (clients.py, hccompile.nn's)."""
     return _decide(client, *config)
 
 
@@ -200,11 +216,25 @@ def _use_substitute_traced(client: str, *config: Any) -> bool:
     return False
 
 
+def decline(client: str, reason: str, *config: Any) -> None:
+    """Called by a substitute that traces the original because the call uses something the
+    substitute does not cover (an option, a cache): the reason goes into the report as a refusal,
+    under hc only. Folded by Dynamo at trace time like use_substitute (the traceable stand-in
+    records nothing when an argument is not a constant)."""
+    if _applies():
+        _record({"client": client, "config": config, "error": None, "substituted": False, "reason": reason})
+
+
+def _decline_traced(client: str, reason: str, *config: Any) -> None:
+    return None
+
+
 def _register_decision_fold() -> None:
     from torch._dynamo.decorators import substitute_in_graph
 
     substitute_in_graph(use_substitute, can_constant_fold_through=True,
                         skip_signature_check=True)(_use_substitute_traced)
+    substitute_in_graph(decline, can_constant_fold_through=True, skip_signature_check=True)(_decline_traced)
 
 
 # --- installing for modules imported later ---------------------------------------------------------

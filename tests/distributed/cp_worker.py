@@ -50,8 +50,11 @@ CASES = {
                                  dict(op=True)),
     "gdn-compiled-hc-fullgraph": (2, "scalar", dict(seqlens=[9, 40]), dict(), dict(compile=True)),
     # The GDN written in plain PyTorch (chunked form), compiled with hc: the delta-rule pass lowers it
-    # and the op runs as CP; without both, each rank would compute its own tokens' recurrence only.
-    "gdn-plain-chunked-form-lowered-by-hc": (2, "scalar", dict(batch=1, time=37), dict(), dict(plain=True)),
+    # (substitutes disabled) or hc traces the function as the op (hccompile.substitutes, the default),
+    # and the op runs as CP; without that, each rank would compute its own tokens' recurrence only.
+    "gdn-plain-chunked-form-lowered-by-hc": (2, "scalar", dict(batch=1, time=37), dict(), dict(plain="pass")),
+    "gdn-plain-chunked-form-substituted-by-hc": (2, "scalar", dict(batch=1, time=37), dict(),
+                                                 dict(plain="substitute")),
     # 4 ranks
     "gdn-varlen-crosses-3-middle-ranks": (4, "scalar", dict(seqlens=[5, 60, 8]), dict(), dict(op=True)),
     "kda-zigzag-crosses-7": (4, "channel", dict(seqlens=[43]), dict(layout="zigzag", strategy="scan"),
@@ -61,7 +64,7 @@ CASES = {
 SUITES = {
     "two": [name for name, case in CASES.items() if case[0] == 2],
     "four": [name for name, case in CASES.items() if case[0] == 4],
-    "plain": ["gdn-plain-chunked-form-lowered-by-hc"],  # for running that case alone
+    "plain": ["gdn-plain-chunked-form-lowered-by-hc", "gdn-plain-chunked-form-substituted-by-hc"],
 }
 
 
@@ -132,7 +135,9 @@ def run_case(name: str) -> dict[str, float] | None:
             return plain_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                                                 use_qk_l2norm=True, chunk_size=16)
 
-        compiled_plain = torch.compile(plain_layer, backend="hc", fullgraph=True)
+        disabled = ["substitutes"] if options["plain"] == "pass" else []
+        compiled_plain = torch.compile(plain_layer, backend="hc", fullgraph=True,
+                                       options={"disable_passes": disabled})
 
         def function(gate, tensors, cu_seqlens, options):  # noqa: F811
             return compiled_plain(*(tensors[n] for n in ("q", "k", "v", "beta", "g", "initial_state")))

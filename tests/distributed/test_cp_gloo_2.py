@@ -3,7 +3,8 @@ interpreter): outputs, final states and every gradient of the public functions u
 context_parallel equal the single-process run (tests/distributed/cp_worker.py has the cases: layouts,
 strategies, sequences crossing 0, 1 and several rank boundaries, uneven splits, fixed-length rows,
 initial state, KDA's in-kernel gate, a model compiled with backend="hc", and the GDN written in
-plain PyTorch, lowered by the delta-rule pass and run as CP with no model edits)."""
+plain PyTorch, lowered by the delta-rule pass or traced as the op by hc's substitutes, and run as CP with
+no model edits)."""
 from __future__ import annotations
 
 import pytest
