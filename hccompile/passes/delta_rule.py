@@ -56,6 +56,7 @@ import torch.fx as fx
 from ..compat import concrete_shape, size_hint, view_attribute
 from ..lowering.delta_rule import keeps_intermediates
 from . import fx_match as M
+from .fx_match import Refusal, probe_tolerance
 from .base import GraphPass, PassContext, register_pass, unrolled_loop_note
 
 PATTERN = "delta_rule"
@@ -73,10 +74,6 @@ MAX_ROTATION = 8
 NAIVE_REFERENCE_TOKENS = 256
 # Forward walks that classify an input stop after this many nodes.
 GATE_WALK_LIMIT = 512
-
-
-class Refusal(Exception):
-    """The candidate is not lowered; the message is the reason in the report."""
 
 
 class NotARecurrence(Exception):
@@ -1858,7 +1855,7 @@ def lower_loop(loop: _Loop, gm: fx.GraphModule, idx: _Index, ctx: PassContext) -
         raise Refusal("probe=False: this pass identifies the scale, l2 normalisation and the roles of "
                       "q, k and v numerically, so it does not lower without the probe")
     dtype = _tensor_example(options[0].v.node).dtype
-    tol = 1e-4 if dtype == torch.float32 else ctx.config.probe_tolerance
+    tol = probe_tolerance(dtype, ctx.config)
     probe = _Probe(loop, region, gm, idx, tol)
     l2_options = (False, True) if _has_l2norm_ops(region, idx) else (False,)
     with torch.no_grad():

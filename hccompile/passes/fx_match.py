@@ -1,5 +1,7 @@
 """Helpers for matching on Dynamo (torch-IR) graphs, where one operation has many spellings:
-`a @ b`, `torch.matmul(a, b)`, `a.matmul(b)`; `torch.tril(x)`, `x.tril()`; and so on."""
+`a @ b`, `torch.matmul(a, b)`, `a.matmul(b)`; `torch.tril(x)`, `x.tril()`; and so on. Also what
+every pass shares to refuse a candidate (Refusal) and to prove a match by probe (probe_tolerance,
+rel_rms_error, evaluate)."""
 from __future__ import annotations
 
 import operator
@@ -40,6 +42,17 @@ for _kind, (_fns, _methods) in _SPELLINGS.items():
 _RANDOM_TARGETS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
                    torch.bernoulli, torch.nn.functional.dropout, torch.dropout, torch.multinomial,
                    torch.normal}
+
+
+class Refusal(Exception):
+    """A candidate is not lowered; the message is the reason the pass's report gives."""
+
+
+def probe_tolerance(dtype: torch.dtype, config: Any) -> float:
+    """The relative RMS error a pass's probe accepts between a replacement and the region it
+    replaces, computed in `dtype`: 1e-4 in float32/float64 (the same math in another order), the
+    configured `probe_tolerance` in half precision (rounding of intermediates differs)."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else config.probe_tolerance
 
 
 def kind(node: Any) -> str | None:

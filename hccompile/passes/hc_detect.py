@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from . import fx_match as M
+from .fx_match import Refusal
 from .base import GraphPass, PassContext, register_pass
 
 PATTERN = "mhc_layer"
@@ -362,10 +363,6 @@ class HCLayer:
                 "x_out": self.x_out.name, "h_pre": self.h_pre.name, "h_post": self.h_post.name,
                 "h_res": self.h_res.name, "sinkhorn_rounds": (len(self.sinkhorn) - 1) // 2,
                 "stream_norm": self.stream_norm, "combined": self.combined}
-
-
-class Refusal(Exception):
-    pass
 
 
 def _is_add(node: Any) -> bool:

@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from ..compat import concrete_shape, size_hint
 from . import fx_match as M
+from .fx_match import Refusal
 from .base import GraphPass, PassContext, register_pass
 from .hc_detect import (HCLayer, current_layers, is_view, norm_step_parts, normalize_l1_parts,
                         view_root)
@@ -55,10 +56,6 @@ from .hc_detect import (HCLayer, current_layers, is_view, norm_step_parts, norma
 PATTERNS = ("mhc_mapping", "mhc_post", "mhc_aggregate")
 MAX_PROBE_NODES = 4096
 _SEED = 20261122
-
-
-class Refusal(Exception):
-    pass
 
 
 # ----------------------------------------------------------------------------------------
@@ -1143,10 +1140,6 @@ class _Random:
         return t.to(ev.dtype)
 
 
-def _tolerance(dtype: torch.dtype, ctx: PassContext) -> float:
-    return 1e-4 if dtype in (torch.float32, torch.float64) else ctx.config.probe_tolerance
-
-
 def _compare(got, want, what: str, tol: float) -> float:
     worst = 0.0
     for g, w in zip(got, want):
@@ -1173,7 +1166,7 @@ def probe_mapping(plan: MappingPlan, gm: fx.GraphModule, ctx: PassContext) -> fl
         want = M.evaluate(gm, plan.values, inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
         got = build_mapping(plan, eager_emit, inputs[plan.proj], inputs[plan.r],
                             [inputs.get(a) for a in plan.alphas], [inputs.get(b) for b in plan.biases])
-    return _compare(got, want, "mapping", _tolerance(M.example(plan.proj).dtype, ctx))
+    return _compare(got, want, "mapping", M.probe_tolerance(M.example(plan.proj).dtype, ctx.config))
 
 
 def probe_post(plan: PostPlan, gm: fx.GraphModule, ctx: PassContext) -> float:
@@ -1187,7 +1180,7 @@ def probe_post(plan: PostPlan, gm: fx.GraphModule, ctx: PassContext) -> float:
         want = M.evaluate(gm, [plan.x_out], inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
         got = [build_post(plan, eager_emit, inputs[X], inputs[plan.h_res], inputs[plan.h_post],
                           inputs[plan.f])]
-    return _compare(got, want, "post", _tolerance(M.example(X).dtype, ctx))
+    return _compare(got, want, "post", M.probe_tolerance(M.example(X).dtype, ctx.config))
 
 
 def probe_aggregate(plan: AggregatePlan, gm: fx.GraphModule, ctx: PassContext) -> float:
@@ -1197,7 +1190,7 @@ def probe_aggregate(plan: AggregatePlan, gm: fx.GraphModule, ctx: PassContext) -
     with torch.no_grad():
         want = M.evaluate(gm, [plan.node], inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
         got = [build_aggregate(plan, eager_emit, inputs[X], inputs[plan.h_pre])]
-    return _compare(got, want, "aggregate", _tolerance(M.example(X).dtype, ctx))
+    return _compare(got, want, "aggregate", M.probe_tolerance(M.example(X).dtype, ctx.config))
 
 
 # ----------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ..compat import concrete_shape
 from . import fx_match as M
+from .fx_match import Refusal
 from .base import GraphPass, PassContext, register_pass
 
 PATTERN = "htree_attention"
@@ -51,10 +52,6 @@ _RESHAPES = ((torch.reshape,), ("view", "reshape", "unflatten"))
 ROW_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 MAX_REGION_NODES = 20000
 PROBE_SEED = 20261122
-
-
-class Refusal(Exception):
-    pass
 
 
 @dataclass

@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ..compat import concrete_shape, size_hint
 from . import fx_match as M
+from .fx_match import Refusal
 from .base import GraphPass, PassContext, register_pass, unrolled_loop_note
 
 # Report pattern names, one per recognised form.
@@ -75,10 +76,6 @@ def lowering_op(form: str, has_decay: bool) -> str:
     if has_decay and op != "lightning_attn":
         raise ValueError(f"OP_FOR_FORM[{key!r}] = {op!r}: only lightning_attn takes a decay")
     return op
-
-
-class Refusal(Exception):
-    pass
 
 
 class _NotThisPattern(Refusal):
@@ -676,10 +673,6 @@ def _aligned_shape(node: Any, rank: int) -> tuple[int, ...]:
     return (1,) * (rank - len(shape)) + tuple(shape)
 
 
-def _tolerance(dtype: torch.dtype, ctx: PassContext) -> float:
-    return 1e-4 if dtype in (torch.float32, torch.float64) else ctx.config.probe_tolerance
-
-
 @dataclass
 class _Term:
     """An exponent coeff · Π heads · Π positions, each factor a graph node."""
@@ -898,7 +891,7 @@ class _DecayAnalysis:
         err = float((got - c * dist).norm() / max(float((c * dist).norm()), 1e-30))
         dtype = M.example(nodes[0]).dtype if isinstance(M.example(nodes[0]), torch.Tensor) \
             else torch.float32
-        if c == 0.0 or not err <= _tolerance(dtype, self.facts.ctx) * 1e-1:
+        if c == 0.0 or not err <= M.probe_tolerance(dtype, self.facts.ctx.config) * 1e-1:
             raise Refusal(f"decay exponent is not proportional to (t−s) below the diagonal "
                           f"(relative misfit {err:.3g}): a per-position or windowed decay")
         return c
@@ -988,7 +981,7 @@ def _analyse_masks(cand: Candidate, facts: _Facts, qkv_deps: int) -> None:
     want = expected[:, causal]
     err = M.rel_rms_error(got, want)
     dtype = M.example(f).dtype if isinstance(M.example(f), torch.Tensor) else torch.float32
-    if not err <= _tolerance(dtype, facts.ctx):
+    if not err <= M.probe_tolerance(dtype, facts.ctx.config):
         raise Refusal(f"decay mask is not exp(γ_h·(t−s)) below the diagonal for the γ read off its "
                       f"construction (relative error {err:.3g}): wrong orientation, or not a "
                       f"per-head constant decay")
@@ -1832,7 +1825,7 @@ class LinearAttentionPass(GraphPass):
             if ctx.config.probe:
                 err, region = probe(cand, facts)
                 dtype = M.example(cand.q.node).dtype
-                tol = _tolerance(dtype, ctx)
+                tol = M.probe_tolerance(dtype, ctx.config)
                 if not err <= tol:
                     raise Refusal(f"probe mismatch: the region differs from the {cand.form} "
                                   f"form's replacement by relative RMS {err:.3g} (tolerance "
