@@ -95,10 +95,13 @@ def reference_op(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"])
-def test_layer_is_one_graph_for_every_length_and_equals_hf(family, reference_op):
+def _one_graph_within_hf_error(layer, floors=None):
+    """Compiles `layer` under hc with dynamic=True and runs it at every length of LENGTHS: the
+    output and every gradient (x's and each parameter's) within ERROR_RATIO times the float32 error
+    of HF's own code against HF's code in float64 (or a floor: `floors` maps parameter-name parts to
+    their floor, 1e-6 otherwise), and one graph for all lengths. Returns the graph's report."""
     torch._dynamo.reset()
-    layer = _tiny(family).to(DEVICE)
+    layer = layer.to(DEVICE)
     layer64 = copy.deepcopy(layer).double()
     be = Collect(force_disable_caches=True)
     compiled = torch.compile(layer, backend=be, fullgraph=True, dynamic=True)
@@ -108,15 +111,19 @@ def test_layer_is_one_graph_for_every_length_and_equals_hf(family, reference_op)
         w = torch.randn(1, T, 64, generator=gen).to(DEVICE)
         out, grads = _run(compiled, x, w)
         out32, grads32 = _run(layer, x, w)
-        x64 = x.detach().double().requires_grad_(True)
-        out64, grads64 = _run(layer64, x64, w.double())
+        out64, grads64 = _run(layer64, x.detach().double().requires_grad_(True), w.double())
         names = ["x"] + [n for n, _ in layer.named_parameters()]
         for name, a, a32, a64 in zip(["out"] + names, (out, *grads), (out32, *grads32), (out64, *grads64)):
             ours, theirs = rel_err(a, a64), rel_err(a32, a64)
-            floor = GATE_FLOOR if any(gate in name for gate in GATE_NAMES) else 1e-6
-            assert ours <= max(ERROR_RATIO * theirs, floor), (family, T, name, ours, theirs)
+            floor = max([1e-6] + [f for part, f in (floors or {}).items() if part in name])
+            assert ours <= max(ERROR_RATIO * theirs, floor), (type(layer).__name__, T, name, ours, theirs)
     assert len(be.reports) == 1, f"{len(be.reports)} graphs for lengths {LENGTHS}"
-    report = be.reports[0]
+    return be.reports[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"])
+def test_layer_is_one_graph_for_every_length_and_equals_hf(family, reference_op):
+    report = _one_graph_within_hf_error(_tiny(family), floors={gate: GATE_FLOOR for gate in GATE_NAMES})
     substituted = [m for m in report.matches if m["pattern"] == "substitute"]
     assert len(substituted) == 1 and substituted[0]["probe_error"] < substitutes.PROBE_TOLERANCE, report.matches
     assert [m["kernel"] for m in report.matches if m["pattern"] == "depthwise_conv1d"] == [4]
@@ -277,24 +284,7 @@ def test_minimax_layer_is_one_graph_for_every_length_and_equals_hf(reference_op)
     the attention (the inter-block recurrence included) one lightning_attn call. dynamic=True at three
     lengths: one graph, the op in forward and backward, outputs and every gradient within the
     float32 error of HF's own code against HF's code in float64."""
-    torch._dynamo.reset()
-    layer = _Attention(_minimax().layers[0].self_attn).to(DEVICE)
-    layer64 = copy.deepcopy(layer).double()
-    be = Collect(force_disable_caches=True)
-    compiled = torch.compile(layer, backend=be, fullgraph=True, dynamic=True)
-    for T in LENGTHS:
-        gen = torch.Generator().manual_seed(T)
-        x = torch.randn(1, T, 64, generator=gen).to(DEVICE).requires_grad_(True)
-        w = torch.randn(1, T, 64, generator=gen).to(DEVICE)
-        out, grads = _run(compiled, x, w)
-        out32, grads32 = _run(layer, x, w)
-        out64, grads64 = _run(layer64, x.detach().double().requires_grad_(True), w.double())
-        names = ["x"] + [n for n, _ in layer.named_parameters()]
-        for name, a, a32, a64 in zip(["out"] + names, (out, *grads), (out32, *grads32), (out64, *grads64)):
-            ours, theirs = rel_err(a, a64), rel_err(a32, a64)
-            assert ours <= max(ERROR_RATIO * theirs, 1e-6), (T, name, ours, theirs)
-    assert len(be.reports) == 1, f"{len(be.reports)} graphs for lengths {LENGTHS}"
-    report = be.reports[0]
+    report = _one_graph_within_hf_error(_Attention(_minimax().layers[0].self_attn))
     (m,) = [m for m in report.matches if m["pattern"] == "substitute"]
     assert m["client"] == MINIMAX_CLIENT and m["config"] == [2, 32, 16, False], m  # heads, head dim, block, mask
     assert m["probe_error"] < substitutes.PROBE_TOLERANCE
