@@ -59,7 +59,7 @@ from torch import Tensor
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_delta_rule_bwd, chunk_delta_rule_fwd,
                                   chunk_delta_rule_ref, triton_available)
-from ..kernels.delta_rule.chunk import GRADIENT_NAMES
+from ..kernels.delta_rule.chunk import GRADIENT_NAMES, Kept
 from ..kernels.delta_rule.output import _output_kernel
 from ..kernels.delta_rule.plan import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES, normed_qk_dtype_for
 from ..kernels.delta_rule.wy import _wy_backward_kernel
@@ -513,7 +513,7 @@ def _chunk_delta_rule_backward_host(
     return _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads)
 
 
-def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum) -> tuple | None:
+def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum) -> Kept | None:
     """The backward kernels' `intermediates` from the kept outputs the backward op was given: the
     matrices when all three are real, then the normed q and k when both are and the gate's sum when
     it is (zero-size placeholders stand for what the forward did not keep)."""
@@ -523,7 +523,7 @@ def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum) -> tuple
     if not real(kdot, scores, inverse):
         return None
     normed = (q_normed, k_normed) if real(q_normed, k_normed) else (None, None)
-    return (kdot, scores, inverse, *normed, cum if real(cum) else None)
+    return Kept(kdot, scores, inverse, *normed, cum=cum if real(cum) else None)
 
 
 def _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads) -> tuple[Tensor, ...]:
