@@ -25,3 +25,38 @@ def test_an_interpreter_that_cannot_run_the_kernels_means_the_references(monkeyp
         assert _triton.triton_available("cuda")  # the GPU is not the interpreter's business
     finally:
         _triton.interpreter_problem.cache_clear()
+
+
+def _guards_of_a_cloned_buffer(rows_of):
+    """The guards that cloning (as functionalizing a traced launch does) a [rows_of(count), 2, 8]
+    buffer adds, for counts from a symbolic length T traced at 96: ceil(T / 64) (delta-rule
+    chunks) and the lightning plan's segments per row at a segment of 64 * min(ceil(T / 64), 4)."""
+    import torch
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    added = []
+    for count_of in (lambda t: (t + 63) // 64,
+                     lambda t: torch.sym_max((t + 64 * torch.sym_min((t + 63) // 64, 4) - 1)
+                                             // (64 * torch.sym_min((t + 63) // 64, 4)), 1)):
+        env = ShapeEnv()
+        time = env.create_symintnode(env.create_symbol(96, ConstantSource("T")), hint=96)
+        count = count_of(time)
+        with FakeTensorMode(shape_env=env):
+            buffer = torch.empty((rows_of(count), 2, 8))
+            buffer.clone()
+        added += [str(g.expr) for g in env.guards]
+        rows, symbol = buffer.shape[0].node.expr, time.node.expr
+        assert all(rows.subs(symbol, t) >= count.node.expr.subs(symbol, t) for t in range(2, 600, 7))
+    return added
+
+
+def test_scratch_rows_of_a_symbolic_count_add_no_guard():
+    """A buffer with one row per chunk or segment, its count symbolic: cloning it must not guard on
+    whether the count is 1 (a second graph for T <= 64, or past a segment boundary)."""
+    assert _guards_of_a_cloned_buffer(_triton.scratch_rows) == []
+    assert _triton.scratch_rows(0) == 1 and _triton.scratch_rows(1) == 1 and _triton.scratch_rows(5) == 5
+    # the hazard itself, on this torch: the plain count guards (if torch stops doing so, scratch_rows
+    # could go; this line says when)
+    assert _guards_of_a_cloned_buffer(lambda count: count), "torch no longer guards here: scratch_rows may go"

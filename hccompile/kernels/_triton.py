@@ -84,6 +84,19 @@ def direct(kernel):
     return kernel
 
 
+def scratch_rows(count):
+    """The leading size of a scratch buffer holding `count` rows (one per chunk or segment) that
+    a kernel writes: `count`, at least 1; a symbolic count (a traced launch plan under
+    torch.compile) at least 2. Why: functionalizing a traced launch clones each buffer it writes,
+    and the clone's contiguity check asks whether each size is 1. For a count such as
+    ceil(T / 64), which can be 1, that question becomes a guard (T <= 64 or not), and a second
+    length across it compiles a second graph. A size known to be >= 2 asks nothing. Rows past
+    `count` are never read or written."""
+    if isinstance(count, torch.SymInt):
+        return torch.sym_max(count, 2)
+    return max(count, 1)
+
+
 def interpreted(kernel) -> bool:
     """Whether `kernel` was defined under the interpreter (Triton picks at definition time)."""
     return not isinstance(kernel, triton.runtime.JITFunction)

@@ -669,3 +669,46 @@ def test_strong_gates_mix_factored_and_exact_diagonal_blocks(dtype):
     limit = score_kernels.FACTOR_SPAN_LIMIT
     assert (spans <= limit).any() and (spans > limit).any(), spans
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, 64)
+
+
+# ----------------------------------------------------------------------------------------
+# decayed_scores_backward inside wy_backward's programs (chunk.FUSE_SCORES_BACKWARD).
+
+FUSED_SCORES_CASES = [c for c in KERNEL_CASES if c[0] in ("plain-T63", "plain-T130-h0", "gdn-T100-gva-l2norm",
+                                                           "gdn-T130-strong-decay", "gdn-K100-V100-h0-l2norm")]
+FUSED_SCORES_CASES.append(("plain-varlen", THREE_SEQUENCES, "none", THREE_SEQUENCE_OPTIONS, torch.float32, 64))
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", FUSED_SCORES_CASES,
+                         ids=[c[0] for c in FUSED_SCORES_CASES])
+def test_scores_backward_fused_into_wy_backward_equals_two_launches(monkeypatch, name, sizes, gate, options, dtype,
+                                                                    chunk):
+    """Without per-channel gates one launch does both kernels' work: the gradients equal the two
+    launches' (the same arithmetic in the same order: bitwise in the interpreter; on the GPU the fused
+    program is compiled apart, so its fp32 sums may round differently), and the separate scores
+    kernel is not launched. A fused kernel that skipped the scores' terms would miss dq's and dk's
+    pairwise parts, far past 1e-5."""
+    from hccompile.kernels.delta_rule import chunk as chunk_module
+
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 11)
+    inputs = kernel_inputs(inputs, dtype)
+    do, dht = random_output_gradients(inputs, dtype)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    monkeypatch.setattr(chunk_module, "FUSE_SCORES_BACKWARD", False)
+    separate = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
+
+    def not_launched(*args, **kwargs):
+        raise AssertionError("decayed_scores_backward launched although wy_backward does its work")
+
+    monkeypatch.setattr(chunk_module, "FUSE_SCORES_BACKWARD", True)
+    monkeypatch.setattr(chunk_module, "launch_scores_backward", not_launched)
+    fused = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
+    for grad_name, grad in separate.items():
+        if grad is None:
+            continue
+        assert torch.isfinite(fused[grad_name]).all(), grad_name
+        if DEVICE == "cpu":
+            assert torch.equal(fused[grad_name], grad), grad_name
+        else:
+            assert relative_rms_error(fused[grad_name], grad) < 1e-5, grad_name

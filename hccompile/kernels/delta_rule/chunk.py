@@ -38,7 +38,7 @@ from .scores import launch_decayed_scores, launch_scores_backward
 from .state import state_backward_block_v, state_forward_block_v, state_launch_options
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
 
-from .._triton import direct, require_triton, triton
+from .._triton import direct, require_triton, scratch_rows, triton
 
 if triton is not None:
     from .output import _output_kernel
@@ -140,7 +140,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     w = buffer(batch, time, value_heads, key_dim, dtype=stored)
     u_tilde = buffer(batch, time, value_heads, value_dim, dtype=stored)
     u = buffer(batch, time, value_heads, value_dim, dtype=stored)
-    h = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim, dtype=stored)
+    h = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=stored)
     block_k = block_size(key_dim)
     block_v = block_size(value_dim)
     group = problem.group_size
@@ -248,6 +248,10 @@ def chunk_delta_rule_fwd(
 
 GRADIENT_NAMES = ("q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias")
 
+# Without per-channel gates, wy_backward's programs do decayed_scores_backward's work too (one launch,
+# dKdot and dP read back from L2). False: two launches, as CP and the per-channel gates run them.
+FUSE_SCORES_BACKWARD = True
+
 
 def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2norm: bool) -> Kept:
     """`intermediates` of chunk_delta_rule_bwd as a Kept, each tensor checked against the problem."""
@@ -353,7 +357,7 @@ def chunk_delta_rule_bwd(
     dq_heads, dk_heads = buffer(batch, time, value_heads, key_dim), buffer(batch, time, value_heads, key_dim)
     gate_width = key_dim if problem.gate == "channel" else 1
     dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
-    dh = buffer(max(plan.num_chunks, 1), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
+    dh = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
     du = buffer(batch, time, value_heads, value_dim, dtype=plan.intermediate_dtype)
     dkdot, dscores = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk)
     cum_arg = fwd.cum if fwd.cum is not None else plan.dummy
@@ -379,16 +383,19 @@ def chunk_delta_rule_bwd(
             **state_launch_options(block_k_full, fwd.k.dtype), **common,
         )
     if plan.num_chunks:
+        fuse_scores = FUSE_SCORES_BACKWARD and problem.gate != "channel"
         plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](
             fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot, fwd.u, du, fwd.h, dh,
             dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
             *dbeta.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            BK=block_k, BV=block_v, **WY_BACKWARD_OPTIONS, **common,
+            BK=block_k, BV=block_v, FUSE_SCORES=fuse_scores, SCORES_HALF_DOTS=plan.scores_half_dots,
+            **WY_BACKWARD_OPTIONS, **common,
         )
-        launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
-                               plan.num_chunks, table, seqlens)
+        if not fuse_scores:
+            launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
+                                   plan.num_chunks, table, seqlens)
     else:
         dq_heads.zero_()
         dk_heads.zero_()

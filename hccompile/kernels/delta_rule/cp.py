@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .._triton import require_triton, tl, triton
+from .._triton import require_triton, scratch_rows, tl, triton
 from .chunk import sum_key_groups
 from .gate_cumsum import (ACTIVATION_NONE, ACTIVATION_SIGMOID, ACTIVATION_SOFTPLUS, gate_activation_backward,
                           launch_gate_cumsum)
@@ -689,7 +689,7 @@ class CPForward:
                 self.initial_states.index_copy_(0, _index(plan, "initial_segments", starts, device),
                                                 local.initial_state.index_select(0, rows).float())
         stored = local.kplan.intermediate_dtype
-        self.h = _empty(max(local.geometry.num_chunks, 1), *self.state_shape, dtype=stored, device=device)
+        self.h = _empty(scratch_rows(local.geometry.num_chunks), *self.state_shape, dtype=stored, device=device)
         self.u = _empty(1, problem.time, problem.value_heads, problem.value_dim, dtype=stored, device=device)
         self.final_states = _empty(segments, *self.state_shape, device=device)
         # First the segments whose end state is sent; the purely local ones wait for overlap().
@@ -783,7 +783,7 @@ class CPBackward(CPForward):
                 0, _index(plan, "final_segments_present", [plan.final_segment[i] for i in rows], device),
                 self.dht.index_select(0, _index(plan, "final_rows_present", rows, device)).float())
         stored = local.kplan.intermediate_dtype
-        self.dh = _empty(max(local.geometry.num_chunks, 1), *self.state_shape, dtype=stored, device=device)
+        self.dh = _empty(scratch_rows(local.geometry.num_chunks), *self.state_shape, dtype=stored, device=device)
         self.du = _empty(1, problem.time, problem.value_heads, problem.value_dim, dtype=stored, device=device)
         self.initial_grads = _empty(segments, *self.state_shape, device=device)
         # First the segments whose initial-state gradient is sent (the backward summary dH).

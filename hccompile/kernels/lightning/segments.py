@@ -18,7 +18,7 @@ import torch
 
 from .tiles import _block_dim, _dot_options, _state_strides
 
-from .._triton import direct, dot, load_tile, tl, triton
+from .._triton import direct, dot, load_tile, scratch_rows, tl, triton
 
 # Segments: the auto length aims at this many sweep programs per streaming multiprocessor, and
 # never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v.
@@ -266,7 +266,7 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
     entering it, from x0; reverse: the gradient state leaving it, from x0 = dht). Writes the
     last state (final state or dh0) into xt. `wrap`: torch's wrap_triton when traced."""
     heads, dim_b, dim_c = b.shape[2], b.shape[3], c.shape[3]
-    states = torch.empty((segments.count, heads, dim_b, dim_c), dtype=torch.float32, device=b.device)
+    states = torch.empty((scratch_rows(segments.count), heads, dim_b, dim_c), dtype=torch.float32, device=b.device)
     if heads == 0 or dim_b == 0 or dim_c == 0:
         return states
     block_b, block_c = _block_dim(dim_b, SUMMARY_ROW_TILE), _block_dim(dim_c, SUMMARY_COLUMN_TILE)
