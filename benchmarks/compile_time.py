@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,9 +27,11 @@ import torch._inductor.config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hccompile  # noqa: E402,F401  (registers backend="hc" and the substitutes)
 from helpers import Collect  # noqa: E402
+from targets import run_stamp  # noqa: E402
 
 HIDDEN = 64  # the tiny configs' hidden size
 # On the CPU, Inductor's C++ reductions guard 16 * B * T <= 4096 (codegen/cpp.py, need_use_acc_helper)
@@ -103,10 +104,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch._inductor.config.force_disable_caches = True  # cold compiles, both backends
     lengths = [int(t) for t in args.lengths.split(",")]
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
-            else platform.processor() or "cpu", "torch": torch.__version__,
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True).stdout.strip()}
+    # run_stamp: the date, a run id and the commit (HCCOMPILE_COMMIT first: the device's .git can be older
+    # than the tree it runs)
+    meta = {**run_stamp(ROOT), "device": torch.cuda.get_device_name() if device == "cuda"
+            else platform.processor() or "cpu", "torch": torch.__version__}
     try:
         import triton
         meta["triton"] = triton.__version__

@@ -248,10 +248,6 @@ def chunk_delta_rule_fwd(
 
 GRADIENT_NAMES = ("q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias")
 
-# Without per-channel gates, wy_backward's programs do decayed_scores_backward's work too (one launch,
-# dKdot and dP read back from L2). False: two launches, as CP and the per-channel gates run them.
-FUSE_SCORES_BACKWARD = True
-
 
 def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2norm: bool) -> Kept:
     """`intermediates` of chunk_delta_rule_bwd as a Kept, each tensor checked against the problem."""
@@ -383,19 +379,16 @@ def chunk_delta_rule_bwd(
             **state_launch_options(block_k_full, fwd.k.dtype), **common,
         )
     if plan.num_chunks:
-        fuse_scores = FUSE_SCORES_BACKWARD and problem.gate != "channel"
         plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](
             fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot, fwd.u, du, fwd.h, dh,
             dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
             *dbeta.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            BK=block_k, BV=block_v, FUSE_SCORES=fuse_scores, SCORES_HALF_DOTS=plan.scores_half_dots,
-            **WY_BACKWARD_OPTIONS, **common,
+            BK=block_k, BV=block_v, **WY_BACKWARD_OPTIONS, **common,
         )
-        if not fuse_scores:
-            launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
-                                   plan.num_chunks, table, seqlens)
+        launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
+                               plan.num_chunks, table, seqlens)
     else:
         dq_heads.zero_()
         dk_heads.zero_()

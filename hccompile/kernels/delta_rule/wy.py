@@ -23,7 +23,6 @@ from .plan import Plan
 from .._triton import tl, triton
 
 if triton is not None:
-    from .scores import _whole_chunk_scores_backward
     from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _row_chunk_coords,
                         _store_rows, _varlen_chunk_coords)
 
@@ -211,17 +210,13 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        FUSE_SCORES: tl.constexpr = False,
-        SCORES_HALF_DOTS: tl.constexpr = False,
     ):
         """Per chunk and value head, everything but the pairwise-decay terms.
 
         Through U = A diag(beta) V - W h and W = A diag(beta)(K e^G): dv, dbeta (complete);
         through O's (Q e^G) h and S_end's terms: partial dq, dk and dG (the gradient of the
         cumulative gate). Stores dKdot = beta * dL with dL = -A^T dA A^T (strictly lower) and
-        dP = scale dO U^T (lower) for decayed_scores_backward; with FUSE_SCORES (no gate or a scalar
-        one: the whole chunk is one scores block) this program does that kernel's work for its chunk
-        and head itself, reading dKdot and dP back while they are in L2, one launch fewer.
+        dP = scale dO U^T (lower) for decayed_scores_backward.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -351,17 +346,6 @@ if triton is not None:
         tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
                  dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
         _store_rows(dkdot_ptr + square_offset, d_lower * beta[:, None], tokens, local, HV * BT, 1, valid, BT)
-        if FUSE_SCORES:
-            tl.static_assert(GATE != 2, "per-channel gates split the scores backward into sub-chunks")
-            # Every thread's stores of dP, dKdot, dq, dk and dG are visible to the whole program after
-            # the barrier; the scores backward reads them in another thread layout.
-            tl.debug_barrier()
-            scores_dtype = k_ptr.dtype.element_ty if SCORES_HALF_DOTS else tl.float32
-            _whole_chunk_scores_backward(
-                q_ptr, k_ptr, cum_ptr, dkdot_ptr + square_offset, dscores_ptr + square_offset, dq_ptr, dk_ptr, dg_ptr,
-                stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, HV, K, scores_dtype,
-                GATE, BT, BK, DOT_PRECISION,
-            )
 
 
 # The options below were timed with benchmarks/tune_delta_rule.py (H100, Triton 3.6, B4 T4096 H16
