@@ -478,7 +478,7 @@ def build_targets() -> list[Target]:
                             else None, lambda r: f"T={r.get('T')}"),
                     "<=", 30.0, unit="s", device=H100))
     t.append(Target("compile", "HF Kimi-Linear KDA under hc, compile at any T", "21",
-                    largest(compile_cond(r"kimi"), lambda r: r.get("compile_s") if number(r.get("compile_s"))
+                    largest(compile_cond(r"^HF Kimi"), lambda r: r.get("compile_s") if number(r.get("compile_s"))
                             else None, lambda r: f"T={r.get('T')}"),
                     "<=", 30.0, unit="s", device=H100,
                     rows_hint='{"bench": "compile", "model": "HF Kimi-Linear KDA ...", "backend": "hc", "T", '
@@ -534,7 +534,10 @@ def measure(target: Target, files: dict[str, list[Row]]) -> Measured | None:
             continue
         newest = max(found.rows, key=lambda r: r.line)
         date = max((r.date for r in found.rows if r.date != "?"), default="")  # undated rows sort oldest
-        key = (date, natural(newest.file), newest.line)
+        # run_stamp's run id starts with the UTC time: within a date it orders runs whatever their files
+        # are named (files named by commit sort arbitrarily); rows without one sort first
+        started = max((str(r.get("run")) for r in found.rows if r.get("run") is not None), default="")
+        key = (date, started, natural(newest.file), newest.line)
         if best_key is None or key > best_key:
             best, best_key = found, key
     return best

@@ -233,3 +233,18 @@ def test_run_stamp_marks_a_commit_whose_hccompile_differs(tmp_path, monkeypatch)
     assert len(clean) == 40 and "+" not in clean
     (tmp_path / "hccompile" / "x.py").write_text("a = 2\n")
     assert targets.run_stamp(tmp_path)["commit"] == clean + "+dirty"
+
+
+def test_the_newest_run_wins_within_a_date_whatever_the_files_are_named(tmp_path):
+    """Files named by commit sort arbitrarily: two runs on one date are ordered by run_stamp's run id
+    (it starts with the UTC time), and a model whose name merely contains "kimi" is not HF's layer."""
+    def rows(run, seconds):
+        return [{"bench": "compile", "model": "HF Kimi-Linear KDA", "backend": "hc", "T": 96, "compile_s": seconds,
+                 "date": "2026-12-01", "device": H100, "run": run},
+                {"bench": "compile", "model": "hccompile.nn KimiDeltaAttention (plain)", "backend": "hc", "T": 96,
+                 "compile_s": 99.0, "date": "2026-12-01", "device": H100, "run": run}]
+    write(tmp_path / "compile_2026-12-01_h100_aaaaaaa.jsonl", rows("20261201T120000-2", 12.0))  # later run
+    write(tmp_path / "compile_2026-12-01_h100_fffffff.jsonl", rows("20261201T090000-1", 40.0))
+    kimi = lines_of("--family", "compile", results=tmp_path)[
+        ("compile", "HF Kimi-Linear KDA under hc, compile at any T", "21")]
+    assert kimi["measured"] == pytest.approx(12.0), kimi
