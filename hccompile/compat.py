@@ -165,18 +165,6 @@ def tracing_backend() -> tuple[Any, dict[str, Any]] | None:
     return fn, kwargs
 
 
-def shown(value: Any) -> str:
-    """A size for an error message: the number, and for a symbolic size (dynamic shapes) also the
-    symbol Dynamo gave it, so that 'head dim s77' reads 'head dim 300 (s77: symbolic under dynamic
-    shapes)'."""
-    if isinstance(value, torch.SymInt):
-        try:
-            return f"{size_hint(value)} ({value.node.expr}: symbolic under dynamic shapes)"
-        except Exception:  # noqa: BLE001 - an unbacked size has no example value
-            return f"{value.node.expr} (symbolic, no example value)"
-    return str(value)
-
-
 # --- einops: traced into its torch calls, on every supported torch ---
 # torch 2.13 traces einops >= 0.8.2 into the reshapes, permutes and einsums it makes. torch 2.11 keeps
 # rearrange/repeat/einsum/... as opaque nodes of the Dynamo graph: einops registers them with

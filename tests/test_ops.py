@@ -95,13 +95,14 @@ def test_bad_input_names_argument(bad, match):
 
 
 def test_limit_errors_under_dynamic_shapes_show_the_size_not_only_its_symbol():
-    """Under dynamic=True a head dim is a symbol (s77); the error says its value too (issue 21, item 5)."""
+    """Under dynamic=True a head dim is a symbol (s77); the error says its value and which size it is
+    (lowering/_symbols.py; issue 21, item 5)."""
     def f(q, k, v, g, beta):
         return hccompile.chunk_gated_delta_rule(q, k, v, g, beta)[0]
 
     q, k = torch.randn(1, 20, 2, 300), torch.randn(1, 20, 2, 300)
     v, g, beta = torch.randn(1, 20, 2, 16), -torch.rand(1, 20, 2), torch.rand(1, 20, 2)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"q: head dim 300 \(s\d+: symbolic under dynamic shapes\) exceeds "
-                                        r"the supported maximum 256"):
+    with pytest.raises(Exception, match=r"q: head dim 300 exceeds the supported maximum 256 \(under torch.compile "
+                                        r"sizes are symbols: q\.shape\[3\] is s\d+ = 300 in this call\)"):
         torch.compile(f, backend="hc", dynamic=True, fullgraph=True)(q, k, v, g, beta)

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 from torch.library import triton_op, wrap_triton
 
+from ._symbols import reraise_explained
+
 __all__ = ["HEADS", "RUNTIME_CHECKS", "fix_sizes", "kernel_op", "launched_by", "launched_op", "runtime_check",
            "traced_launch", "wrap_triton"]
 
@@ -137,9 +139,12 @@ def kernel_op(name: str, host_fn: Callable, host_fake: Callable, traced_fn: Call
         return True
 
     def body(*args, **kwargs):
-        if traced(args, kwargs):
-            return traced_fn(*args, **kwargs)
-        return host(*args, **kwargs)
+        try:
+            if traced(args, kwargs):
+                return traced_fn(*args, **kwargs)
+            return host(*args, **kwargs)
+        except (ValueError, TypeError) as error:  # under torch.compile: name the symbols' values
+            reraise_explained(error, signature, args, kwargs)
 
     # the schema is inferred from host_fn's signature, its string annotations resolved in host_fn's
     # module (torch 2.11 and 2.13 ignore triton_op's schema= argument)

@@ -65,7 +65,6 @@ from ..kernels.delta_rule.plan import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED
 from ..kernels.delta_rule.wy import _wy_backward_kernel
 from ..kernels.delta_rule.reference import GATE_KINDS
 from ..kernels.value_checks import checks_on_gpu, values_checked
-from .. import compat as _compat
 from ._launch import HEADS, kernel_op, runtime_check, wrap_triton
 
 __all__ = [
@@ -207,7 +206,7 @@ def _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size) 
             raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
     for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim {_compat.shown(dim)} exceeds the supported maximum {MAX_HEAD_DIM}")
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
     # The kernels' chunk sizes, also for the reference: the two paths must accept the same calls.
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")

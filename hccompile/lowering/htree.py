@@ -46,7 +46,7 @@ from ..kernels.htree.backward import htree_backward
 from ..kernels.htree.forward import htree_forward
 from ..kernels.htree.reference import HTreeConfig, htree_attention_ref, resolve_htree_config
 from ..kernels.htree.tiles import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from .. import compat as _compat
+from ._symbols import symbols_explained
 
 __all__ = [
     "htree_attention",
@@ -89,7 +89,7 @@ def _check_dtypes(q, k, v, **others) -> None:
         raise TypeError(f"q: dtype {q.dtype} is not supported (float16, bfloat16, float32, float64)")
     for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim {_compat.shown(dim)} exceeds the supported maximum {MAX_HEAD_DIM}")
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
     for name, tensor in others.items():
         if tensor is not None and tensor.device != q.device:
             raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
@@ -152,6 +152,7 @@ def htree_attention_op(
 
 
 @htree_attention_op.register_fake
+@symbols_explained
 def _htree_attention_fake(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode):
     _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
     _check_dtypes(q, k, v)
@@ -195,6 +196,7 @@ def htree_attention_backward_op(
 
 
 @htree_attention_backward_op.register_fake
+@symbols_explained
 def _htree_attention_backward_fake(q, k, v, o, lse, do, dlse, compression_rate, top_k, max_top_nodes, scale,
                                    rope_base, causal, sort_mode):
     _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)

@@ -53,7 +53,6 @@ from ..kernels.lightning.sweeps import _forward_sweep_bwd_kernel, _forward_sweep
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
 from ..kernels.value_checks import checks_on_gpu
-from .. import compat as _compat
 from ._launch import HEADS, kernel_op, wrap_triton
 
 __all__ = [
@@ -138,7 +137,7 @@ def _check_options(q, k, v, decay, initial_state, do=None, dht=None) -> None:
             raise ValueError(f"{name}: device {tensor.device} differs from q's device {q.device}")
     for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim {_compat.shown(dim)} exceeds the supported maximum {MAX_HEAD_DIM}")
+            raise ValueError(f"{name}: head dim {dim} exceeds the supported maximum {MAX_HEAD_DIM}")
         if dim < 1:
             raise ValueError(f"{name}: head dim must be at least 1, got {dim}")
 

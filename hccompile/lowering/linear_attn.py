@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from .. import compat as _compat
 from ._launch import HEADS, kernel_op, wrap_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,7 +39,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, do: Tensor | None = None) -> N
         raise ValueError(f"do: shape {tuple(do.shape)} must equal the output's {tuple(v.shape)}")
     for name, d in (("q/k", q.shape[-1]), ("v", v.shape[-1])):
         if isinstance(d, int) and d > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim {_compat.shown(d)} exceeds the supported maximum {MAX_HEAD_DIM}")
+            raise ValueError(f"{name}: head dim {d} exceeds the supported maximum {MAX_HEAD_DIM}")
 
 
 def uses_triton(t: Tensor) -> bool:
