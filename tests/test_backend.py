@@ -174,6 +174,18 @@ def test_custom_pass_uuid_is_stable_and_tracks_config():
     assert uuid() == uuid(dump_dir="/tmp/somewhere")
 
 
+def test_pass_source_files_include_pass_packages():
+    """A pass split into a package (passes/delta_rule/) keys the Inductor cache on each of its modules."""
+    from pathlib import Path
+
+    from hccompile.passes import pass_source_files
+
+    package = Path(hccompile.__file__).parent / "passes" / "delta_rule"
+    files = {Path(f) for f in pass_source_files()}
+    assert set(package.glob("*.py")) <= files
+    assert package / "loops.py" in files
+
+
 def test_einops_calls_are_traced_into_torch_ops():
     """hyper-connections and many attention layers are written in einops. torch 2.11 kept einops'
     functions as opaque graph nodes (no pass could read them); hccompile.compat applies torch 2.13's

@@ -1,6 +1,7 @@
-"""FX passes, one file per pass. Adding a pass: write `passes/<name>.py` with a class decorated by
-`@register_pass` whose `name` is the module's name, then put that name in PIPELINE below, at the
-place its stage should run it, with the reason for that place."""
+"""FX passes, one module per pass (a file, or a package split by idea such as `delta_rule/`). Adding a
+pass: write `passes/<name>.py` with a class decorated by `@register_pass` whose `name` is the
+module's name, then put that name in PIPELINE below, at the place its stage should run it, with the
+reason for that place."""
 from __future__ import annotations
 
 import importlib
@@ -63,7 +64,9 @@ def pass_source_files() -> tuple[str, ...]:
     _load()
     here = os.path.dirname(os.path.abspath(__file__))
     pkg = os.path.dirname(here)
-    files = glob.glob(os.path.join(here, "*.py")) + glob.glob(os.path.join(pkg, "lowering", "*.py"))
+    # recursive: a pass split into a package (passes/delta_rule/) keys on each of its modules
+    files = glob.glob(os.path.join(here, "**", "*.py"), recursive=True)
+    files += glob.glob(os.path.join(pkg, "lowering", "*.py"))
     files += [os.path.join(pkg, "config.py"), os.path.join(pkg, "backend.py")]
     # The probes run the kernels and their references.
     files += glob.glob(os.path.join(pkg, "kernels", "**", "*.py"), recursive=True)

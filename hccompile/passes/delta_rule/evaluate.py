@@ -1,0 +1,88 @@
+"""Running the user's region at compile time on probe values, in graph order with in-place writes
+honoured: how the probe learns what the code computes without trusting its spelling."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...compat import concrete_shape, size_hint
+from .vocabulary import _Index, _example
+from .region import _Region
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation of the region at compile time
+
+
+class _Evaluator:
+    """Evaluates region nodes on probe values, in graph order, mutations included."""
+
+    def __init__(self, gm: fx.GraphModule, idx: _Index, region: _Region, inputs: dict[fx.Node, Any]):
+        self.gm, self.idx, self.region = gm, idx, region
+        self.env: dict[fx.Node, Any] = dict(inputs)
+
+    def _standin(self, n: fx.Node) -> Any:
+        """Value for a node outside the region (read for metadata only): NaN-filled, so a data use
+        poisons the probe instead of passing it."""
+        ev = _example(n)
+        if isinstance(ev, torch.Tensor):
+            t = torch.empty(concrete_shape(ev), dtype=ev.dtype, device=ev.device)
+            return t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
+        if isinstance(ev, (torch.SymInt, int)):
+            return size_hint(ev)
+        if isinstance(ev, (torch.SymFloat, float)):
+            return float(ev.node.hint) if isinstance(ev, torch.SymFloat) else ev
+        if n.op == "get_attr":
+            return self._attr(n)
+        raise ValueError(f"cannot stand in for {n.name}")
+
+    def _attr(self, n: fx.Node) -> Any:
+        obj: Any = self.gm
+        for part in n.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def run(self, wanted: list[fx.Node], read_pos: float | None = None) -> list[Any]:
+        """Values of `wanted` as read at `read_pos` (default: right after each node), i.e. with the
+        in-place writes to their storage that happen before that point."""
+        needed: set = set()
+        todo = list(wanted)
+        for w in wanted:
+            todo += self.idx.mutators_before(w, self.idx.pos[w] + 0.5 if read_pos is None else read_pos)
+        while todo:
+            n = todo.pop()
+            if n in needed or n in self.env:
+                continue
+            needed.add(n)
+            if n not in self.region.nodes:
+                continue
+            ins = list(n.all_input_nodes)
+            for a in list(ins):
+                ins += self.idx.mutators_before(a, self.idx.pos[n])
+            todo += ins
+        for n in sorted(needed, key=lambda x: self.idx.pos[x]):
+            if n in self.env:
+                continue
+            if n not in self.region.nodes:
+                self.env[n] = self._standin(n)
+                continue
+            ev = _example(n)
+            if isinstance(ev, (torch.SymInt, torch.SymFloat)) or (n.op != "placeholder" and
+                                                                   isinstance(ev, (int, float)) and
+                                                                   not isinstance(ev, bool)):
+                self.env[n] = self._standin(n)
+                continue
+            args = fx.node.map_arg(n.args, lambda a: self.env[a])
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: self.env[a])
+            if n.op == "call_function":
+                self.env[n] = n.target(*args, **kwargs)
+            elif n.op == "call_method":
+                self_arg, *rest = args
+                self.env[n] = getattr(self_arg, n.target)(*rest, **kwargs)
+            elif n.op == "get_attr":
+                self.env[n] = self._attr(n)
+            else:
+                raise ValueError(f"cannot evaluate {n.op} node {n.name}")
+        return [self.env[w] for w in wanted]
