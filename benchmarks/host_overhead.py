@@ -1,4 +1,4 @@
-"""Host (CPU) time of one forward+backward of our GDN / KDA ops against its GPU time: when the
+"""Host (CPU) time of one forward+backward of our ops against its GPU time: when the
 host takes as long as the GPU, the GPU idles between kernels and the wall time is the host's.
 Prints the wall time per step, the host time to enqueue a step (no synchronisation, GPU queue
 kept busy) and the top of a cProfile of the enqueues; eager calls, and with --compiled the same
@@ -9,6 +9,8 @@ row per op and mode for benchmarks/targets.py ("bench": "host").
         --jsonl benchmarks/results/host_<date>_h100.jsonl --commit <sha>
 
 --ops floor: a pointwise op under the same compile, the host time torch.compile itself costs per step.
+Every family (issue 24, item 5): gdn, kda, lightning (with decay), linear (causal_linear_attn), htree
+(H/4 KV heads), mhc_post and mhc_aggregate (n = 4 streams of C = H*D, one per token).
 """
 from __future__ import annotations
 
@@ -65,10 +67,62 @@ def floor_step_fn(shape: dict, compiled: bool):
     return step
 
 
+def family_step_fn(op: str, shape: dict, compiled: bool, device: str = "cuda"):
+    """One fwd+bwd of the op family `op` on bf16 inputs of `shape` (see the module docstring)."""
+    import hccompile
+    from hccompile.lowering.lightning import alibi_decay
+    from hccompile.lowering.mhc import mhc_aggregate, mhc_post
+
+    B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*s, grad=True):
+        t = torch.randn(*s, generator=gen, device=device).bfloat16()
+        return t.requires_grad_() if grad else t
+
+    if op in ("lightning", "linear"):
+        args = (randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D))
+        if op == "lightning":
+            decay = alibi_decay(H, device=device)
+            call = (lambda q, k, v: hccompile.lightning_attn(q, k, v, decay=decay)[0])
+        else:
+            call = hccompile.causal_linear_attn
+    elif op == "htree":
+        kv_heads = max(1, H // 4)
+        args = (randn(B, T, H, D), randn(B, T, kv_heads, D), randn(B, T, kv_heads, D))
+        call = (lambda q, k, v: hccompile.htree_attention(q, k, v, causal=True))
+    elif op in ("mhc_post", "mhc_aggregate"):
+        n, C = 4, H * D
+        h_res = torch.softmax(torch.randn(B, T, n, n, generator=gen, device=device), -1).requires_grad_()
+        weights = torch.sigmoid(torch.randn(B, T, n, generator=gen, device=device)).requires_grad_()
+        if op == "mhc_post":
+            args = (randn(B, T, n, C), h_res, weights, randn(B, T, C))
+            call = mhc_post
+        else:
+            args = (randn(B, T, n, C), weights)
+            call = mhc_aggregate
+    else:
+        raise SystemExit(f"--ops: unknown op {op!r}")
+    if compiled:  # Inductor's code launches the kernels (issue 24); one graph for every length
+        call = torch.compile(call, fullgraph=True, dynamic=True)
+    out = call(*args)
+    grad = torch.randn(out.shape, generator=gen, device=device).to(out.dtype)
+
+    def step():
+        torch.autograd.backward(call(*args), grad)
+
+    return step
+
+
 def measure_one(args, op: str, shape: dict, compiled: bool) -> None:
     import triton
 
-    step = floor_step_fn(shape, compiled) if op == "floor" else step_fn(op, shape, compiled=compiled)
+    if op == "floor":
+        step = floor_step_fn(shape, compiled)
+    elif op in ("gdn", "kda"):
+        step = step_fn(op, shape, compiled=compiled)
+    else:
+        step = family_step_fn(op, shape, compiled)
     label = f"{op} {args.shape}" + (" compiled" if compiled else "")
     for _ in range(3):
         step()
