@@ -10,6 +10,10 @@ rank boundary), side by side:
   1gpu-hc        hccompile's op on all tokens on rank 0 alone
   cp2-hc-<s>     hccompile under context_parallel on both ranks, exchange strategy s
                  (all_gather, scan, ring)
+  cp2-hc-<s>-after-merge
+                 the same with incoming segments walked after the merge (the design before
+                 cp.SWEEP_INCOMING_BEFORE_MERGE: one sequential sweep more), for --strategies
+                 entries spelled `<s>:after-merge`
   1gpu-fla       FLA's op on all tokens on rank 0 alone             (if `fla` imports)
   cp2-fla        FLA's CP (fla.ops.cp.build_cp_context) on both ranks (if `fla` imports)
 
@@ -50,7 +54,9 @@ def parse_args():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ops", default="gdn,kda")
     parser.add_argument("--layouts", default="one,several")
-    parser.add_argument("--strategies", default="all_gather,scan,ring")
+    parser.add_argument("--strategies", default="all_gather,scan,ring",
+                        help="exchange strategies; `<s>:after-merge` times strategy s with incoming segments walked "
+                             "after the merge")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-fla", action="store_true", help="skip FLA even if it imports")
@@ -62,6 +68,9 @@ def parse_args():
     parser.add_argument("--stack-dump-every", type=float, default=0,
                         help="seconds: every rank prints all its threads' stacks to stderr this often (0: never), "
                              "to tell a hang in a collective from a slow first call in a short device slot")
+    parser.add_argument("--profile", default=None,
+                        help="directory: after the timed cp rows of our default strategy, every rank profiles three "
+                             "forward+backward steps and writes its CUDA-kernel table there (where the time goes)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: gloo and wall-clock timing, for a smoke run of this script under "
                              "TRITON_INTERPRET=1 at tiny sizes (no meaningful times)")
@@ -200,6 +209,30 @@ def measure(run, tensors, cu_seqlens, do, iters, warmup, group_wide, context=con
     return fwd, both, o.detach(), dq.detach()
 
 
+def profile_steps(run, local, ctx, do, path: Path, steps: int = 3) -> None:
+    """This rank's CUDA kernels over `steps` forward+backward steps under context_parallel, as a
+    table sorted by total device time (per step: divide by `steps`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hccompile.distributed import context_parallel
+
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in local.items()}
+    local_do = ctx.shard(do)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with context_parallel(ctx):
+                o = run(leaves, ctx.cu_seqlens)
+                torch.autograd.grad(o, [leaves["q"]], local_do)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.write_text(f"{steps} forward+backward steps, rank {dist.get_rank()}\n"
+                    + prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
+
+
 def relative_error(out, ref) -> float:
     out, ref = out.double(), ref.double()
     return float(((out - ref).norm() / ref.norm().clamp_min(1e-30)).item())
@@ -275,15 +308,26 @@ def main() -> None:
                         traceback.print_exc()
                 dist.barrier()
                 strategies = args.strategies.split(",") if name == "hc" else ["fla"]
-                for strategy in strategies:
-                    variant = f"cp{world}-{name}" + (f"-{strategy}" if name == "hc" else "")
+                for entry in strategies:
+                    strategy, _, mode = entry.partition(":")
+                    variant = f"cp{world}-{name}" + (f"-{strategy}" if name == "hc" else "") + (
+                        f"-{mode}" if mode else "")
                     try:
                         if name == "hc":
+                            import hccompile.kernels.delta_rule.cp as cp_kernels
+
+                            if mode not in ("", "after-merge"):
+                                raise ValueError(f"--strategies: unknown mode {mode!r} in {entry!r}")
+                            cp_kernels.SWEEP_INCOMING_BEFORE_MERGE = mode != "after-merge"
                             ctx = build_cp_context(cu, strategy=strategy, device=device)
                             local = {n: ctx.shard(t) for n, t in tensors.items()}
                             fwd, both, o, dq = measure(factory(op), local, ctx.cu_seqlens, ctx.shard(do), args.iters,
                                                        args.warmup, group_wide=True,
                                                        context=lambda ctx=ctx: context_parallel(ctx))
+                            if args.profile and strategy == "all_gather" and not mode:
+                                profile_steps(factory(op), local, ctx, do, Path(args.profile) /
+                                              f"cp{world}_{op}_{args.tokens}_{layout}_rank{rank}.txt")
+                            cp_kernels.SWEEP_INCOMING_BEFORE_MERGE = True
                             o, dq = ctx.unshard(o), ctx.unshard(dq)
                         else:
                             from fla.ops.cp import build_cp_context as fla_context

@@ -19,18 +19,26 @@ and pieces of sequences that continue from (incoming) or into (outgoing) other r
 
   prepare   intra-chunk kernels (chunk-parallel, all tokens); the state sweep of the segments
             that send and need nothing (outgoing, not incoming): their end state *is* their
-            forward summary H; the summary kernel for middle segments: [H | M] from S_in = 0.
-  overlap   while the summaries travel: the sweep of purely local segments, and the output
-            kernel on the chunks of every segment that does not wait (not incoming).
-  finish    (the exchange has written the merged S_in of incoming segments) their state sweep
-            and output.
+            forward summary H; the summary kernel for middle segments: [H | M] from S_in = 0,
+            storing every chunk's [H | M] and [U_H | U_M] on the way.
+  overlap   while the summaries travel: the same wide walk of the other incoming segments, the
+            sweep of purely local segments, and the output kernel on the chunks of every segment
+            that does not wait (not incoming).
+  finish    (the exchange has written the merged S_in of incoming segments) h = H + M S_in and
+            U = U_H + U_M S_in per chunk (chunk-parallel), and their output.
+
+Walking an incoming segment before its S_in is known costs K more columns, but it runs while the
+rank it waits for walks its own part, instead of after it: a long sequence split over W ranks is
+walked in about 1/W of the time, where a walk after the merge took the whole sequence's length
+(SWEEP_INCOMING_BEFORE_MERGE = False restores that, for comparison).
 
 The backward mirrors it: prepare recomputes the forward summaries and runs the state-gradient sweep
 of the segments that send their gradient and need none (incoming, not outgoing): their dh0 *is*
 their backward summary dH; middle segments get dH from the backward summary kernel; one exchange
 carries [H | M] and dH; overlap runs everything of the purely local segments (both sweeps and the
-chunk-parallel backward kernels); finish, after the merge gave S_in and dS_out, the rest. M of a
-middle segment is sent once, with the forward summary, and used transposed by the backward merge.
+chunk-parallel backward kernels) and the incoming segments' wide walk; finish, after the merge gave
+S_in and dS_out, the rest. M of a middle segment is sent once, with the forward summary, and used
+transposed by the backward merge.
 
 The merge folds a chain of summaries, S = H_0, then S = M_j S + H_j (forward) or S = M_j^T S + dH_j
 (backward), in one kernel launch for all chains.
@@ -64,7 +72,7 @@ from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
 if triton is not None:
     from .output import _output_kernel
     from .state import _state_backward_kernel, _state_forward_kernel
-    from .tiles import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows
+    from .tiles import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows, _varlen_chunk_coords
     from .wy import _wy_backward_kernel, _wy_solve_kernel
 
 __all__ = [
@@ -77,28 +85,38 @@ __all__ = [
 
 # Debugging aid for tests: fill every buffer a kernel should write with NaN first.
 POISON = os.environ.get("HCCOMPILE_CP_POISON") == "1"
+# Incoming segments walk their chunks before the exchange, from S_in = 0 and from the identity
+# (K more columns), and the merged S_in is applied chunk-parallel after it: the rank that waits
+# walks in parallel with the one it waits for instead of after it. False: they walk after the
+# merge (one sequential sweep more on the critical path, K fewer columns). Read at call time
+# (benchmarks/cp.py times both).
+SWEEP_INCOMING_BEFORE_MERGE = True
 
 
 if triton is not None:
 
     @triton.jit
     def _summary_forward_kernel(
-        k_ptr, cum_ptr, w_ptr, u_tilde_ptr, out_ptr,
+        k_ptr, cum_ptr, w_ptr, u_tilde_ptr, out_ptr, h_ptr, u_ptr,
         stride_kt, stride_kh, stride_kk,
         stride_os, stride_oh, stride_ok, stride_oc,
-        job_segment_ptr, job_slot_ptr, cu_seqlens_ptr,
+        job_segment_ptr, job_slot_ptr, cu_seqlens_ptr, chunk_offsets_ptr,
         HV, GROUP, K, V, V_TILES,
         GATE: tl.constexpr,
         BT: tl.constexpr,
         BKF: tl.constexpr,
         BC: tl.constexpr,
+        STORE_CHUNKS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         """One column tile of [H | M] of one segment and value head; tiles below V_TILES are H's.
 
         Both parts run S <- diag(gamma) S + (K e^(G_last - G))^T (U~ - W S) over the segment's
         chunks: H's columns from S = 0 with the values U~, M's from the identity's columns without.
-        Stored into out[slot, head, :, col] with M's columns after V's.
+        Stored into out[slot, head, :, col] with M's columns after V's. With STORE_CHUNKS, also
+        every chunk's starting [H | M] (h [chunks, HV, K, V + K]) and corrected values [U_H | U_M]
+        (u [T, HV, V + K]): once S_in is known, h = H + M S_in and U = U_H + U_M S_in are the
+        state sweep's h and U, chunk-parallel (_incoming_state_kernel).
         """
         job = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
@@ -127,23 +145,36 @@ if triton is not None:
         local = tl.arange(0, BT)
         identity = tl.where((kc[:, None] == cols[None, :]) & (kc[:, None] < K), 1.0, 0.0)
         state = tl.where(is_value, 0.0, identity)
+        column_offset = tl.where(is_value, 0, V)
+        if STORE_CHUNKS:
+            first_chunk = tl.load(chunk_offsets_ptr + segment).to(tl.int64)
+            h_ptr += head * K * (V + K) + column_offset
+            u_ptr += head * (V + K) + column_offset
         for chunk in range(0, tl.cdiv(eos - bos, BT)):
             start = bos + chunk * BT
             length = tl.minimum(eos - start, BT)
             tokens = start + local
             valid = local < length
+            if STORE_CHUNKS:
+                _store_rows(h_ptr + (first_chunk + chunk) * HV * K * (V + K), state, kc, cols, V + K, 1, kc < K,
+                            width)
             w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
             u = _load_rows(u_tilde_ptr, tokens, cols, HV * V, 1, valid, value_width)
             u -= _dot(w, state, dot_dtype, DOT_PRECISION)
+            if STORE_CHUNKS:
+                _store_rows(u_ptr, u, tokens, cols, HV * (V + K), 1, valid, width)
             if GATE != 0:
-                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
-                k_tile *= to_end
                 state *= whole[:, None]
+            if GATE == 2:
+                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                k_tile *= to_end
             else:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                if GATE == 1:
+                    # The row decays scale the [BT, BC] values, not the [BT, K] keys (as state_forward).
+                    u *= to_end
             state += _dot(tl.trans(k_tile), u, dot_dtype, DOT_PRECISION)
-        column_offset = tl.where(is_value, 0, V)
         _store_rows(out_ptr + slot * stride_os + head * stride_oh + column_offset * stride_oc, state, kc, cols,
                     stride_ok, stride_oc, kc < K, width)
 
@@ -233,6 +264,43 @@ if triton is not None:
         column_offset = tl.where(is_value, 0, V)
         _store_rows(out_ptr + slot * stride_os + head * stride_oh + column_offset * stride_oc, dstate, kc, cols,
                     stride_ok, stride_oc, kc < K, width)
+
+    @triton.jit
+    def _incoming_state_kernel(
+        h_wide_ptr, u_wide_ptr, s_ptr, h_ptr, u_ptr,
+        stride_sn, stride_sh, stride_sk, stride_sv,
+        chunk_table_ptr, cu_seqlens_ptr,
+        HV, K, V,
+        BT: tl.constexpr,
+        BKF: tl.constexpr,
+        BV: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One chunk, value head and value tile of an incoming segment, once the merge gave its
+        initial state S: h = H + M S and U = U_H + U_M S from _summary_forward_kernel's chunk
+        stores ([H | M] per chunk, [U_H | U_M] per token), which makes the state sweep's outputs
+        without a second walk along the segment."""
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        pid_v = tl.program_id(2)
+        segment = tl.load(chunk_table_ptr + 2 * pid_chunk).to(tl.int64)
+        batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
+        kc = tl.arange(0, BKF)
+        vc = pid_v * BV + tl.arange(0, BV)
+        local = tl.arange(0, BT)
+        tokens = start + local
+        valid = local < length
+        dot_dtype = h_ptr.dtype.element_ty
+        state = _load_rows(s_ptr + segment * stride_sn + head * stride_sh, kc, vc, stride_sk, stride_sv, kc < K, V)
+        wide = h_wide_ptr + (pid_chunk.to(tl.int64) * HV + head) * K * (V + K)
+        h = _load_rows(wide, kc, vc, V + K, 1, kc < K, V)
+        h += _dot(_load_stored_rows(wide + V, kc, kc, V + K, 1, kc < K, K), state, dot_dtype, DOT_PRECISION)
+        _store_rows(h_ptr + (pid_chunk.to(tl.int64) * HV + head) * K * V, h, kc, vc, V, 1, kc < K, V)
+        u_wide_ptr += head * (V + K)
+        u = _load_rows(u_wide_ptr, tokens, vc, HV * (V + K), 1, valid, V)
+        u += _dot(_load_stored_rows(u_wide_ptr + V, tokens, kc, HV * (V + K), 1, valid, K), state, dot_dtype,
+                  DOT_PRECISION)
+        _store_rows(u_ptr + head * V, u, tokens, vc, HV * V, 1, valid, V)
 
     @triton.jit
     def _merge_kernel(
@@ -435,20 +503,42 @@ def _summary_blocks(problem, segments: int, with_transition: bool, device) -> tu
                                               floor=MIN_BACKWARD_SWEEP_TILE)
 
 
-def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_transition: bool) -> None:
-    """Summary forward kernel for the segments (int64 device tensor) into out[slots]."""
+def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_transition: bool,
+                            chunks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Summary forward kernel for the segments (int64 device tensor) into out[slots]; with
+    `chunks` = (h_wide [chunks, HV, K, V + K], u_wide [1, T, HV, V + K]), every chunk's [H | M]
+    and [U_H | U_M] too (with_transition must be on)."""
     problem = kplan.problem
     if segments.numel() == 0:
         return
+    assert chunks is None or with_transition
     block_k_full, block_c = _summary_blocks(problem, segments.numel(), with_transition, out.device)
     value_tiles = triton.cdiv(problem.value_dim, block_c)
     tiles = value_tiles + (triton.cdiv(problem.key_dim, block_c) if with_transition else 0)
     cum = intra.cum if intra.cum is not None else geometry.dummy
+    h_wide, u_wide = chunks if chunks is not None else (geometry.dummy, geometry.dummy)
     _summary_forward_kernel[(segments.numel(), problem.value_heads, tiles)](
-        intra.k, cum, intra.w, intra.u_tilde, out, *intra.k.stride()[1:], *out.stride(), segments, slots,
-        geometry.cu_seqlens, problem.value_heads, problem.group_size, problem.key_dim, problem.value_dim,
-        value_tiles, GATE=kplan.gate_code, BT=kplan.chunk_size, BKF=block_k_full, BC=block_c,
-        DOT_PRECISION=kplan.dot_precision, **state_launch_options(block_k_full, intra.k.dtype),
+        intra.k, cum, intra.w, intra.u_tilde, out, h_wide, u_wide, *intra.k.stride()[1:], *out.stride(), segments,
+        slots, geometry.cu_seqlens, geometry.chunk_offsets, problem.value_heads, problem.group_size,
+        problem.key_dim, problem.value_dim, value_tiles, GATE=kplan.gate_code, BT=kplan.chunk_size,
+        BKF=block_k_full, BC=block_c, STORE_CHUNKS=chunks is not None, DOT_PRECISION=kplan.dot_precision,
+        **state_launch_options(block_k_full, intra.k.dtype),
+    )
+
+
+def _launch_incoming_state(kplan, geometry, h_wide, u_wide, initial_states, h, u, lo: int, hi: int) -> None:
+    """_incoming_state_kernel on the chunks of segments [lo, hi)."""
+    problem = kplan.problem
+    first, last = geometry.chunk_starts[lo], geometry.chunk_starts[hi]
+    if last == first:
+        return
+    block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
+    block_v = block_size(problem.value_dim)
+    _incoming_state_kernel[(last - first, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
+        h_wide[first:], u_wide, initial_states, h[first:], u, *initial_states.stride(), geometry.chunk_table[first:],
+        geometry.cu_seqlens, problem.value_heads, problem.key_dim, problem.value_dim,
+        BT=kplan.chunk_size, BKF=block_k_full, BV=block_v, DOT_PRECISION=kplan.dot_precision,
+        num_warps=8 if block_k_full > 64 else 4,
     )
 
 
@@ -703,14 +793,61 @@ class CPForward:
             self.summaries_out[slots, :, :, :problem.value_dim] = self.final_states.index_select(
                 0, _index(plan, "ready_out_segments", ready, device))
         middle = [s for s in range(segments) if plan.incoming[s] and plan.outgoing[s]]
-        if middle:
+        self.incoming_chunks = None
+        if SWEEP_INCOMING_BEFORE_MERGE and any(plan.incoming):
+            # Incoming segments walk before the merge, from S_in = 0 and from the identity: their
+            # chunks' [H | M] and [U_H | U_M], so that after it nothing sequential is left
+            # (_incoming_states). Middle segments walk here (their ends are the summaries sent),
+            # the others in overlap(), after the exchange started (a rank that waits sends first).
+            wide = problem.value_dim + problem.key_dim
+            self.incoming_chunks = (
+                _empty(scratch_rows(local.geometry.num_chunks), problem.value_heads, problem.key_dim, wide,
+                       dtype=stored, device=device),
+                _empty(1, problem.time, problem.value_heads, wide, dtype=stored, device=device))
+            self.incoming_ends = _empty(segments, problem.value_heads, problem.key_dim, wide, device=device)
+            self._walk_incoming(outgoing=True)
+            if middle:
+                self.summaries_out.index_copy_(
+                    0, _index(plan, "middle_out_slots", [plan.out_slot[s] for s in middle], device),
+                    self.incoming_ends.index_select(0, _index(plan, "middle", middle, device)))
+        elif middle:
             _launch_summary_forward(local.kplan, self.intra, local.geometry, _index(plan, "middle", middle, device),
                                     _index(plan, "middle_out_slots", [plan.out_slot[s] for s in middle], device),
                                     self.summaries_out, with_transition=True)
 
+    def _walk_incoming(self, outgoing: bool) -> None:
+        """The wide walk (_summary_forward_kernel storing chunks) of the incoming segments that are
+        (or are not) outgoing; their ends go to incoming_ends[segment]."""
+        plan, local = self.plan, self.local
+        if self.incoming_chunks is None:
+            return
+        chosen = [s for s in range(plan.num_segments) if plan.incoming[s] and plan.outgoing[s] == outgoing]
+        if chosen:
+            index = _index(plan, f"incoming_outgoing_{outgoing}", chosen, local.q.device)
+            _launch_summary_forward(local.kplan, self.intra, local.geometry, index, index, self.incoming_ends,
+                                    with_transition=True, chunks=self.incoming_chunks)
+
     def _sweep_forward(self, incoming, outgoing) -> None:
         for lo, hi in _segments_where(self.plan, incoming, outgoing):
             _sweep_forward(self.local, self.intra, self.initial_states, self.h, self.u, self.final_states, lo, hi)
+
+    def _incoming_states(self) -> None:
+        """h, U and the end state of every incoming segment, once the merge wrote its S_in."""
+        if self.incoming_chunks is None:
+            self._sweep_forward(incoming=True, outgoing=None)
+            return
+        plan, local = self.plan, self.local
+        h_wide, u_wide = self.incoming_chunks
+        for lo, hi in _segments_where(plan, incoming=True, outgoing=None):
+            _launch_incoming_state(local.kplan, local.geometry, h_wide, u_wide, self.initial_states, self.h, self.u,
+                                   lo, hi)
+        incoming = _index(plan, "incoming", [s for s in range(plan.num_segments) if plan.incoming[s]],
+                          self.h.device)
+        value_dim = self.value_dim
+        ends = self.incoming_ends.index_select(0, incoming)
+        self.final_states.index_copy_(
+            0, incoming, ends[..., :value_dim] + ends[..., value_dim:] @ self.initial_states.index_select(0, incoming))
+        self.incoming_chunks = self.incoming_ends = None  # the wide buffers are dead from here
 
     # -- forward steps
 
@@ -721,12 +858,13 @@ class CPForward:
                         device=self.local.q.device)
 
     def overlap(self) -> None:
+        self._walk_incoming(outgoing=False)
         self._sweep_forward(incoming=False, outgoing=False)
         for lo, hi in _segments_where(self.plan, incoming=False, outgoing=None):
             _output(self.local, self.intra, self.h, self.u, self.o, lo, hi)
 
     def finish(self, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self._sweep_forward(incoming=True, outgoing=None)
+        self._incoming_states()
         for lo, hi in _segments_where(self.plan, incoming=True, outgoing=None):
             _output(self.local, self.intra, self.h, self.u, self.o, lo, hi)
         local = self.local
@@ -850,7 +988,8 @@ class CPBackward(CPForward):
                             lo, hi)
 
     def overlap(self) -> None:
-        # Segments that neither wait for nor send a state: everything.
+        # Segments that neither wait for nor send a state: everything; and the incoming ones' walk.
+        self._walk_incoming(outgoing=False)
         self._sweep_forward(incoming=False, outgoing=False)
         self._sweep_backward(incoming=False, outgoing=False)
         for lo, hi in _segments_where(self.plan, incoming=False, outgoing=False):
@@ -858,7 +997,7 @@ class CPBackward(CPForward):
 
     def finish(self) -> dict[str, torch.Tensor | None]:
         plan = self.plan
-        self._sweep_forward(incoming=True, outgoing=None)
+        self._incoming_states()
         self._sweep_backward(incoming=None, outgoing=True)
         for lo, hi in _runs(a or b for a, b in zip(plan.incoming, plan.outgoing)):
             self._chunk_backward(lo, hi)
