@@ -10,10 +10,10 @@ rank boundary), side by side:
   1gpu-hc        hccompile's op on all tokens on rank 0 alone
   cp2-hc-<s>     hccompile under context_parallel on both ranks, exchange strategy s
                  (all_gather, scan, ring)
-  cp2-hc-<s>-after-merge
-                 the same with incoming segments walked after the merge (the design before
-                 cp.SWEEP_INCOMING_BEFORE_MERGE: one sequential sweep more), for --strategies
-                 entries spelled `<s>:after-merge`
+  cp2-hc-<s>-walk-again
+                 the same with middle segments (CP4 and more) walked again after the merge
+                 instead of from their summary walk's stored chunks (cp.MIDDLE_WALK_STORES_CHUNKS),
+                 for --strategies entries spelled `<s>:walk-again`
   1gpu-fla       FLA's op on all tokens on rank 0 alone             (if `fla` imports)
   cp2-fla        FLA's CP (fla.ops.cp.build_cp_context) on both ranks (if `fla` imports)
 
@@ -55,8 +55,8 @@ def parse_args():
     parser.add_argument("--ops", default="gdn,kda")
     parser.add_argument("--layouts", default="one,several")
     parser.add_argument("--strategies", default="all_gather,scan,ring",
-                        help="exchange strategies; `<s>:after-merge` times strategy s with incoming segments walked "
-                             "after the merge")
+                        help="exchange strategies; `<s>:walk-again` times strategy s with middle segments walked "
+                             "again after the merge")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-fla", action="store_true", help="skip FLA even if it imports")
@@ -316,9 +316,9 @@ def main() -> None:
                         if name == "hc":
                             import hccompile.kernels.delta_rule.cp as cp_kernels
 
-                            if mode not in ("", "after-merge"):
+                            if mode not in ("", "walk-again"):
                                 raise ValueError(f"--strategies: unknown mode {mode!r} in {entry!r}")
-                            cp_kernels.SWEEP_INCOMING_BEFORE_MERGE = mode != "after-merge"
+                            cp_kernels.MIDDLE_WALK_STORES_CHUNKS = mode != "walk-again"
                             ctx = build_cp_context(cu, strategy=strategy, device=device)
                             local = {n: ctx.shard(t) for n, t in tensors.items()}
                             fwd, both, o, dq = measure(factory(op), local, ctx.cu_seqlens, ctx.shard(do), args.iters,
@@ -327,7 +327,7 @@ def main() -> None:
                             if args.profile and strategy == "all_gather" and not mode:
                                 profile_steps(factory(op), local, ctx, do, Path(args.profile) /
                                               f"cp{world}_{op}_{args.tokens}_{layout}_rank{rank}.txt")
-                            cp_kernels.SWEEP_INCOMING_BEFORE_MERGE = True
+                            cp_kernels.MIDDLE_WALK_STORES_CHUNKS = True
                             o, dq = ctx.unshard(o), ctx.unshard(dq)
                         else:
                             from fla.ops.cp import build_cp_context as fla_context

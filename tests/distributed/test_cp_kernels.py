@@ -205,12 +205,12 @@ SIMULATION_CASES = {
 
 
 @requires_kernels
-@pytest.mark.parametrize("incoming_before_merge", [True, False], ids=["incoming-before-merge", "incoming-after"])
+@pytest.mark.parametrize("middle_stores_chunks", [True, False], ids=["middle-stores-chunks", "middle-walks-again"])
 @pytest.mark.parametrize("name", list(SIMULATION_CASES))
-def test_simulated_ranks_match_single_process(name, incoming_before_merge, poison, monkeypatch):
-    # Both ways to state an incoming segment: walked before the exchange from 0 and from the
-    # identity, then h = H + M S_in per chunk (the default), or walked after the merge.
-    monkeypatch.setattr(cp, "SWEEP_INCOMING_BEFORE_MERGE", incoming_before_merge)
+def test_simulated_ranks_match_single_process(name, middle_stores_chunks, poison, monkeypatch):
+    # Both ways to state a middle segment after the merge: h = H + M S_in per chunk from its
+    # summary walk's stores (the default), or a second walk.
+    monkeypatch.setattr(cp, "MIDDLE_WALK_STORES_CHUNKS", middle_stores_chunks)
     gate, input_kwargs, world, ctx_kwargs, merge = SIMULATION_CASES[name]
     case, cu = make_inputs(gate, device=DEVICE, **input_kwargs)
     if cu is not None:

@@ -21,23 +21,17 @@ and pieces of sequences that continue from (incoming) or into (outgoing) other r
             that send and need nothing (outgoing, not incoming): their end state *is* their
             forward summary H; the summary kernel for middle segments: [H | M] from S_in = 0,
             storing every chunk's [H | M] and [U_H | U_M] on the way.
-  overlap   while the summaries travel: the same wide walk of the other incoming segments, the
-            sweep of purely local segments, and the output kernel on the chunks of every segment
-            that does not wait (not incoming).
-  finish    (the exchange has written the merged S_in of incoming segments) h = H + M S_in and
-            U = U_H + U_M S_in per chunk (chunk-parallel), and their output.
-
-Walking an incoming segment before its S_in is known costs K more columns, but it runs while the
-rank it waits for walks its own part, instead of after it: a long sequence split over W ranks is
-walked in about 1/W of the time, where a walk after the merge took the whole sequence's length
-(SWEEP_INCOMING_BEFORE_MERGE = False restores that, for comparison).
+  overlap   while the summaries travel: the sweep of purely local segments, and the output
+            kernel on the chunks of every segment that does not wait (not incoming).
+  finish    (the exchange has written the merged S_in of incoming segments) for middle segments
+            h = H + M S_in and U = U_H + U_M S_in per chunk (chunk-parallel), for the others
+            their state sweep; then their output.
 
 The backward mirrors it: prepare recomputes the forward summaries and runs the state-gradient sweep
 of the segments that send their gradient and need none (incoming, not outgoing): their dh0 *is*
 their backward summary dH; middle segments get dH from the backward summary kernel; one exchange
 carries [H | M] and dH; overlap runs everything of the purely local segments (both sweeps and the
-chunk-parallel backward kernels) and the incoming segments' wide walk; finish, after the merge gave
-S_in and dS_out, the rest. M of a middle segment is sent once, with the forward summary, and used
+chunk-parallel backward kernels); finish, after the merge gave S_in and dS_out, the rest. M of a middle segment is sent once, with the forward summary, and used
 transposed by the backward merge.
 
 The merge folds a chain of summaries, S = H_0, then S = M_j S + H_j (forward) or S = M_j^T S + dH_j
@@ -85,12 +79,14 @@ __all__ = [
 
 # Debugging aid for tests: fill every buffer a kernel should write with NaN first.
 POISON = os.environ.get("HCCOMPILE_CP_POISON") == "1"
-# Incoming segments walk their chunks before the exchange, from S_in = 0 and from the identity
-# (K more columns), and the merged S_in is applied chunk-parallel after it: the rank that waits
-# walks in parallel with the one it waits for instead of after it. False: they walk after the
-# merge (one sequential sweep more on the critical path, K fewer columns). Read at call time
-# (benchmarks/cp.py times both).
-SWEEP_INCOMING_BEFORE_MERGE = True
+# A middle segment's summary walk ([H | M], K more columns than a state sweep) stores its chunks,
+# and after the merge its h and U are H + M S_in chunk-parallel instead of a second walk. Only
+# middle segments: a segment that only waits (the last rank's) walks after the merge, since a
+# wide walk of it before the merge was measured slower on two H200 (fwd+bwd 44.3 against 39.1 ms,
+# GDN, one 256K sequence: the state sweeps already fill the GPU by narrowing their tiles, so twice
+# the columns cost twice the time). False: middle segments walk again after the merge. Read at
+# call time (benchmarks/cp.py times both).
+MIDDLE_WALK_STORES_CHUNKS = True
 
 
 if triton is not None:
@@ -793,61 +789,51 @@ class CPForward:
             self.summaries_out[slots, :, :, :problem.value_dim] = self.final_states.index_select(
                 0, _index(plan, "ready_out_segments", ready, device))
         middle = [s for s in range(segments) if plan.incoming[s] and plan.outgoing[s]]
-        self.incoming_chunks = None
-        if SWEEP_INCOMING_BEFORE_MERGE and any(plan.incoming):
-            # Incoming segments walk before the merge, from S_in = 0 and from the identity: their
-            # chunks' [H | M] and [U_H | U_M], so that after it nothing sequential is left
-            # (_incoming_states). Middle segments walk here (their ends are the summaries sent),
-            # the others in overlap(), after the exchange started (a rank that waits sends first).
+        self.middle_chunks = None
+        if middle and MIDDLE_WALK_STORES_CHUNKS:
+            # The summary walk of a middle segment stores its chunks' [H | M] and [U_H | U_M], so
+            # that after the merge its h and U take one chunk-parallel kernel (_incoming_states)
+            # instead of a second walk.
             wide = problem.value_dim + problem.key_dim
-            self.incoming_chunks = (
+            self.middle_chunks = (
                 _empty(scratch_rows(local.geometry.num_chunks), problem.value_heads, problem.key_dim, wide,
                        dtype=stored, device=device),
                 _empty(1, problem.time, problem.value_heads, wide, dtype=stored, device=device))
-            self.incoming_ends = _empty(segments, problem.value_heads, problem.key_dim, wide, device=device)
-            self._walk_incoming(outgoing=True)
-            if middle:
-                self.summaries_out.index_copy_(
-                    0, _index(plan, "middle_out_slots", [plan.out_slot[s] for s in middle], device),
-                    self.incoming_ends.index_select(0, _index(plan, "middle", middle, device)))
+            self.middle_ends = _empty(segments, problem.value_heads, problem.key_dim, wide, device=device)
+            index = _index(plan, "middle", middle, device)
+            _launch_summary_forward(local.kplan, self.intra, local.geometry, index, index, self.middle_ends,
+                                    with_transition=True, chunks=self.middle_chunks)
+            self.summaries_out.index_copy_(
+                0, _index(plan, "middle_out_slots", [plan.out_slot[s] for s in middle], device),
+                self.middle_ends.index_select(0, index))
         elif middle:
             _launch_summary_forward(local.kplan, self.intra, local.geometry, _index(plan, "middle", middle, device),
                                     _index(plan, "middle_out_slots", [plan.out_slot[s] for s in middle], device),
                                     self.summaries_out, with_transition=True)
-
-    def _walk_incoming(self, outgoing: bool) -> None:
-        """The wide walk (_summary_forward_kernel storing chunks) of the incoming segments that are
-        (or are not) outgoing; their ends go to incoming_ends[segment]."""
-        plan, local = self.plan, self.local
-        if self.incoming_chunks is None:
-            return
-        chosen = [s for s in range(plan.num_segments) if plan.incoming[s] and plan.outgoing[s] == outgoing]
-        if chosen:
-            index = _index(plan, f"incoming_outgoing_{outgoing}", chosen, local.q.device)
-            _launch_summary_forward(local.kplan, self.intra, local.geometry, index, index, self.incoming_ends,
-                                    with_transition=True, chunks=self.incoming_chunks)
 
     def _sweep_forward(self, incoming, outgoing) -> None:
         for lo, hi in _segments_where(self.plan, incoming, outgoing):
             _sweep_forward(self.local, self.intra, self.initial_states, self.h, self.u, self.final_states, lo, hi)
 
     def _incoming_states(self) -> None:
-        """h, U and the end state of every incoming segment, once the merge wrote its S_in."""
-        if self.incoming_chunks is None:
+        """h, U and the end state of every incoming segment, once the merge wrote its S_in: a walk,
+        or for middle segments whose summary walk stored its chunks, h = H + M S_in and
+        U = U_H + U_M S_in chunk by chunk."""
+        if self.middle_chunks is None:
             self._sweep_forward(incoming=True, outgoing=None)
             return
+        self._sweep_forward(incoming=True, outgoing=False)
         plan, local = self.plan, self.local
-        h_wide, u_wide = self.incoming_chunks
-        for lo, hi in _segments_where(plan, incoming=True, outgoing=None):
+        h_wide, u_wide = self.middle_chunks
+        for lo, hi in _segments_where(plan, incoming=True, outgoing=True):
             _launch_incoming_state(local.kplan, local.geometry, h_wide, u_wide, self.initial_states, self.h, self.u,
                                    lo, hi)
-        incoming = _index(plan, "incoming", [s for s in range(plan.num_segments) if plan.incoming[s]],
-                          self.h.device)
-        value_dim = self.value_dim
-        ends = self.incoming_ends.index_select(0, incoming)
+        middle = _index(plan, "middle", [s for s in range(plan.num_segments) if plan.incoming[s] and plan.outgoing[s]],
+                        self.h.device)
+        ends, value_dim = self.middle_ends.index_select(0, middle), self.value_dim
         self.final_states.index_copy_(
-            0, incoming, ends[..., :value_dim] + ends[..., value_dim:] @ self.initial_states.index_select(0, incoming))
-        self.incoming_chunks = self.incoming_ends = None  # the wide buffers are dead from here
+            0, middle, ends[..., :value_dim] + ends[..., value_dim:] @ self.initial_states.index_select(0, middle))
+        self.middle_chunks = self.middle_ends = None  # the wide buffers are dead from here
 
     # -- forward steps
 
@@ -858,7 +844,6 @@ class CPForward:
                         device=self.local.q.device)
 
     def overlap(self) -> None:
-        self._walk_incoming(outgoing=False)
         self._sweep_forward(incoming=False, outgoing=False)
         for lo, hi in _segments_where(self.plan, incoming=False, outgoing=None):
             _output(self.local, self.intra, self.h, self.u, self.o, lo, hi)
@@ -988,8 +973,7 @@ class CPBackward(CPForward):
                             lo, hi)
 
     def overlap(self) -> None:
-        # Segments that neither wait for nor send a state: everything; and the incoming ones' walk.
-        self._walk_incoming(outgoing=False)
+        # Segments that neither wait for nor send a state: everything.
         self._sweep_forward(incoming=False, outgoing=False)
         self._sweep_backward(incoming=False, outgoing=False)
         for lo, hi in _segments_where(self.plan, incoming=False, outgoing=False):
