@@ -348,7 +348,7 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
     table, seqlens = plan.chunk_args()
     wy_kernels._wy_solve_kernel[(plan.num_chunks, problem.value_heads)](
         fwd.k, v, beta, fwd.cum if fwd.cum is not None else plan.dummy, fwd.kdot, inverse, fwd.w,
-        torch.empty_like(fwd.u), *fwd.k.stride(), *v.stride(), *beta.stride(), table, seqlens,
+        torch.empty_like(fwd.u), torch.empty_like(fwd.w), *fwd.k.stride(), *v.stride(), *beta.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
         BK=kernel_plan.block_size(problem.key_dim), BV=kernel_plan.block_size(problem.value_dim),

@@ -97,6 +97,7 @@ class _Forward:
     w: torch.Tensor  # [B, T, HV, K]
     u: torch.Tensor  # [B, T, HV, V] corrected values
     h: torch.Tensor  # [chunks, HV, K, V] chunk-start states
+    k_decayed: torch.Tensor  # [B, T, HV, K] K e^(G_last - G) with a channel gate (the plan's dummy without)
 
 
 def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
@@ -138,6 +139,8 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     else:
         kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
     w = buffer(batch, time, value_heads, key_dim, dtype=stored)
+    # A channel gate's keys decayed to their chunk's end, for the state sweeps (wy_solve forms them).
+    k_decayed = buffer(batch, time, value_heads, key_dim, dtype=stored) if problem.gate == "channel" else plan.dummy
     u_tilde = buffer(batch, time, value_heads, value_dim, dtype=stored)
     u = buffer(batch, time, value_heads, value_dim, dtype=stored)
     h = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=stored)
@@ -149,7 +152,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
         if kept is None:
             launch_decayed_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
         plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
-            k, v, beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *v.stride(), *beta.stride(),
+            k, v, beta, cum_arg, kdot, inverse, w, u_tilde, k_decayed, *k.stride(), *v.stride(), *beta.stride(),
             table, seqlens, time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
             DOT_PRECISION=plan.dot_precision, SOLVE=kept is None, **wy_solve_options(plan), **common,
@@ -163,7 +166,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     ht_strides = final_state.stride() if final_state is not None else (0, 0, 0, 0)
     if problem.num_sequences and (final_state is not None or plan.num_chunks):
         plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
-            k, cum_arg, w, u_tilde, h0, h, u, ht, *k.stride(), *h0_strides, *ht_strides,
+            k, k_decayed, cum_arg, w, u_tilde, h0, h, u, ht, *k.stride(), *h0_strides, *ht_strides,
             plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
             time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BKF=block_k_full, BV=block_v_state,
@@ -176,7 +179,8 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,
         )
-    return _Forward(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u=u, h=h)
+    return _Forward(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u=u, h=h,
+                    k_decayed=k_decayed)
 
 
 def _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, chunk_size,
@@ -368,7 +372,7 @@ def chunk_delta_rule_bwd(
     if problem.num_sequences and (plan.num_chunks or dh0 is not None):
         grid = (problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))
         plan.launch(_state_backward_kernel)[grid](
-            fwd.q, fwd.k, cum_arg, fwd.w, fwd.scores, do, dht if dht is not None else plan.dummy, dh, du,
+            fwd.q, fwd.k, fwd.k_decayed, cum_arg, fwd.w, fwd.scores, do, dht if dht is not None else plan.dummy, dh, du,
             dh0 if dh0 is not None else plan.dummy,
             *fwd.q.stride(), *fwd.k.stride(), *do.stride(),
             *(dht.stride() if dht is not None else no_strides), *(dh0.stride() if dh0 is not None else no_strides),

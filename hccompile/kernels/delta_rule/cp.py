@@ -577,6 +577,7 @@ class _Intra:
     inverse: torch.Tensor
     w: torch.Tensor
     u_tilde: torch.Tensor
+    k_decayed: torch.Tensor  # channel gate: K e^(G_last - G) (else the plan's dummy)
 
 
 @dataclass
@@ -664,19 +665,22 @@ def _intra(local: _Local) -> _Intra:
     cum_arg = cum if cum is not None else kplan.dummy
     kdot, scores, inverse = (_empty(1, time, value_heads, chunk, device=device) for _ in range(3))
     w = _empty(1, time, value_heads, problem.key_dim, dtype=stored, device=device)
+    k_decayed = _empty(1, time, value_heads, problem.key_dim, dtype=stored, device=device) \
+        if problem.gate == "channel" else kplan.dummy
     u_tilde = _empty(1, time, value_heads, problem.value_dim, dtype=stored, device=device)
     if kplan.num_chunks:
         table, seqlens = kplan.chunk_args()
         block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
         launch_decayed_scores(kplan, q, k, cum_arg, kdot, scores, kplan.num_chunks, table, seqlens)
         _wy_solve_kernel[(kplan.num_chunks, value_heads)](
-            k, local.v, local.beta, cum_arg, kdot, inverse, w, u_tilde, *k.stride(), *local.v.stride(),
+            k, local.v, local.beta, cum_arg, kdot, inverse, w, u_tilde, k_decayed, *k.stride(), *local.v.stride(),
             *local.beta.stride(), table, seqlens, time, kplan.chunks_per_row, value_heads, problem.group_size,
             problem.key_dim, problem.value_dim,
             GATE=kplan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
             DOT_PRECISION=kplan.dot_precision, IS_VARLEN=True, **wy_solve_options(kplan),
         )
-    return _Intra(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde)
+    return _Intra(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde,
+                  k_decayed=k_decayed)
 
 
 def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_states, lo: int, hi: int) -> None:
@@ -686,7 +690,8 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
     block_v = state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype,
                                     (hi - lo) * problem.value_heads, intra.k.device)
     _state_forward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
-        intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.u_tilde, initial_states[lo:],
+        intra.k, intra.k_decayed, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.u_tilde,
+        initial_states[lo:],
         h, u, final_states[lo:], *intra.k.stride(), *initial_states.stride(), *final_states.stride(),
         geometry.chunk_offsets[lo:], geometry.cu_seqlens[lo:],
         problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
@@ -719,7 +724,8 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
     block_v = state_backward_block_v(block_k_full, problem.value_dim, (hi - lo) * problem.value_heads,
                                      intra.k.device)
     _state_backward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
-        intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.scores, do,
+        intra.q, intra.k, intra.k_decayed, intra.cum if intra.cum is not None else kplan.dummy, intra.w,
+        intra.scores, do,
         final_grads[lo:], dh, du, initial_grads[lo:],
         *intra.q.stride(), *intra.k.stride(), *do.stride(), *final_grads.stride(), *initial_grads.stride(),
         geometry.chunk_offsets[lo:], geometry.cu_seqlens[lo:],

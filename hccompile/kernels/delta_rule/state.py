@@ -36,12 +36,12 @@ MIN_BACKWARD_SWEEP_TILE = 32
 
 
 if triton is not None:
-    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _row_bounds, _store_rows,
-                        _varlen_bounds)
+    from .tiles import (_chunk_end_decay, _chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows,
+                        _row_bounds, _store_rows, _varlen_bounds)
 
     @triton.jit
     def _state_forward_kernel(
-        k_ptr, cum_ptr, w_ptr, u_tilde_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
+        k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_h0n, stride_h0h, stride_h0k, stride_h0v,
         stride_htn, stride_hth, stride_htk, stride_htv,
@@ -60,7 +60,8 @@ if triton is not None:
 
         Stores every chunk's starting state h ([chunks, HV, K, V]) and its corrected values
         U = U~ - W h; S_end = e^G_last S + (K e^(G_last - G))^T U. The state is fp32; h, U and
-        the products' operands are in the intermediates' dtype (h's).
+        the products' operands are in the intermediates' dtype (h's). A channel gate's decayed
+        keys K e^(G_last - G) come from wy_solve (kg_ptr, [B, T, HV, K]); k_ptr is unused then.
         """
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -77,6 +78,7 @@ if triton is not None:
         k_ptr += batch * stride_kb + key_head * stride_kh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
         w_ptr += (batch * T) * HV * K + head * K
+        kg_ptr += (batch * T) * HV * K + head * K
         u_tilde_ptr += (batch * T) * HV * V + head * V
         u_ptr += (batch * T) * HV * V + head * V
 
@@ -101,19 +103,17 @@ if triton is not None:
             u -= _dot(w, state, dot_dtype, DOT_PRECISION)
             _store_rows(u_ptr, u, tokens, vc, HV * V, 1, valid, V)
             if GATE == 2:
-                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                k_tile = _load_stored_rows(kg_ptr, tokens, kc, HV * K, 1, valid, K)
+                state *= _chunk_end_decay(cum_ptr, start + length - 1, kc, HV, K)[:, None]
             else:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-            if GATE != 0:
+            if GATE == 1:
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
                 state *= whole[:, None]
-                if GATE == 2:
-                    k_tile *= to_end
-                else:
-                    # A scalar gate's row decay scales the [BT, BV] values rather than the [BT, K] keys:
-                    # (K e^(G_last - G))^T U = K^T (e^(G_last - G) U), a BV/K share of the elementwise
-                    # work in the sequential loop, and k stays in its stored dtype.
-                    u *= to_end
+                # A scalar gate's row decay scales the [BT, BV] values rather than the [BT, K] keys:
+                # (K e^(G_last - G))^T U = K^T (e^(G_last - G) U), a BV/K share of the elementwise
+                # work in the sequential loop, and k stays in its stored dtype.
+                u *= to_end
             state += _dot(tl.trans(k_tile), u, dot_dtype, DOT_PRECISION)
         if STORE_FINAL_STATE:
             _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv,
@@ -121,7 +121,7 @@ if triton is not None:
 
     @triton.jit
     def _state_backward_kernel(
-        q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
+        q_ptr, k_ptr, kg_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
         stride_qb, stride_qt, stride_qh, stride_qk,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_dob, stride_dot, stride_doh, stride_dov,
@@ -144,6 +144,7 @@ if triton is not None:
         gradient of the corrected values dU = scale P^T dO + (K e^(G_last - G)) dS, and
         passes dS_start = scale (Q e^G)^T dO + e^G_last dS - W^T dU to the chunk before.
         dS is fp32; dh, dU and the products' operands are in the intermediates' dtype (w's).
+        A channel gate's decayed keys come from wy_solve (kg_ptr), as in state_forward.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -164,6 +165,7 @@ if triton is not None:
         do_ptr += batch * stride_dob + head * stride_doh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
         w_ptr += (batch * T) * HV * K + head * K
+        kg_ptr += (batch * T) * HV * K + head * K
         scores_ptr += (batch * T) * HV * BT + head * BT
         du_ptr += (batch * T) * HV * V + head * V
 
@@ -189,17 +191,16 @@ if triton is not None:
             scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
             du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
             if GATE == 2:
-                k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                k_tile = _load_stored_rows(kg_ptr, tokens, kc, HV * K, 1, valid, K)
                 q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+                whole = _chunk_end_decay(cum_ptr, start + length - 1, kc, HV, K)
             else:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
             q_do = do_tile
-            if GATE != 0:
+            if GATE == 1:
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
-            if GATE == 2:
-                k_tile *= to_end
-                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
             k_dstate = _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
             if GATE == 1:
                 # A scalar gate's row factors move to the [BT, BV] side, as in state_forward:

@@ -111,6 +111,11 @@ if triton is not None:
         return (batch * T * HV + head) * width
 
     @triton.jit
+    def _chunk_end_decay(cum_ptr, last_token, kc, HV, K):
+        """e^G_last [BK] of a channel gate's chunk: the state's decay over the chunk."""
+        return tl.exp(_load_vector(cum_ptr, last_token, kc, HV * K, 1, last_token >= 0, K))
+
+    @triton.jit
     def _chunk_end_decays(cum_ptr, tokens, valid, last_token, kc, HV, K, GATE: tl.constexpr):
         """(e^(G_last - G_t) per row [BT, BK] or [BT, 1], e^G_last [BK] or [1]) of one chunk."""
         if GATE == 2:

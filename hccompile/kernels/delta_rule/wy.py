@@ -23,8 +23,8 @@ from .plan import Plan
 from .._triton import tl, triton
 
 if triton is not None:
-    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _row_chunk_coords,
-                        _store_rows, _varlen_chunk_coords)
+    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector,
+                        _row_chunk_coords, _store_rows, _varlen_chunk_coords)
 
     @triton.jit
     def _substitution_step(inverse, kdot_ptr, beta_ptr, stride_bt, start, first, length, row_stride, r,
@@ -74,7 +74,7 @@ if triton is not None:
 
     @triton.jit
     def _wy_solve_kernel(
-        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr,
+        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr, kg_ptr,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_vb, stride_vt, stride_vh, stride_vv,
         stride_bb, stride_bt, stride_bh,
@@ -89,7 +89,11 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         SOLVE: tl.constexpr = True,
     ):
-        """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V.
+        """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V;
+        with a channel gate also the keys decayed to the chunk's end, K e^(G_last - G), in kg_ptr
+        ([B, T, HV, K], W's dtype): state_forward's and state_backward's sequential loops then read
+        them instead of forming them (an fp32 [BT, K] gate load and BT x K exps per chunk and value
+        tile) on the critical path.
 
         Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward) and only W
         and U~ are formed.
@@ -178,9 +182,14 @@ if triton is not None:
             gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))
         for k0 in range(0, K, BK):
             kc = k0 + tl.arange(0, BK)
-            k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K) * beta[:, None]
+            k_raw = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            k_tile = k_raw * beta[:, None]
             if GATE == 2:
-                k_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+                g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+                k_tile *= tl.exp(g)
+                g_last = _load_vector(cum_ptr, start + length - 1, kc, HV * K, 1, length > 0, K)
+                k_decayed = k_raw * tl.exp(tl.where(valid[:, None], g_last[None, :] - g, 0.0))
+                _store_rows(kg_ptr + (batch * T) * HV * K + head * K, k_decayed, tokens, kc, HV * K, 1, valid, K)
             elif GATE == 1:
                 k_tile *= gamma[:, None]
             w = _dot(inverse, k_tile, dot_dtype, DOT_PRECISION)
