@@ -372,7 +372,7 @@ def chunk_delta_rule_bwd(
     if problem.num_sequences and (plan.num_chunks or dh0 is not None):
         grid = (problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))
         plan.launch(_state_backward_kernel)[grid](
-            fwd.q, fwd.k, fwd.k_decayed, cum_arg, fwd.w, fwd.scores, do, dht if dht is not None else plan.dummy, dh, du,
+            fwd.q, fwd.k, cum_arg, fwd.w, fwd.scores, do, dht if dht is not None else plan.dummy, dh, du,
             dh0 if dh0 is not None else plan.dummy,
             *fwd.q.stride(), *fwd.k.stride(), *do.stride(),
             *(dht.stride() if dht is not None else no_strides), *(dh0.stride() if dh0 is not None else no_strides),

@@ -724,8 +724,7 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
     block_v = state_backward_block_v(block_k_full, problem.value_dim, (hi - lo) * problem.value_heads,
                                      intra.k.device)
     _state_backward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
-        intra.q, intra.k, intra.k_decayed, intra.cum if intra.cum is not None else kplan.dummy, intra.w,
-        intra.scores, do,
+        intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.scores, do,
         final_grads[lo:], dh, du, initial_grads[lo:],
         *intra.q.stride(), *intra.k.stride(), *do.stride(), *final_grads.stride(), *initial_grads.stride(),
         geometry.chunk_offsets[lo:], geometry.cu_seqlens[lo:],

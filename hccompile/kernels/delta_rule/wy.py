@@ -91,9 +91,9 @@ if triton is not None:
     ):
         """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V;
         with a channel gate also the keys decayed to the chunk's end, K e^(G_last - G), in kg_ptr
-        ([B, T, HV, K], W's dtype): state_forward's and state_backward's sequential loops then read
-        them instead of forming them (an fp32 [BT, K] gate load and BT x K exps per chunk and value
-        tile) on the critical path.
+        ([B, T, HV, K], W's dtype): state_forward's sequential loop then reads them instead of
+        forming them (fp32 [BT, K] key and gate loads and BT x K exps per chunk and value tile) on
+        the critical path.
 
         Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward) and only W
         and U~ are formed.

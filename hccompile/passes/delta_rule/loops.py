@@ -269,6 +269,15 @@ def _walk(start: fx.Node, count: int) -> list[fx.Node]:
     return out
 
 
+def _run_between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
+    """The nodes from `a` up to, not including, `b` (which follows it) in graph order."""
+    out, n = [], a
+    while n is not b:
+        out.append(n)
+        n = n.next
+    return out
+
+
 def _analyse_unrolled(loop: _Loop, idx: _Index) -> None:
     """Split the loop into iterations, prove they are one step repeated, find state and output."""
     if loop.reverse:
@@ -293,19 +302,11 @@ def _analyse_unrolled(loop: _Loop, idx: _Index) -> None:
                 raise Refusal(f"{_describe(s.node)} slices step {s.step} outside that step's iteration")
     slices = set(masks)
 
-    def run_between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
-        out, n = [], a
-        while n is not b:
-            out.append(n)
-            n = n.next
-        return out
-
     # Values computed from this loop's slices (directly or through earlier such values): what a
     # recurrence hands on. Constants an iteration prepares for the next one (a position mask built
     # before the next slices are read) are not.
-    first, second = run_between(anchors[0], anchors[1]), (run_between(anchors[1], anchors[2]) if n_steps > 2
-                                                          else _walk(anchors[1], len(run_between(anchors[0],
-                                                                                                 anchors[1]))))
+    first = _run_between(anchors[0], anchors[1])
+    second = _run_between(anchors[1], anchors[2]) if n_steps > 2 else _walk(anchors[1], len(first))
     dynamic: set = set()
     for n in first + second:
         if n in slices or any(a in dynamic for a in n.all_input_nodes):
@@ -353,15 +354,8 @@ def _split_iterations(loop: _Loop, idx: _Index, anchors: list[fx.Node], shift: i
                 raise Refusal("the loop starts at the top of the graph")
         return n
 
-    def run_between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
-        out, n = [], a
-        while n is not b:
-            out.append(n)
-            n = n.next
-        return out
-
     starts = [back(a, shift) for a in anchors]
-    iterations = [run_between(starts[j], starts[j + 1]) for j in range(n_steps - 1)]
+    iterations = [_run_between(starts[j], starts[j + 1]) for j in range(n_steps - 1)]
     length = len(iterations[1]) if n_steps >= 3 else len(iterations[0])
     for j, it in enumerate(iterations):
         if len(it) != length:
