@@ -1,0 +1,107 @@
+"""What each node does, in the words every later stage uses: a kind for the spellings fx_match does
+not know, which ops create a tensor, write into one or read only its shape, and which are pure. Kept
+apart so that the matchers, the evaluator and the dead-code sweeps classify a node the same way."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...compat import concrete_shape
+from .. import fx_match as M
+
+
+# ---------------------------------------------------------------------------------------------
+# Spellings beyond fx_match's
+
+_EXTRA: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
+    "exp": ((torch.exp,), ("exp",)),
+    "pow": ((torch.pow, operator.pow), ("pow", "__pow__")),
+    "neg": ((torch.neg, torch.negative, operator.neg), ("neg", "negative", "__neg__")),
+    "add": ((operator.add, torch.add, operator.iadd), ("add", "__add__", "add_")),
+    "cumsum": ((torch.cumsum,), ("cumsum",)),
+    "sum": ((torch.sum,), ("sum",)),
+    "cat": ((torch.cat, torch.concat, torch.concatenate), ()),
+    "setitem": ((operator.setitem,), ()),
+    "getitem": ((operator.getitem,), ()),
+    "unsqueeze": ((torch.unsqueeze,), ("unsqueeze",)),
+    "squeeze": ((torch.squeeze,), ("squeeze",)),
+    "narrow": ((torch.narrow,), ("narrow",)),
+    "split": ((torch.split,), ("split",)),
+    "view": ((torch.reshape,), ("view", "reshape", "expand", "expand_as", "view_as", "reshape_as")),
+    "nan_to_num": ((torch.nan_to_num,), ("nan_to_num",)),
+    "sub": ((operator.sub, torch.sub, torch.subtract), ("sub", "subtract", "__sub__")),
+}
+_EXTRA_FN = {f: k for k, (fns, _) in _EXTRA.items() for f in fns}
+_EXTRA_METHOD = {m: k for k, (_, ms) in _EXTRA.items() for m in ms}
+
+_CREATION_FNS = {torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
+                 torch.empty_like, torch.full_like, torch.arange, torch.clone, torch.tensor,
+                 torch.eye}
+_CREATION_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "clone"}
+_SHAPE_ONLY_METHODS = {"size", "dim", "numel", "new_zeros", "new_ones", "new_empty", "new_full",
+                       "new_tensor"}
+_SHAPE_ONLY_FNS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+_INPLACE_FNS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _kind(node: Any) -> str | None:
+    k = M.kind(node)
+    if k is not None or not isinstance(node, fx.Node):
+        return k
+    if node.op == "call_function":
+        return _EXTRA_FN.get(node.target)
+    if node.op == "call_method":
+        return _EXTRA_METHOD.get(node.target)
+    return None
+
+
+def _mutation_target(node: fx.Node) -> Any:
+    """The tensor an in-place node writes into, or None."""
+    if node.op == "call_function" and node.target not in _OPERATORS:
+        name = getattr(node.target, "__name__", "")
+        if node.target in _INPLACE_FNS or (name.endswith("_") and not name.startswith("_")):
+            return node.args[0] if node.args else None
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+        return node.args[0]
+    return None
+
+
+def _alive(node: Any, g: fx.Graph) -> bool:
+    """Still in the graph (erase_node leaves `node.graph` set)."""
+    return isinstance(node, fx.Node) and node.graph is g and not getattr(node, "_erased", False)
+
+
+def _other(node: fx.Node) -> Any:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    ev = M.example(node)
+    return concrete_shape(ev) if isinstance(ev, torch.Tensor) else None
+
+
+_OPERATORS = {operator.and_, operator.or_, operator.xor, operator.not_, operator.invert}
+
+
+def _impurity(node: fx.Node) -> str | None:
+    if node.op == "call_function" and node.target in _OPERATORS:
+        return None  # `a & b`, not an in-place op despite the trailing underscore
+    return M.is_impure(node)
+
+
+def _is_fresh(node: Any) -> bool:
+    """Was this tensor created inside the graph (so writing into it touches no input)?"""
+    while isinstance(node, fx.Node):
+        if node.op == "call_function" and node.target in _CREATION_FNS:
+            return True
+        if node.op == "call_method" and node.target in _CREATION_METHODS:
+            return True
+        k = _kind(node)
+        if k in ("cast", "contiguous") or _mutation_target(node) is not None:
+            node = node.args[0]
+            continue
+        return False
+    return False
