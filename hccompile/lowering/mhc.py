@@ -1,4 +1,4 @@
-"""mHC hyper-connection kernels as custom ops (what passes/hc_fuse.py lowers to).
+"""mHC hyper-connection kernels as custom ops (what passes/hc_fuse/ lowers to).
 
     hccompile::mhc_post(Tensor x, Tensor h_res, Tensor h_post, Tensor f, bool transpose_res,
         int[] out_order) -> Tensor

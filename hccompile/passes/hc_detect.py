@@ -353,7 +353,7 @@ class HCLayer:
     norm_node: fx.Node | None = None  # that per-stream norm (its output is stream-sized)
     combined: bool = False  # H_pre and H_res applied in one product, sliced into agg and mixed
     notes: list[str] = field(default_factory=list)
-    # what passes/hc_fuse.py replaced with fused ops ("mapping", "aggregate", "post"); it also
+    # what passes/hc_fuse/ replaced with fused ops ("mapping", "aggregate", "post"); it also
     # points the fields above at the new nodes (h_pre/h_post/h_res: the mapping op's outputs,
     # mixed/post: the post op, x_out and aggregate: the values that replaced them)
     fused: list[str] = field(default_factory=list)
