@@ -318,16 +318,19 @@ def main() -> None:
 
                             if mode not in ("", "walk-again"):
                                 raise ValueError(f"--strategies: unknown mode {mode!r} in {entry!r}")
+                            # A failed variant must not leave the next one in its mode.
                             cp_kernels.MIDDLE_WALK_STORES_CHUNKS = mode != "walk-again"
-                            ctx = build_cp_context(cu, strategy=strategy, device=device)
-                            local = {n: ctx.shard(t) for n, t in tensors.items()}
-                            fwd, both, o, dq = measure(factory(op), local, ctx.cu_seqlens, ctx.shard(do), args.iters,
-                                                       args.warmup, group_wide=True,
-                                                       context=lambda ctx=ctx: context_parallel(ctx))
-                            if args.profile and strategy == "all_gather" and not mode:
-                                profile_steps(factory(op), local, ctx, do, Path(args.profile) /
-                                              f"cp{world}_{op}_{args.tokens}_{layout}_rank{rank}.txt")
-                            cp_kernels.MIDDLE_WALK_STORES_CHUNKS = True
+                            try:
+                                ctx = build_cp_context(cu, strategy=strategy, device=device)
+                                local = {n: ctx.shard(t) for n, t in tensors.items()}
+                                fwd, both, o, dq = measure(factory(op), local, ctx.cu_seqlens, ctx.shard(do),
+                                                           args.iters, args.warmup, group_wide=True,
+                                                           context=lambda ctx=ctx: context_parallel(ctx))
+                                if args.profile and strategy == "all_gather" and not mode:
+                                    profile_steps(factory(op), local, ctx, do, Path(args.profile) /
+                                                  f"cp{world}_{op}_{args.tokens}_{layout}_rank{rank}.txt")
+                            finally:
+                                cp_kernels.MIDDLE_WALK_STORES_CHUNKS = True
                             o, dq = ctx.unshard(o), ctx.unshard(dq)
                         else:
                             from fla.ops.cp import build_cp_context as fla_context
