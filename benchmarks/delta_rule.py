@@ -78,6 +78,10 @@ def make_inputs(shape: dict, gate: str, dtype: torch.dtype, seed: int = 0) -> di
     q, k, v = randn(B, T, H, D).to(dtype), randn(B, T, H, D).to(dtype), randn(B, T, H, D).to(dtype)
     beta = torch.rand(B, T, H, generator=gen, device="cuda").to(dtype)
     g_shape = (B, T, H) if gate == "scalar" else (B, T, H, D)
+    if gate == "raw":  # raw activations for the in-kernel gate, and its parameters (as FLA's KDA layer)
+        A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
+        dt_bias = (0.1 * randn(H * D)).float()
+        return dict(q=q, k=k, v=v, g=randn(*g_shape).to(dtype), beta=beta, A_log=A_log, dt_bias=dt_bias)
     g = torch.nn.functional.logsigmoid(randn(*g_shape)).float()  # FLA's tests: natural-log gates, fp32
     return dict(q=q, k=k, v=v, g=g, beta=beta)
 
@@ -105,6 +109,10 @@ def ours(gate: str):
     if gate == "scalar":
         return lambda q, k, v, g, beta: hccompile.chunk_gated_delta_rule(q, k, v, g, beta,
                                                                         use_qk_l2norm_in_kernel=True)[0]
+    if gate == "raw":  # KDA's gate activation in the kernel: g raw, A_log [H], dt_bias [H * K]
+        return lambda q, k, v, g, beta, A_log, dt_bias: hccompile.chunk_kda(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+            dt_bias=dt_bias)[0]
     return lambda q, k, v, g, beta: hccompile.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
 
 
@@ -113,6 +121,10 @@ def fla_op(gate: str):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
     else:
         from fla.ops.kda import chunk_kda as f
+    if gate == "raw":
+        return lambda q, k, v, g, beta, A_log, dt_bias: f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                          use_gate_in_kernel=True, A_log=A_log,
+                                                          dt_bias=dt_bias)[0]
     return lambda q, k, v, g, beta: f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
 
 
@@ -179,8 +191,8 @@ def kernel_rows(args, meta) -> list[dict]:
     for shape_text in [s for s in args.shapes.split(",") if s]:
         shape = parse_shape(shape_text)
         label = f"B{shape['B']} T{shape['T']} H{shape['H']} D{shape['D']}"
-        for gate, op in (("scalar", "GDN"), ("channel", "KDA")):
-            if op.lower() not in args.ops:
+        for gate, op, name in (("scalar", "GDN", "gdn"), ("channel", "KDA", "kda"), ("raw", "KDA", "kda-gate")):
+            if name not in args.ops.split(","):
                 continue
             inputs = make_inputs(shape, gate, dtype)
             variants = [("ours", ours(gate), "")]
@@ -205,6 +217,8 @@ def kernel_rows(args, meta) -> list[dict]:
             for name, fn, note in variants:
                 row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
                        "fla": fla_version, "note": note}
+                if gate == "raw":
+                    row["gate_in_kernel"] = True
                 kernel_plan.BF16_INTERMEDIATES = name != OURS_FP32
                 kernel_plan.SWEEP_MIN_PROGRAMS = 0 if name == OURS_WIDE else sweep_default
                 try:
@@ -300,7 +314,8 @@ def main() -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated, e.g. B4T4096H16D128")
     p.add_argument("--plain-shapes", default=DEFAULT_PLAIN_SHAPES,
                    help="shapes at which the plain forms (eager, Inductor, hc) also run; '' for none")
-    p.add_argument("--ops", default="gdn,kda", help="gdn, kda or both")
+    p.add_argument("--ops", default="gdn,kda", help="comma-separated: gdn, kda (precomputed gate), kda-gate "
+                   "(KDA's gate activation in the kernel)")
     p.add_argument("--impls", default="ours,fp32,wide,fla,plain",
                    help="kernel rows to run: ours, fp32 (fp32 intermediates for bf16 inputs), wide (widest sweep "
                         "tiles, where ours narrows them), fla, plain (eager, Inductor and hc, at --plain-shapes) "
