@@ -68,6 +68,18 @@ def bench(fn, grad_to_none=None) -> float:
         return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none))
 
 
+def kda_gate_parameters(H: int, D: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_log [H] and dt_bias [H * D] as FLA's KDA layer initialises them: A uniform in [1, 16];
+    dt_bias the inverse softplus of a step dt log-uniform in [0.001, 0.1]. The gate's strength
+    matters to the timing: past a span of scores.FACTOR_SPAN_LIMIT per 16 tokens our score kernels
+    split the diagonal blocks at middle rows (about one sub-chunk in six with these parameters)."""
+    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
+    low, high = torch.log(torch.tensor(0.001)), torch.log(torch.tensor(0.1))
+    dt = torch.exp(torch.rand(H * D, device="cuda", generator=gen) * (high - low) + low).clamp_min(1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    return A_log, dt_bias
+
+
 def make_inputs(shape: dict, gate: str, dtype: torch.dtype, seed: int = 0) -> dict:
     B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -78,9 +90,8 @@ def make_inputs(shape: dict, gate: str, dtype: torch.dtype, seed: int = 0) -> di
     q, k, v = randn(B, T, H, D).to(dtype), randn(B, T, H, D).to(dtype), randn(B, T, H, D).to(dtype)
     beta = torch.rand(B, T, H, generator=gen, device="cuda").to(dtype)
     g_shape = (B, T, H) if gate == "scalar" else (B, T, H, D)
-    if gate == "raw":  # raw activations for the in-kernel gate, and its parameters (as FLA's KDA layer)
-        A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
-        dt_bias = (0.1 * randn(H * D)).float()
+    if gate == "raw":  # raw activations for the in-kernel gate, its parameters as FLA's KDA layer sets them
+        A_log, dt_bias = kda_gate_parameters(H, D, gen)
         return dict(q=q, k=k, v=v, g=randn(*g_shape).to(dtype), beta=beta, A_log=A_log, dt_bias=dt_bias)
     g = torch.nn.functional.logsigmoid(randn(*g_shape)).float()  # FLA's tests: natural-log gates, fp32
     return dict(q=q, k=k, v=v, g=g, beta=beta)

@@ -36,11 +36,23 @@ def build(op: str, s: dict, kv_heads: int, dtype):
     def randn(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device="cuda").to(dt).requires_grad_()
 
-    if op in ("gdn", "kda", "fla-gdn", "fla-kda"):
+    if op in ("gdn", "kda", "fla-gdn", "fla-kda", "kda-gate", "fla-kda-gate"):
         scalar = op.endswith("gdn")
         q, k, v = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
         beta = torch.rand(B, T, H, generator=gen, device="cuda").to(dtype).requires_grad_()
         g_raw = torch.randn(*((B, T, H) if scalar else (B, T, H, D)), generator=gen, device="cuda")
+        if op.endswith("kda-gate"):  # the gate activation in the kernel, inputs as benchmarks/delta_rule.py's
+            g = g_raw.to(dtype).requires_grad_()
+            from delta_rule import kda_gate_parameters
+
+            A_log, dt_bias = (t.requires_grad_() for t in kda_gate_parameters(H, D, gen))
+            if op.startswith("fla"):
+                from fla.ops.kda import chunk_kda as f
+            else:
+                from hccompile import chunk_kda as f
+            return [q, k, v, g, beta, A_log, dt_bias], lambda: f(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                dt_bias=dt_bias)[0]
         g = torch.nn.functional.logsigmoid(g_raw).float().requires_grad_()
         if op.startswith("fla"):
             if scalar:

@@ -14,6 +14,7 @@ import torch._dynamo.testing  # not imported by torch itself on 2.15: a chunk of
 import torch.nn.functional as F
 
 from hccompile.kernels.delta_rule import naive_recurrent_delta_rule
+from hccompile.kernels.delta_rule.plan import kept_state_rows
 from hccompile.lowering.delta_rule import (chunk_delta_rule, chunk_delta_rule_backward_op, chunk_delta_rule_op,
                                            chunk_gated_delta_rule, chunk_kda, implementation)
 
@@ -90,8 +91,10 @@ OPCHECK_CASES = {
     "gdn": ("scalar", dict(), dict()),
     "kda-gate-in-kernel": ("channel", dict(gate_in_kernel=True), dict(lower_bound=-5.0)),
     "gdn-varlen": ("scalar", dict(seqlens=(7, 0, 13)), dict()),
-    # The forward keeps its intra-chunk matrices and the backward op takes them.
+    # The forward keeps its intra-chunk matrices and state sweep, and the backward op takes them;
+    # varlen: the kept chunk states' rows are a bound the fake computes from shapes (kept_state_rows).
     "kda-kept": ("channel", dict(), dict(save_intermediates=True)),
+    "gdn-varlen-kept": ("scalar", dict(seqlens=(7, 0, 13)), dict(save_intermediates=True)),
 }
 
 
@@ -106,10 +109,16 @@ def test_opcheck_forward_and_backward(name, mode):
 
     o, final_state, *kept = chunk_delta_rule_op(*op_args(case, gate, **arg_kwargs))
     if arg_kwargs.get("save_intermediates"):
-        # The intra-chunk matrices, the l2-normed q and k (op_args asks for the l2norm), the gate's sum.
-        assert len(kept) == 6 and all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept[:3])
+        # The intra-chunk matrices, the l2-normed q and k (op_args asks for the l2norm), the gate's
+        # sum, and the state sweep's w, u, h.
+        assert len(kept) == 9 and all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept[:3])
         assert all(t.shape == case["q"].shape for t in kept[3:5])
         assert kept[5].shape == case["g"].shape[:3] + (case["g"].shape[3] if case["g"].dim() == 4 else 1,)
+        key_dim, value_dim = case["q"].shape[3], case["v"].shape[3]
+        sequences = None if case["cu_seqlens"] is None else len(case["cu_seqlens"]) - 1
+        rows = kept_state_rows(o.shape[0], o.shape[1], 16, sequences)
+        assert kept[6].shape == (*o.shape[:3], key_dim) and kept[7].shape == o.shape
+        assert kept[8].shape == (rows, o.shape[2], key_dim, value_dim)
     do = torch.randn_like(o)
     dht = torch.randn_like(final_state) if arg_kwargs.get("output_final_state", True) else None
     detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
@@ -122,7 +131,7 @@ def test_opcheck_forward_and_backward(name, mode):
 def test_absent_outputs_are_zero_size_placeholders(mode):
     case = make_case("scalar", initial_state=False)
     o, final_state, *kept = chunk_delta_rule_op(*op_args(case, "scalar", output_final_state=False))
-    assert [tuple(t.shape) for t in kept] == [(0,)] * 6  # nothing kept unless asked for
+    assert [tuple(t.shape) for t in kept] == [(0,)] * 9  # nothing kept unless asked for
     assert o.shape == case["v"].shape and final_state.shape == (0,) and final_state.dtype == torch.float32
     grads = chunk_delta_rule_backward_op(*op_args(case, "scalar")[:9], torch.ones_like(o), None, "scalar", 0.3,
                                          True, None, 16)
@@ -260,8 +269,9 @@ def test_bad_input_names_argument(description, call, match):
 
 def test_training_calls_keep_the_intra_chunk_matrices_for_the_backward(monkeypatch):
     """With gradients wanted, the public functions have the forward op keep kdot, scores and the
-    solved inverse, and the kernel backward reuses them; the gradients equal those of a backward
-    that recomputes them, and calls without gradients keep nothing."""
+    solved inverse (and with KEEP_STATES the state sweep's w, u, h), and the kernel backward reuses
+    them; the gradients equal those of a backward that recomputes them, and calls without gradients
+    keep nothing."""
     if not KERNELS_CAN_RUN:
         pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
     import hccompile.lowering.delta_rule as lowering
@@ -270,7 +280,7 @@ def test_training_calls_keep_the_intra_chunk_matrices_for_the_backward(monkeypat
     kernel_backward = lowering.chunk_delta_rule_bwd
 
     def spy(*args, intermediates=None, **kwargs):
-        reused.append(intermediates is not None)
+        reused.append("none" if intermediates is None else "states" if intermediates.h is not None else "matrices")
         return kernel_backward(*args, intermediates=intermediates, **kwargs)
 
     monkeypatch.setattr(lowering, "chunk_delta_rule_bwd", spy)
@@ -283,11 +293,13 @@ def test_training_calls_keep_the_intra_chunk_matrices_for_the_backward(monkeypat
         return [leaves[n].grad for n in leaves]
 
     kept = gradients()
+    monkeypatch.setattr(lowering, "KEEP_STATES", False)
+    matrices_only = gradients()
     monkeypatch.setattr(lowering, "keeps_intermediates", lambda *inputs: False)
     recomputed = gradients()
-    assert reused == [True, False]
-    for a, b in zip(kept, recomputed):
-        assert torch.equal(a, b)
+    assert reused == ["states", "matrices", "none"]
+    for a, b, c in zip(kept, matrices_only, recomputed):
+        assert torch.equal(a, c) and torch.equal(b, c)
     monkeypatch.undo()
     with torch.no_grad():
         assert not lowering.keeps_intermediates(case["q"].requires_grad_())

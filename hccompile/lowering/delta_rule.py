@@ -11,12 +11,13 @@ fixed-length calls are traced into their kernel launches, see _traceable):
         float scale, bool output_final_state, bool use_qk_l2norm_in_kernel, float? lower_bound,
         SymInt chunk_size, bool save_intermediates, bool check_gates)
         -> (Tensor o, Tensor final_state, Tensor kdot, Tensor scores, Tensor inverse, Tensor q_normed,
-            Tensor k_normed, Tensor cum)
+            Tensor k_normed, Tensor cum, Tensor w, Tensor u, Tensor h)
     hccompile::chunk_delta_rule_backward(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor? g,
         Tensor? initial_state, Tensor? cu_seqlens, Tensor? A_log, Tensor? dt_bias, Tensor do,
         Tensor? dht, str gate, float scale, bool use_qk_l2norm_in_kernel, float? lower_bound,
         SymInt chunk_size, Tensor? kdot, Tensor? scores, Tensor? inverse, Tensor? q_normed,
-        Tensor? k_normed, Tensor? cum) -> (dq, dk, dv, dbeta, dg, dinitial_state, dA_log, ddt_bias)
+        Tensor? k_normed, Tensor? cum, Tensor? w, Tensor? u, Tensor? h)
+        -> (dq, dk, dv, dbeta, dg, dinitial_state, dA_log, ddt_bias)
 
 Custom ops cannot return None, so: the forward op's `final_state` is a zero-size tensor of shape
 (0,) when output_final_state is False, and the backward op returns a zero-size (0,) tensor (q's
@@ -51,6 +52,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -61,7 +63,8 @@ from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_d
                                   chunk_delta_rule_ref, triton_available)
 from ..kernels.delta_rule.chunk import GRADIENT_NAMES, Kept
 from ..kernels.delta_rule.output import _output_kernel
-from ..kernels.delta_rule.plan import CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES, normed_qk_dtype_for
+from ..kernels.delta_rule.plan import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES, intermediate_dtype_for,
+                                       kept_state_rows, normed_qk_dtype_for)
 from ..kernels.delta_rule.wy import _wy_backward_kernel
 from ..kernels.delta_rule.reference import GATE_KINDS
 from ..kernels.value_checks import checks_on_gpu, values_checked
@@ -353,19 +356,30 @@ def _absent(q: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------
 # Forward op
 
+# Whether a forward that keeps its intermediates (keeps_intermediates) also keeps the state sweep's
+# w, u and chunk states h, so that the backward runs neither the WY solve nor the forward sweep
+# again. FLA recomputes them; keeping them costs, per layer until its backward, 2 (2 + K / 64) T HV K
+# bytes per batch row at bf16 and chunk 64 with K = V (at T 32768, H16, K128: 268 MB for h and 134 MB
+# each for w and u). Their recomputation took 2.5 ms of KDA's 14.3 ms step and ~1.3 ms of GDN's
+# 7.8 ms on the H100 (B1 T32768 H16 K128, session 17's profiles in BENCHMARKS.md). HCCOMPILE_DELTA_RULE_KEEP_STATES=0 (read at import;
+# tests and benchmarks set the attribute) trades that time back for the memory.
+KEEP_STATES = os.environ.get("HCCOMPILE_DELTA_RULE_KEEP_STATES", "1") != "0"
+
 
 def _chunk_delta_rule_host(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, gate: str, scale: float,
     output_final_state: bool, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
     save_intermediates: bool = False, check_gates: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, final state, kdot, scores, inverse, q_normed, k_normed, cum). With save_intermediates the
-    last six are kept for the backward so that it does not recompute them: the kernels' intra-chunk
-    matrices, fp32 [B, T, HV, chunk_size]; with use_qk_l2norm_in_kernel the l2-normed q and k
-    ([B, T, H, K] in normed_qk_dtype_for(q.dtype)); with a gate its chunk-local cumulative sum (fp32
-    [B, T, HV, K or 1]); zeros where the reference or CP path ran (their backwards recompute);
-    zero-size placeholders for what is not kept. check_gates: raise unless the log-gates are finite and <= 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final state, kdot, scores, inverse, q_normed, k_normed, cum, w, u, h). With
+    save_intermediates the last nine are kept for the backward so that it does not recompute them:
+    the kernels' intra-chunk matrices, fp32 [B, T, HV, chunk_size]; with use_qk_l2norm_in_kernel
+    the l2-normed q and k ([B, T, H, K] in normed_qk_dtype_for(q.dtype)); with a gate its
+    chunk-local cumulative sum (fp32 [B, T, HV, K or 1]); with KEEP_STATES the state sweep's w
+    [B, T, HV, K], u [B, T, HV, V] and chunk states h [kept_state_rows, HV, K, V] in
+    intermediate_dtype_for(q.dtype); zeros where the reference or CP path ran (their backwards
+    recompute); zero-size placeholders for what is not kept. check_gates: raise unless the log-gates are finite and <= 0
     (_check_gate_values); the public functions ask for it, the delta_rule pass does not (the math
     it lowers is the user's own, any finite gate included)."""
     if check_gates:
@@ -374,7 +388,8 @@ def _chunk_delta_rule_host(
     parallel = _context_parallel.forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
                                          output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
-        return (*parallel, *_kept_placeholders(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel))
+        return (*parallel, *_kept_placeholders(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel,
+                                               cu_seqlens))
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
@@ -383,15 +398,20 @@ def _chunk_delta_rule_host(
         return _forward_kernels(q, k, v, beta, args, save_intermediates)
     o, final_state = chunk_delta_rule_ref(q, k, v, beta, **args)
     return _forward_outputs(q, v, o, final_state,
-                            _kept_placeholders(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel))
+                            _kept_placeholders(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel,
+                                               cu_seqlens))
 
 
 def _forward_kernels(q, k, v, beta, args: dict, save_intermediates: bool, **launch) -> tuple[Tensor, ...]:
     """The forward op's outputs by the kernels; `launch`: wrap and dummy when traced."""
-    layout = _kept_layout(q, v, args["gate"], args["chunk_size"], save_intermediates, args["use_qk_l2norm_in_kernel"])
+    layout = _kept_layout(q, v, args["gate"], args["chunk_size"], save_intermediates, args["use_qk_l2norm_in_kernel"],
+                          args["cu_seqlens"])
     if save_intermediates:
         o, final_state, kept = chunk_delta_rule_fwd(q, k, v, beta, **args, return_intermediates=True, **launch)
-        # What the kernels did not keep (no l2norm, no gate, or no chunk to sum over) as placeholders.
+        if not KEEP_STATES:
+            kept = kept._replace(w=None, u=None, h=None)
+        # What the kernels did not keep (no l2norm, no gate, no chunk to sum over, states not kept)
+        # as placeholders.
         kept = tuple(q.new_zeros(shape, dtype=dtype) if t is None else t for t, (shape, dtype) in zip(kept, layout))
     else:
         o, final_state = chunk_delta_rule_fwd(q, k, v, beta, **args, **launch)
@@ -416,25 +436,34 @@ def _chunk_delta_rule_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log,
     return _forward_kernels(q, k, v, beta, args, save_intermediates, wrap=wrap_triton, dummy=_scratch(q))
 
 
-def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool
-                 ) -> list[tuple[tuple, torch.dtype]]:
-    """Shape and dtype of each kept output (kdot, scores, inverse, q_normed, k_normed, cum), the op's
-    and its fake's, when asked for: the matrices [B, T, HV, chunk_size] fp32, the normed q and k
-    [B, T, H, K] with l2norm, the gate's cumulative sum [B, T, HV, K or 1] fp32 with a gate; (0,)
-    otherwise."""
+def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool,
+                 cu_seqlens: Tensor | None) -> list[tuple[tuple, torch.dtype]]:
+    """Shape and dtype of each kept output (kdot, scores, inverse, q_normed, k_normed, cum, w, u, h),
+    the op's and its fake's, when asked for: the matrices [B, T, HV, chunk_size] fp32, the normed q
+    and k [B, T, H, K] with l2norm, the gate's cumulative sum [B, T, HV, K or 1] fp32 with a gate, w,
+    u, h (see Kept) with KEEP_STATES; (0,) otherwise."""
     batch, time, value_heads = q.shape[0], q.shape[1], v.shape[2]
+    key_dim, value_dim = q.shape[3], v.shape[3]
     square = (batch, time, value_heads, chunk_size) if save_intermediates else (0,)
     normed = tuple(q.shape) if save_intermediates and l2norm else (0,)
-    width = q.shape[3] if gate == "channel" else 1
+    width = key_dim if gate == "channel" else 1
     cum = (batch, time, value_heads, width) if save_intermediates and gate != "none" else (0,)
-    return [(square, torch.float32)] * 3 + [(normed, normed_qk_dtype_for(q.dtype))] * 2 + [(cum, torch.float32)]
+    states = [(0,)] * 3
+    if save_intermediates and KEEP_STATES:
+        sequences = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        rows = kept_state_rows(batch, time, chunk_size, sequences)
+        states = [(batch, time, value_heads, key_dim), (batch, time, value_heads, value_dim),
+                  (rows, value_heads, key_dim, value_dim)]
+    stored = intermediate_dtype_for(q.dtype)
+    return ([(square, torch.float32)] * 3 + [(normed, normed_qk_dtype_for(q.dtype))] * 2 + [(cum, torch.float32)]
+            + [(shape, stored) for shape in states])
 
 
-def _kept_placeholders(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool
-                       ) -> tuple[Tensor, ...]:
+def _kept_placeholders(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool,
+                       cu_seqlens: Tensor | None) -> tuple[Tensor, ...]:
     """The kept outputs where no kernel fills them (zeros, so that they are deterministic)."""
     return tuple(q.new_zeros(shape, dtype=dtype)
-                 for shape, dtype in _kept_layout(q, v, gate, chunk_size, save_intermediates, l2norm))
+                 for shape, dtype in _kept_layout(q, v, gate, chunk_size, save_intermediates, l2norm, cu_seqlens))
 
 
 def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
@@ -445,7 +474,7 @@ def _chunk_delta_rule_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, d
     batch, time, value_heads, value_dim = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
     o = v.new_empty((batch, time, value_heads, value_dim))
     state_shape = _state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    kept = _kept_layout(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel)
+    kept = _kept_layout(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel, cu_seqlens)
     return (o, q.new_empty(state_shape, dtype=_state_dtype(q)),
             *(q.new_empty(shape, dtype=dtype) for shape, dtype in kept))
 
@@ -491,10 +520,12 @@ def _chunk_delta_rule_backward_host(
     gate: str, scale: float, use_qk_l2norm_in_kernel: bool, lower_bound: float | None, chunk_size: int,
     kdot: Tensor | None = None, scores: Tensor | None = None, inverse: Tensor | None = None,
     q_normed: Tensor | None = None, k_normed: Tensor | None = None, cum: Tensor | None = None,
+    w: Tensor | None = None, u: Tensor | None = None, h: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the forward op's inputs; kdot, scores, inverse are its kept matrices (all three
     or none), q_normed and k_normed its kept l2-normed q and k (both or none), cum its gate's kept
-    cumulative sum; reused by the kernel backward instead of recomputed."""
+    cumulative sum, w, u, h its kept state sweep (all three or none); reused by the kernel backward
+    instead of recomputed."""
     parallel = _context_parallel.backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                           scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
@@ -505,24 +536,26 @@ def _chunk_delta_rule_backward_host(
                 lower_bound=lower_bound, chunk_size=chunk_size)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
-        intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum)
+        intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum, w, u, h)
         grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, intermediates=intermediates, **args)
     else:
         grads = _reference_backward(q, k, v, beta, do=do, dht=dht, **args)
     return _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads)
 
 
-def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum) -> Kept | None:
+def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum, w, u, h) -> Kept | None:
     """The backward kernels' `intermediates` from the kept outputs the backward op was given: the
-    matrices when all three are real, then the normed q and k when both are and the gate's sum when
-    it is (zero-size placeholders stand for what the forward did not keep)."""
+    matrices when all three are real, then the normed q and k when both are, the gate's sum when
+    it is and w, u, h when all three are (zero-size placeholders stand for what the forward did not
+    keep)."""
     def real(*tensors):
         return all(t is not None and t.numel() for t in tensors)
 
     if not real(kdot, scores, inverse):
         return None
     normed = (q_normed, k_normed) if real(q_normed, k_normed) else (None, None)
-    return Kept(kdot, scores, inverse, *normed, cum=cum if real(cum) else None)
+    states = (w, u, h) if real(w, u, h) else (None, None, None)
+    return Kept(kdot, scores, inverse, *normed, cum if real(cum) else None, *states)
 
 
 def _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads) -> tuple[Tensor, ...]:
@@ -535,10 +568,11 @@ def _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads) ->
 
 def _chunk_delta_rule_backward_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                       scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, kdot=None,
-                                      scores=None, inverse=None, q_normed=None, k_normed=None, cum=None):
+                                      scores=None, inverse=None, q_normed=None, k_normed=None, cum=None, w=None,
+                                      u=None, h=None):
     """The backward op on CUDA, traced into its launches (see _traceable)."""
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
-    intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum)
+    intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum, w, u, h)
     grads = chunk_delta_rule_bwd(q, k, v, beta, g=g, gate=gate, scale=scale, initial_state=initial_state,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
                                  chunk_size=chunk_size, do=do.to(v.dtype),
@@ -549,7 +583,7 @@ def _chunk_delta_rule_backward_traced(q, k, v, beta, g, initial_state, cu_seqlen
 
 def _chunk_delta_rule_backward_fake(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                     scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, kdot=None, scores=None,
-                                    inverse=None, q_normed=None, k_normed=None, cum=None):
+                                    inverse=None, q_normed=None, k_normed=None, cum=None, w=None, u=None, h=None):
     _check_shapes_symbolic(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                            do=do, dht=dht)
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
@@ -688,7 +722,8 @@ def keeps_intermediates(*inputs: Tensor | None) -> bool:
     own). It costs three fp32 [B, T, HV, chunk_size] tensors per call until the backward, as FLA's kept
     score matrices and solved A do, plus with use_qk_l2norm_in_kernel two [B, T, H, K] in the normed
     dtype (bf16 for bf16 inputs) and with a gate its fp32 cumulative sum [B, T, HV, K or 1] (FLA keeps
-    both too), and saves the backward their recomputation."""
+    both too), and saves the backward their recomputation. With KEEP_STATES (the default) the state
+    sweep's w, u and h are kept too (see KEEP_STATES)."""
     if not torch.is_grad_enabled() or _context_parallel.current_context() is not None:
         return False
     return any(t is not None and t.requires_grad for t in inputs)

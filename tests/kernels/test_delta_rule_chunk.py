@@ -15,7 +15,7 @@ from hccompile.kernels.delta_rule import (
     triton_available,
 )
 from hccompile.kernels.delta_rule import l2norm as l2norm_ref
-from hccompile.kernels.delta_rule.plan import normed_qk_dtype_for
+from hccompile.kernels.delta_rule.plan import intermediate_dtype_for, kept_state_rows, normed_qk_dtype_for
 
 from test_delta_rule import build_case
 
@@ -135,6 +135,8 @@ KERNEL_CASES = [
     ("kda-gate-softplus", (1, 63, 1, 2, 32, 32), "channel", {"gate_in_kernel": True}, torch.float16, 64),
     ("kda-gate-lower-bound", (2, 40, 1, 1, 32, 32), "channel",
      {"gate_in_kernel": True, "lower_bound": -5.0, "initial_state": True}, torch.float32, 16),
+    ("kda-gate-varlen", THREE_SEQUENCES, "channel", {**THREE_SEQUENCE_OPTIONS, "gate_in_kernel": True},
+     torch.bfloat16, 32),
     ("kda-K128-V128", (1, 20, 1, 1, 128, 128), "channel", {"initial_state": True}, torch.float32, 16),
     ("gdn-K256-V256", (1, 17, 1, 1, MAX_HEAD_DIM, MAX_HEAD_DIM), "scalar", {}, torch.float32, 16),
     # D = 100: neither a tile nor a power of 2, in both the key and the value dim.
@@ -150,6 +152,20 @@ KERNEL_CASES = [
 def test_kernels_match_float64_recurrence(name, sizes, gate, options, dtype, chunk):
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1])
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+
+
+@requires_triton
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower-bound"])
+def test_in_kernel_gate_backward_past_softplus_threshold(lower_bound):
+    # Raw gates scaled so that g_raw + dt_bias passes 20, where softplus is the identity (its
+    # slope 1, torch's threshold): the fused gate backward must take that branch as autograd does.
+    options = {"gate_in_kernel": True, "initial_state": True}
+    if lower_bound is not None:
+        options["lower_bound"] = lower_bound
+    inputs, kwargs = build_case((2, 45, 1, 2, 32, 32), "channel", options, seed=5)
+    inputs["g"] = inputs["g"] * 12
+    assert (inputs["g"] + inputs["dt_bias"].view(2, 32)).max() > 20
+    check_forward_and_backward(kernel_inputs(inputs, torch.float32), kwargs, torch.float32, 16)
 
 
 @requires_triton
@@ -582,17 +598,28 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(name, 
     else:
         width = sizes[4] if gate == "channel" else 1
         assert kept.cum.shape == (*o.shape[:3], width) and kept.cum.dtype == torch.float32
+    stored = intermediate_dtype_for(dtype)
+    batch, time, value_heads = o.shape[:3]
+    key_dim = inputs["q"].shape[3]
+    varlen = kwargs.get("cu_seqlens")
+    rows = kept_state_rows(batch, time, chunk, None if varlen is None else len(varlen) - 1)
+    assert kept.w.shape == (batch, time, value_heads, key_dim) and kept.u.shape == o.shape
+    assert kept.h.shape == (rows, value_heads, key_dim, o.shape[3])
+    assert all(t.dtype == stored for t in (kept.w, kept.u, kept.h))
     do, dht = random_output_gradients(inputs, dtype)
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
     recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
     reused = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=kept)
     matrices_only = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht,
                                          intermediates=kept[:3])
+    without_states = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht,
+                                          intermediates=kept[:6])
     # The same kernels on the same values: the kept inverse (and normed q, k) are bitwise the recomputed ones.
     for name_, grad in recomputed.items():
         if grad is not None:
             assert torch.isfinite(reused[name_]).all() and torch.equal(reused[name_], grad), name_
             assert torch.equal(matrices_only[name_], grad), name_
+            assert torch.equal(without_states[name_], grad), name_
     # Kept tensors that do not belong to these inputs change the gradients: each is really used.
     for index in (i for i, t in enumerate(kept) if t is not None):
         wrong = tuple(t * 0.5 if i == index else t for i, t in enumerate(kept))
@@ -607,7 +634,7 @@ def test_kept_intermediates_are_checked():
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
     do = torch.zeros(1, 20, 1, 8, device=DEVICE)
     square = torch.zeros(1, 20, 1, 64, device=DEVICE)
-    with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\) or \(kdot, scores, inverse, q_normed, k_normed, cum\), got 2"):
+    with pytest.raises(ValueError, match=r"intermediates: expected \(kdot, scores, inverse\), \(kdot, scores, inverse, q_normed, k_normed, cum\) or those and \(w, u, h\), got 2"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square))
     with pytest.raises(ValueError, match=r"intermediates inverse: shape \(1, 20, 1, 32\) differs"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, torch.zeros(1, 20, 1, 32, device=DEVICE)))
@@ -625,6 +652,20 @@ def test_kept_intermediates_are_checked():
                                          r"\(1, 20, 1, 1\)"):
         chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, square, normed, normed,
                                                                             normed))
+    bwd_kwargs["use_qk_l2norm_in_kernel"] = False
+    cum = torch.zeros(1, 20, 1, 1, device=DEVICE)
+    w, u = torch.zeros(1, 20, 1, 16, device=DEVICE), torch.zeros(1, 20, 1, 8, device=DEVICE)
+    h = torch.zeros(2, 1, 16, 8, device=DEVICE)  # kept_state_rows: one chunk of 64, at least 2
+    with pytest.raises(ValueError, match=r"w, u and h go together"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, square, None, None, cum,
+                                                                            w, None, h))
+    with pytest.raises(ValueError, match=r"intermediates h: shape \(1, 1, 16, 8\) differs from the expected "
+                                         r"\(2, 1, 16, 8\)"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, square, None, None, cum,
+                                                                            w, u, h[:1]))
+    with pytest.raises(TypeError, match=r"intermediates u: dtype torch.float16 differs"):
+        chunk_delta_rule_bwd(**inputs, **bwd_kwargs, do=do, intermediates=(square, square, square, None, None, cum,
+                                                                            w, u.half(), h))
 
 
 # ----------------------------------------------------------------------------------------

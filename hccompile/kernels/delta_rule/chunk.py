@@ -28,10 +28,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .gate_cumsum import (ACTIVATION_NONE, ACTIVATION_SIGMOID, ACTIVATION_SOFTPLUS, gate_activation_backward,
-                          launch_gate_cumsum)
-from .plan import (DEFAULT_CHUNK_SIZE, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs, make_plan,
-                   normed_qk_dtype_for)
+from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
+from .plan import (DEFAULT_CHUNK_SIZE, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
+                   intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
@@ -73,7 +72,12 @@ class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
     the intra-chunk matrices, each fp32 [B, T, HV, chunk_size]; with use_qk_l2norm_in_kernel the
     l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
-    gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without)."""
+    gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without); and the state
+    sweep's results, in the plan's intermediate_dtype: w [B, T, HV, K], the corrected values u
+    [B, T, HV, V] and the chunk-start states h [plan.kept_state_rows, HV, K, V]. With w, u and h the
+    backward runs neither the WY solve nor the forward state sweep again (FLA recomputes both: at
+    B1 T32768 H16 K128 on the H100 they were 2.5 ms of KDA's 14.3 ms step); they hold
+    (2 T + T K / BT) HV K elements per batch row (K = V), h the most (K / BT = 2 times w's at BT 64)."""
 
     kdot: torch.Tensor
     scores: torch.Tensor
@@ -81,6 +85,9 @@ class Kept(NamedTuple):
     q_normed: torch.Tensor | None = None
     k_normed: torch.Tensor | None = None
     cum: torch.Tensor | None = None
+    w: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    h: torch.Tensor | None = None
 
 
 @dataclass
@@ -101,11 +108,13 @@ class _Forward:
 
 
 def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
-             A_log, dt_bias, lower_bound, kept: Kept | None = None) -> _Forward:
+             A_log, dt_bias, lower_bound, kept: Kept | None = None, keep_states: bool = False) -> _Forward:
     """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, what an
     earlier forward on the same inputs kept, decayed_scores and the WY solve are skipped (wy_solve
     only forms W and U~ from the kept inverse), and so are the l2norm and the gate's cumulative sum
-    when it kept their results."""
+    when it kept their results, and wy_solve and the state sweep when it kept w, u and h (then
+    neither o nor final_state may be asked for). The chunk states get kept_state_rows rows when
+    `keep_states`, so that the forward can hand them to an op's output of a shape its fake knows."""
     problem = plan.problem
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
     key_dim, value_dim = problem.key_dim, problem.value_dim
@@ -127,23 +136,29 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     if kept is not None and kept.cum is not None:
         cum = kept.cum
     elif problem.gate != "none" and plan.num_chunks:
-        if problem.gate_in_kernel:
-            activation = ACTIVATION_SOFTPLUS if lower_bound is None else ACTIVATION_SIGMOID
-        else:
-            activation = ACTIVATION_NONE
-        cum = launch_gate_cumsum(plan, g, activation, A_log, dt_bias, lower_bound, reverse=False)
+        cum = launch_gate_cumsum(plan, g, gate_activation(problem, lower_bound), A_log, dt_bias, lower_bound,
+                                 reverse=False)
     cum_arg = cum if cum is not None else plan.dummy
 
     if kept is None:
         kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
     else:
         kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
+    if kept is not None and kept.h is not None:
+        assert o is None and final_state is None, "kept states serve the backward only"
+        return _Forward(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=kept.w, u=kept.u, h=kept.h,
+                        k_decayed=plan.dummy)
     w = buffer(batch, time, value_heads, key_dim, dtype=stored)
     # A channel gate's keys decayed to their chunk's end, for the state sweeps (wy_solve forms them).
     k_decayed = buffer(batch, time, value_heads, key_dim, dtype=stored) if problem.gate == "channel" else plan.dummy
     u_tilde = buffer(batch, time, value_heads, value_dim, dtype=stored)
     u = buffer(batch, time, value_heads, value_dim, dtype=stored)
-    h = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=stored)
+    state_rows = plan_kept_state_rows(plan) if keep_states else scratch_rows(plan.num_chunks)
+    h = buffer(state_rows, value_heads, key_dim, value_dim, dtype=stored)
+    if keep_states:
+        # Kept h is an op's output: the rows past the chunk count (a varlen bound, or the minimum
+        # of 2) are zeros, not whatever the allocator left, so that it is deterministic.
+        h[plan.num_chunks:].zero_()
     block_k = block_size(key_dim)
     block_v = block_size(value_dim)
     group = problem.group_size
@@ -183,6 +198,12 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
                     k_decayed=k_decayed)
 
 
+def plan_kept_state_rows(plan: Plan):
+    problem = plan.problem
+    return kept_state_rows(problem.batch, problem.time, plan.chunk_size,
+                           problem.num_sequences if problem.varlen else None)
+
+
 def _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, chunk_size,
               **extra):
     problem = check_delta_rule_inputs(
@@ -220,10 +241,10 @@ def chunk_delta_rule_fwd(
 
     Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None), written
     into `out` / `final_state_out` when given (final_state_out implies output_final_state).
-    With return_intermediates, a third element: a Kept, the (kdot, scores, inverse) intra-chunk
-    matrices, each fp32 [B, T, HV, chunk_size], and with use_qk_l2norm_in_kernel the l2-normed q and
-    k, which chunk_delta_rule_bwd(intermediates=...) then reuses instead of recomputing them (FLA
-    keeps its score matrices and solved A the same way).
+    With return_intermediates, a third element: a Kept (see there): the intra-chunk matrices, the
+    l2-normed q and k, the gate's sum and the state sweep's w, u and h, which
+    chunk_delta_rule_bwd(intermediates=...) then reuses instead of recomputing them (FLA keeps its
+    score matrices and solved A the same way, and recomputes the rest).
     `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows);
     `dummy`: a float32 tensor of >= 2 elements standing in for absent optional tensors (never read).
     """
@@ -243,10 +264,10 @@ def chunk_delta_rule_fwd(
     scale = problem.key_dim**-0.5 if scale is None else scale
     plan = make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
     fwd = _forward(plan, q, k, v, beta, g, scale, initial_state, final_state_out, out, use_qk_l2norm_in_kernel,
-                   A_log, dt_bias, lower_bound)
+                   A_log, dt_bias, lower_bound, keep_states=return_intermediates)
     if return_intermediates:
         normed = (fwd.q, fwd.k) if use_qk_l2norm_in_kernel else (None, None)
-        return out, final_state_out, Kept(fwd.kdot, fwd.scores, fwd.inverse, *normed, fwd.cum)
+        return out, final_state_out, Kept(fwd.kdot, fwd.scores, fwd.inverse, *normed, fwd.cum, fwd.w, fwd.u, fwd.h)
     return out, final_state_out
 
 
@@ -255,9 +276,9 @@ GRADIENT_NAMES = ("q", "k", "v", "beta", "g", "initial_state", "A_log", "dt_bias
 
 def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2norm: bool) -> Kept:
     """`intermediates` of chunk_delta_rule_bwd as a Kept, each tensor checked against the problem."""
-    if len(given) not in (3, 6):
-        raise ValueError("intermediates: expected (kdot, scores, inverse) or (kdot, scores, inverse, q_normed, "
-                         f"k_normed, cum), got {len(given)} tensors")
+    if len(given) not in (3, 6, 9):
+        raise ValueError("intermediates: expected (kdot, scores, inverse), (kdot, scores, inverse, q_normed, "
+                         f"k_normed, cum) or those and (w, u, h), got {len(given)} tensors")
     kept = Kept(*given)
     square = (problem.batch, problem.time, problem.value_heads, chunk_size)
     expected = [("kdot", square, torch.float32), ("scores", square, torch.float32),
@@ -272,6 +293,15 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
             raise ValueError("intermediates: cum given, but there is no gate")
         width = problem.key_dim if problem.gate == "channel" else 1
         expected.append(("cum", (problem.batch, problem.time, problem.value_heads, width), torch.float32))
+    if (kept.w is None) != (kept.h is None) or (kept.u is None) != (kept.h is None):
+        raise ValueError("intermediates: w, u and h go together (all three or none)")
+    if kept.h is not None:
+        stored = intermediate_dtype_for(q.dtype)
+        batch, time, value_heads = problem.batch, problem.time, problem.value_heads
+        rows = kept_state_rows(batch, time, chunk_size, problem.num_sequences if problem.varlen else None)
+        expected += [("w", (batch, time, value_heads, problem.key_dim), stored),
+                     ("u", (batch, time, value_heads, problem.value_dim), stored),
+                     ("h", (rows, value_heads, problem.key_dim, problem.value_dim), stored)]
     for name, shape, dtype in expected:
         tensor = getattr(kept, name)
         _check_out(f"intermediates {name}", tensor, shape, dtype, q.device)
@@ -320,7 +350,7 @@ def chunk_delta_rule_bwd(
     is the gradient of the raw g_raw when A_log/dt_bias are given). Gradients are written
     into the tensors of `out` (same keys, any subset) when given. `intermediates`: the Kept that
     chunk_delta_rule_fwd(return_intermediates=True) returned for the same inputs and chunk size (or
-    its first three, the matrices); the recomputation then skips them. `wrap`, `dummy`: as the forward's.
+    its first three, the matrices, or its first six); the recomputation then skips them. `wrap`, `dummy`: as the forward's.
     """
     problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
                         chunk_size, do=do, dht=dht)
@@ -411,7 +441,15 @@ def chunk_delta_rule_bwd(
     grads["q"], grads["k"] = dq, dk
     grads["v"], grads["beta"], grads["initial_state"] = dv, dbeta, dh0
 
-    if problem.gate != "none":
+    if problem.gate_in_kernel and plan.num_chunks:
+        # d(loss)/dg_t is the sum of d(loss)/dG over the rest of t's chunk, taken through the
+        # activation in the same kernel.
+        dg, dA_log, ddt_bias = gate_backward(plan, dcum, g, gate_activation(problem, lower_bound), A_log, dt_bias,
+                                             lower_bound, out=out.get("g"))
+        for name, grad in (("A_log", dA_log), ("dt_bias", ddt_bias)):
+            grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
+        grads["g"] = dg
+    elif problem.gate != "none":
         # d(loss)/dg_t is the sum of d(loss)/dG over the rest of t's chunk.
         dg_out = result("g")
         # The reverse sum writes g's gradient in place when nothing follows it (no gate activation)

@@ -52,8 +52,7 @@ import torch
 
 from .._triton import require_triton, scratch_rows, tl, triton
 from .chunk import sum_key_groups
-from .gate_cumsum import (ACTIVATION_NONE, ACTIVATION_SIGMOID, ACTIVATION_SOFTPLUS, gate_activation_backward,
-                          launch_gate_cumsum)
+from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
                    narrow_for_occupancy)
 from .qk_l2norm import l2norm_backward, l2norm_forward
@@ -656,12 +655,8 @@ def _intra(local: _Local) -> _Intra:
         q, k = l2norm_forward(q, k, kplan.normed_qk_dtype)
     cum = None
     if problem.gate != "none" and kplan.num_chunks:
-        if problem.gate_in_kernel:
-            activation = ACTIVATION_SOFTPLUS if local.lower_bound is None else ACTIVATION_SIGMOID
-        else:
-            activation = ACTIVATION_NONE
-        cum = launch_gate_cumsum(kplan, local.g, activation, local.A_log, local.dt_bias, local.lower_bound,
-                                 reverse=False)
+        cum = launch_gate_cumsum(kplan, local.g, gate_activation(problem, local.lower_bound), local.A_log,
+                                 local.dt_bias, local.lower_bound, reverse=False)
     cum_arg = cum if cum is not None else kplan.dummy
     kdot, scores, inverse = (_empty(1, time, value_heads, chunk, device=device) for _ in range(3))
     w = _empty(1, time, value_heads, problem.key_dim, dtype=stored, device=device)
@@ -1024,12 +1019,18 @@ class CPBackward(CPForward):
             grads["initial_state"] = dh0
         if problem.gate != "none":
             gate_width = problem.key_dim if problem.gate == "channel" else 1
-            if local.geometry.num_chunks:
+            if problem.gate_in_kernel and local.geometry.num_chunks:
+                dg, dA_log, ddt_bias = gate_backward(local.kplan, self.dcum, local.g,
+                                                     gate_activation(problem, local.lower_bound), local.A_log,
+                                                     local.dt_bias, local.lower_bound)
+                grads["A_log"] = dA_log.to(inputs["A_log"].dtype)
+                grads["dt_bias"] = ddt_bias.to(inputs["dt_bias"].dtype)
+            elif local.geometry.num_chunks:
                 dg = launch_gate_cumsum(local.kplan, self.dcum, ACTIVATION_NONE, None, None, None, reverse=True)
             else:
                 dg = torch.zeros(1, problem.time, problem.value_heads, gate_width, dtype=torch.float32, device=device)
             dg = dg.view(local.g.shape) if problem.gate == "channel" else dg.view(1, problem.time, problem.value_heads)
-            if problem.gate_in_kernel:
+            if problem.gate_in_kernel and not local.geometry.num_chunks:
                 dg, dA_log, ddt_bias = gate_activation_backward(local.g, dg, local.A_log, local.dt_bias,
                                                                 local.lower_bound)
                 grads["A_log"] = dA_log.to(inputs["A_log"].dtype)

@@ -43,7 +43,8 @@ CHUNK_SIZES = (16, 32, 64)
 DEFAULT_CHUNK_SIZE = 64
 # Per-channel decays cannot be factored over a whole chunk without overflow, so the
 # chunk is cut into sub-chunks of this size; blocks off the diagonal are factored
-# through the first row of their row sub-chunk, diagonal blocks are summed exactly.
+# through the first row of their row sub-chunk, diagonal blocks too while the gate span allows it,
+# else split at middle rows (scores.py).
 # The triangular solve inverts blocks of the same size first.
 SUB_CHUNK = 16
 MIN_DOT_DIM = 16
@@ -107,6 +108,20 @@ def intermediate_dtype_for(input_dtype: torch.dtype) -> torch.dtype:
     if input_dtype == torch.float16 or (input_dtype == torch.bfloat16 and BF16_INTERMEDIATES):
         return input_dtype
     return torch.float32
+
+
+def kept_state_rows(batch, time, chunk_size: int, num_sequences: int | None = None):
+    """Rows of the chunk states h a forward keeps for its backward: one per chunk, for a
+    variable-length batch (B = 1, num_sequences given) the bound cdiv(T, BT) + N, and at least 2.
+    The ops' fakes compute it from shapes alone, and it is the same number whether the forward was
+    traced (symbolic sizes) or not (see _triton.scratch_rows for why never 1). Rows past the
+    batch's chunk count are never written or read."""
+    rows = batch * ((time + chunk_size - 1) // chunk_size)
+    if num_sequences is not None:
+        rows = rows + num_sequences
+    if isinstance(rows, torch.SymInt):
+        return torch.sym_max(rows, 2)
+    return max(rows, 2)
 
 
 def normed_qk_dtype_for(input_dtype: torch.dtype) -> torch.dtype:

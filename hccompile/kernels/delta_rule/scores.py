@@ -10,7 +10,11 @@ Without per-channel gates the decays are one [BT, BT] tile and a program takes t
 Per-channel decays cannot be factored over a whole chunk without overflow: a program takes the rows of
 one sub-chunk (plan.SUB_CHUNK) and factors every block left of the diagonal through a row of that
 sub-chunk (both factors <= 1), the diagonal block too while the sub-chunk's gate span allows it
-(FACTOR_SPAN_LIMIT); past it the diagonal block is summed exactly, one column per step.
+(FACTOR_SPAN_LIMIT). Past it the diagonal block is split by halving (_level_factors): each pair
+(t, s), s < t, is factored through a middle row m with s < m <= t, so no factor exceeds 1 whatever
+the gates, and each of the log2(BC) levels of the split is one more product per role (t = s,
+decay 1, apart). Those products take the factored ones' operand dtype and precision, and their cost
+does not depend on the gates' values.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from .._triton import tl, triton
 # The score kernels factor a diagonal sub-chunk block too, through its first (or last) row,
 # while the sub-chunk's gate span (max over channels of G_first - G_last) is at most this: the
 # factors inside the block then stay <= e^40 (~2e17), far from fp32's and bf16's overflow
-# (fp16 products take fp32 operands there: Plan.scores_half_dots). Past it the block is summed
-# exactly, one column per step. Read at call time: tests set it to 0 (always exact) or inf.
+# (fp16 products take fp32 operands there: Plan.scores_half_dots). Past it the block is split
+# instead (_level_factors; H100, bf16, B1 T32768 H16 K128, every block split: decayed_scores 2.52
+# vs 1.45 ms factored, its backward 2.73 vs 2.16 ms). The span is taken over all K channels, so a
+# program factors every key tile's block or none. Read at call time: tests set it to 0 (always
+# split) or inf.
 FACTOR_SPAN_LIMIT = 40.0
 
 
@@ -33,17 +40,134 @@ if triton is not None:
     from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector, _row_chunk_coords, _store_rows,
                         _varlen_chunk_coords)
 
+    # Levels of the diagonal blocks' split (_level_factors): SUB_CHUNK halved down to single rows.
+    SPLIT_LEVELS = tl.constexpr(SUB_CHUNK.bit_length() - 1)
+
     @triton.jit
-    def _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows, row_valid, g_rows, stride_kt, stride_kk,
-                         HV, K):
-        """Per-channel gates inside a diagonal sub-chunk block: key s (chunk-local), the rows that
-        see it (t >= s) and their exact decays e^(G_t - G_s) (0 for the others)."""
-        s_valid = s < length
-        k_s = _load_vector(k_ptr, start + s, kc, stride_kt, stride_kk, s_valid, K)
-        g_s = _load_vector(cum_ptr, start + s, kc, HV * K, 1, s_valid, K)
-        visible = (rows >= s) & row_valid
-        decay = tl.exp(tl.where(visible[:, None], g_rows - g_s[None, :], float("-inf")))
-        return k_s, decay, visible
+    def _sub_chunk_span(cum_ptr, first_token, last_token, HV, K, BK: tl.constexpr):
+        """max over all K channels of G_first - G_last of one sub-chunk (first_token..last_token,
+        its valid rows): factoring its diagonal block through its first or last row takes factors
+        up to e^span. 0 for a sub-chunk past the end (last_token < first_token)."""
+        widest = tl.zeros([BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            g_first = _load_vector(cum_ptr, first_token, kc, HV * K, 1, first_token <= last_token, K)
+            g_last = _load_vector(cum_ptr, last_token, kc, HV * K, 1, first_token <= last_token, K)
+            widest = tl.maximum(widest, g_first - g_last)
+        return tl.max(widest, axis=0)
+
+    @triton.jit
+    def _level_factors(cum_ptr, first_token, n_valid, kc, g, HV, K, BC: tl.constexpr, HALF: tl.constexpr):
+        """One level of the split of a diagonal sub-chunk block: the pairs (t, s) whose indices in
+        the sub-chunk differ in no bit above HALF (a power of 2) and have it set in t, clear in s:
+        t in the upper half of a 2*HALF-row group, s in its lower half. Such a pair straddles the
+        group's middle row m, so e^(G_t - G_s) = e^(G_t - G_m) e^(G_m - G_s) with both factors <= 1
+        (gates are <= 0). Every pair s < t is in exactly one level, HALF = BC/2, ..., 1.
+        Returns e^(G_t - G_m) on the upper rows and e^(G_m - G_s) on the lower rows (each [BC, BK],
+        0 on the other rows) and the level's pairs [BC, BC]. `g`: the sub-chunk's gates [BC, BK],
+        `n_valid`: its valid rows (may exceed BC)."""
+        sub = tl.arange(0, BC)
+        upper = (sub & HALF) != 0
+        lower = (sub & HALF) == 0
+        # the middle of an upper row's group, or of the group a lower row is the lower half of
+        middle = ((sub // HALF) | 1) * HALF
+        middle_valid = middle < n_valid
+        g_middle = _load_rows(cum_ptr, first_token + middle, kc, HV * K, 1, middle_valid, K)
+        # one exponential per row: each row is on one side of its middle
+        exponent = tl.where(upper[:, None], g - g_middle, g_middle - g)
+        factor = tl.exp(tl.where((middle_valid & (sub < n_valid))[:, None], exponent, float("-inf")))
+        same_group = (sub[:, None] // (2 * HALF)) == (sub[None, :] // (2 * HALF))
+        return (tl.where(upper[:, None], factor, 0.0), tl.where(lower[:, None], factor, 0.0),
+                same_group & upper[:, None] & lower[None, :])
+
+    @triton.jit
+    def _store_columns(ptr, value, rows, cols, stride_row, row_mask, col_mask):
+        """ptr[rows, cols] = value where both masks hold."""
+        ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+        tl.store(ptrs, value.to(ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+    @triton.jit
+    def _split_diagonal_scores(q_ptr, k_ptr, cum_ptr, kdot_ptr, scores_ptr, first_token, n_valid, cols,
+                               stride_qt, stride_qk, stride_kt, stride_kk, HV, K, dot_dtype,
+                               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Kdot and P of one sub-chunk's diagonal block [BC, BC] (`cols` its chunk-local columns),
+        one product per level of _level_factors (t = s apart: its decay is 1), stored. A pass of its
+        own after the main products: inside their key loop its tiles raised decayed_scores to 208
+        registers (H100, Triton 3.6), 20 % slower on factored blocks too."""
+        tl.static_assert(BC == 2 ** SPLIT_LEVELS, "the levels split the sub-chunk down to single rows")
+        sub = tl.arange(0, BC)
+        tokens = first_token + sub
+        valid = sub < n_valid
+        kdot = tl.zeros([BC, BC], dtype=tl.float32)
+        scores = tl.zeros([BC, BC], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            q_b = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            k_b = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            g_b = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+            scores += tl.where(sub[:, None] == sub[None, :], tl.sum(q_b * k_b, axis=1)[:, None], 0.0)
+            for level in tl.static_range(SPLIT_LEVELS):
+                from_middle, to_middle, pairs = _level_factors(cum_ptr, first_token, n_valid, kc, g_b, HV, K, BC,
+                                                               BC >> (level + 1))
+                keys = tl.trans(k_b * to_middle)
+                kdot += tl.where(pairs, _dot(k_b * from_middle, keys, dot_dtype, DOT_PRECISION), 0.0)
+                scores += tl.where(pairs, _dot(q_b * from_middle, keys, dot_dtype, DOT_PRECISION), 0.0)
+        every_col = cols >= 0
+        _store_columns(kdot_ptr, kdot, tokens, cols, HV * BT, valid, every_col)
+        _store_columns(scores_ptr, scores, tokens, cols, HV * BT, valid, every_col)
+
+    @triton.jit
+    def _split_diagonal_gradients(q_b, k_b, g_b, dscores, dkdot, cum_ptr, first_token, n_valid, kc, HV, K,
+                                  dot_dtype, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One key tile [BC, BK] of the gradients through a sub-chunk's diagonal block of Kdot and P
+        (dscores, dkdot: its [BC, BC] of dP and dKdot, fp32): the row role dP K and dKdot K, and the
+        column role dKdot^T K + dP^T Q, one product each per level of _level_factors; t = s apart
+        (its decay is 1). Returns (dq, dk rows, dk columns)."""
+        tl.static_assert(BC == 2 ** SPLIT_LEVELS, "the levels split the sub-chunk down to single rows")
+        sub = tl.arange(0, BC)
+        diagonal = sub[:, None] == sub[None, :]
+        dscores_self = tl.sum(tl.where(diagonal, dscores, 0.0), axis=1)
+        dkdot_self = tl.sum(tl.where(diagonal, dkdot, 0.0), axis=1)
+        dq = dscores_self[:, None] * k_b
+        dk_rows = dkdot_self[:, None] * k_b
+        dk_cols = dk_rows + dscores_self[:, None] * q_b
+        for level in tl.static_range(SPLIT_LEVELS):
+            from_middle, to_middle, pairs = _level_factors(cum_ptr, first_token, n_valid, kc, g_b, HV, K, BC,
+                                                           BC >> (level + 1))
+            dscores_level = tl.where(pairs, dscores, 0.0)
+            dkdot_level = tl.where(pairs, dkdot, 0.0)
+            keys = k_b * to_middle
+            dq += from_middle * _dot(dscores_level, keys, dot_dtype, DOT_PRECISION)
+            dk_rows += from_middle * _dot(dkdot_level, keys, dot_dtype, DOT_PRECISION)
+            pulled = _dot(tl.trans(dkdot_level), k_b * from_middle, dot_dtype, DOT_PRECISION)
+            pulled += _dot(tl.trans(dscores_level), q_b * from_middle, dot_dtype, DOT_PRECISION)
+            dk_cols += to_middle * pulled
+        return dq, dk_rows, dk_cols
+
+    @triton.jit
+    def _split_diagonal_backward(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dg_ptr, dscores, dkdot, first_token, n_valid,
+                                 stride_qt, stride_qk, stride_kt, stride_kk, HV, K, dot_dtype, BC: tl.constexpr,
+                                 BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """_split_diagonal_gradients as a pass of its own over one sub-chunk's rows of dq, dk and dG,
+        after the main products have stored theirs."""
+        # Each thread reads back elements other threads of this program stored.
+        tl.debug_barrier()
+        sub = tl.arange(0, BC)
+        tokens = first_token + sub
+        valid = sub < n_valid
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            q_b = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            k_b = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            g_b = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+            dq_split, dk_rows, dk_cols = _split_diagonal_gradients(q_b, k_b, g_b, dscores, dkdot, cum_ptr, first_token,
+                                                                   n_valid, kc, HV, K, dot_dtype, BC, DOT_PRECISION)
+            dq = _load_rows(dq_ptr, tokens, kc, HV * K, 1, valid, K) + dq_split
+            dk = _load_rows(dk_ptr, tokens, kc, HV * K, 1, valid, K) + dk_rows + dk_cols
+            dg = _load_rows(dg_ptr, tokens, kc, HV * K, 1, valid, K) + q_b * dq_split + k_b * (dk_rows - dk_cols)
+            _store_rows(dq_ptr, dq, tokens, kc, HV * K, 1, valid, K)
+            _store_rows(dk_ptr, dk, tokens, kc, HV * K, 1, valid, K)
+            _store_rows(dg_ptr, dg, tokens, kc, HV * K, 1, valid, K)
 
     @triton.jit
     def _decayed_scores_kernel(
@@ -67,9 +191,9 @@ if triton is not None:
         block too is one product, factored through the first row r of sub-chunk i:
         e^(G_t - G_s) = e^(G_t - G_r) e^(G_r - G_s). The first factor is <= 1; the second is <= 1
         left of the diagonal and <= e^span inside it (span = max over channels of G_r - G_last of
-        the sub-chunk). Past `factor_limit` the diagonal block is summed exactly, one column per
-        step, instead. Outputs are fp32 [B, T, HV, BT]: row t of a chunk holds its scores
-        against the chunk's columns.
+        the sub-chunk). Past `factor_limit` the products leave the diagonal block out; it is split
+        (_split_diagonal_scores) and stored apart. Outputs are fp32 [B, T, HV, BT]: row t of a
+        chunk holds its scores against the chunk's columns.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         factor_limit = tl.cast(factor_limit, tl.float32)
@@ -84,6 +208,9 @@ if triton is not None:
         q_ptr += batch * stride_qb + key_head * stride_qh
         k_ptr += batch * stride_kb + key_head * stride_kh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        out_offset = (batch * T) * HV * BT + head * BT
+        kdot_ptr += out_offset
+        scores_ptr += out_offset
 
         sub = tl.arange(0, BC)
         local = tl.arange(0, BT)
@@ -91,17 +218,17 @@ if triton is not None:
         row_valid = rows < length
         col_valid = local < length
         first = block_i * BC
+        # The products cover the columns below factored_end and those right of the sub-chunk: all of
+        # them unless the diagonal block is split.
+        factored_end = first + BC
+        if GATE == 2:
+            span = _sub_chunk_span(cum_ptr, start + first, start + tl.minimum(first + BC, length) - 1, HV, K, BK)
+            factored_end = tl.where(span <= factor_limit, first + BC, first)
         # No stored intermediate here to take the products' dtype from: HALF_DOTS says whether they
         # are half (then q and k are in the intermediates' dtype).
         dot_dtype = k_ptr.dtype.element_ty if HALF_DOTS else tl.float32
         kdot = tl.zeros([BC, BT], dtype=tl.float32)
         scores = tl.zeros([BC, BT], dtype=tl.float32)
-        # The exact diagonal blocks add up apart from the products' accumulators and join them after
-        # the loop: on the H100 (Triton 3.6) adding to a tensor-core accumulator inside the runtime
-        # branch gave wrong scores (relative error ~300 in o, tf32 and half products; the CPU
-        # interpreter and exact fp32 products were right).
-        kdot_exact = tl.zeros([BC, BT], dtype=tl.float32)
-        scores_exact = tl.zeros([BC, BT], dtype=tl.float32)
         if first < length:
             for k0 in range(0, K, BK):
                 kc = k0 + tl.arange(0, BK)
@@ -112,25 +239,12 @@ if triton is not None:
                     k_all = _load_rows(k_ptr, start + local, kc, stride_kt, stride_kk, col_valid, K)
                     g_all = _load_rows(cum_ptr, start + local, kc, HV * K, 1, col_valid, K)
                     g_first = _load_vector(cum_ptr, start + first, kc, HV * K, 1, first < length, K)
-                    g_last = _load_vector(cum_ptr, start + tl.minimum(first + BC, length) - 1, kc, HV * K, 1,
-                                          first < length, K)
-                    span = tl.max(g_first - g_last, axis=0)
-                    factored_end = tl.where(span <= factor_limit, first + BC, first)
                     col_decay = tl.exp(tl.where((local < factored_end)[:, None] & col_valid[:, None],
                                                 g_first[None, :] - g_all, float("-inf")))
                     row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_first[None, :], 0.0))
                     k_cols = tl.trans(k_all * col_decay)
                     kdot += _dot(k_i * row_decay, k_cols, dot_dtype, DOT_PRECISION)
                     scores += _dot(q_i * row_decay, k_cols, dot_dtype, DOT_PRECISION)
-                    if span > factor_limit:
-                        for c in range(BC):
-                            k_s, decay, _ = _diagonal_column(
-                                k_ptr, cum_ptr, start, first + c, length, kc, rows, row_valid, g_i,
-                                stride_kt, stride_kk, HV, K)
-                            weighted = k_s[None, :] * decay
-                            column = local[None, :] == first + c
-                            kdot_exact += tl.where(column, tl.sum(k_i * weighted, axis=1)[:, None], 0.0)
-                            scores_exact += tl.where(column, tl.sum(q_i * weighted, axis=1)[:, None], 0.0)
                 else:
                     q_i = _load_stored_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
                     k_i = _load_stored_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
@@ -144,11 +258,20 @@ if triton is not None:
                 decay = tl.exp(tl.where(visible, g_i[:, None] - g_j[None, :], float("-inf")))
                 kdot *= decay
                 scores *= decay
-        kdot = tl.where(rows[:, None] > local[None, :], kdot + kdot_exact, 0.0)
-        scores = tl.where(rows[:, None] >= local[None, :], scores + scores_exact, 0.0)
-        out_offset = (batch * T) * HV * BT + head * BT
-        _store_rows(kdot_ptr + out_offset, kdot, start + rows, local, HV * BT, 1, row_valid, BT)
-        _store_rows(scores_ptr + out_offset, scores, start + rows, local, HV * BT, 1, row_valid, BT)
+            if GATE == 2:
+                # Stored apart from the products, at addresses the store below leaves out: on the
+                # H100 (Triton 3.6) adding to a tensor-core accumulator inside a runtime branch gave
+                # wrong scores (relative error ~300 in o, tf32 and half products; the CPU interpreter
+                # and exact fp32 products were right).
+                if span > factor_limit:
+                    _split_diagonal_scores(q_ptr, k_ptr, cum_ptr, kdot_ptr, scores_ptr, start + first, length - first,
+                                           first + sub, stride_qt, stride_qk, stride_kt, stride_kk, HV, K, dot_dtype,
+                                           BT, BC, BK, DOT_PRECISION)
+        kdot = tl.where(rows[:, None] > local[None, :], kdot, 0.0)
+        scores = tl.where(rows[:, None] >= local[None, :], scores, 0.0)
+        factored_cols = (local < factored_end) | (local >= first + BC)
+        _store_columns(kdot_ptr, kdot, start + rows, local, HV * BT, row_valid, factored_cols)
+        _store_columns(scores_ptr, scores, start + rows, local, HV * BT, row_valid, factored_cols)
 
     @triton.jit
     def _whole_chunk_scores_backward(
@@ -207,6 +330,7 @@ if triton is not None:
         BC: tl.constexpr,
         BK: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        HALF_DOTS: tl.constexpr,
     ):
         """Per-channel gates, rows of sub-chunk b: its row role (dP[t,s] k_s and dKdot[t,s] k_s
         for s <= t) and its column role (dk_s += sum_t (dKdot[t,s] k_t + dP[t,s] q_t) e^(G_t - G_s)),
@@ -215,8 +339,11 @@ if triton is not None:
         The row role is factored through the first row r of b (e^(G_t - G_r) e^(G_r - G_s)), the
         column role through its last row e (e^(G_t - G_e) e^(G_e - G_s)): every factor is <= 1 off
         the diagonal block and <= e^span inside it, as in decayed_scores. Past `factor_limit` the
-        products leave the diagonal block (b, b) out and it is summed exactly, one column s per
-        step: e^(G_t - G_s) for the rows t >= s of the block serves both roles of column s.
+        products leave the diagonal block (b, b) out and _split_diagonal_gradients adds it. With
+        half operands it joins the main key loop; with fp32 ones (more registers) it takes a pass
+        of its own after it: H100, Triton 3.6, B1 T32768 H16 K128, joined vs apart, bf16 inputs
+        2.16 vs 2.14 ms factored and 2.72 vs 3.39 ms split, fp16 inputs 2.61 vs 2.43 ms factored
+        (78 bytes spilled) and 3.69 vs 3.96 ms split.
         """
         sub = tl.arange(0, BC)
         local = tl.arange(0, BT)
@@ -227,11 +354,20 @@ if triton is not None:
         tokens = start + local
         first = block_b * BC
         last = tl.minimum(first + BC, length) - 1
+        span = _sub_chunk_span(cum_ptr, start + first, start + last, HV, K, BK)
+        factored = span <= factor_limit
+        # Row role: columns left of b, and b's own while factored.
+        col_end = tl.where(factored, first + BC, first)
+        # Column role: rows below b, and b's own while factored.
+        row_begin = tl.where(factored, first, first + BC)
         # dP and dKdot are stored lower triangular (zero where s > t): the products need no mask.
         dscores_rows = _load_rows(dscores_ptr, tokens_b, local, HV * BT, 1, valid_b, BT).to(dot_dtype)
         dkdot_rows = _load_rows(dkdot_ptr, tokens_b, local, HV * BT, 1, valid_b, BT).to(dot_dtype)
         dscores_cols = tl.trans(_load_rows(dscores_ptr, tokens, rows_b, HV * BT, 1, valid, BT)).to(dot_dtype)
         dkdot_cols = tl.trans(_load_rows(dkdot_ptr, tokens, rows_b, HV * BT, 1, valid, BT)).to(dot_dtype)
+        # fp32, for a split diagonal block
+        dscores_diagonal = _load_rows(dscores_ptr, tokens_b, rows_b, HV * BT, 1, valid_b, BT)
+        dkdot_diagonal = _load_rows(dkdot_ptr, tokens_b, rows_b, HV * BT, 1, valid_b, BT)
         for k0 in range(0, K, BK):
             kc = k0 + tl.arange(0, BK)
             q_b = _load_rows(q_ptr, tokens_b, kc, stride_qt, stride_qk, valid_b, K)
@@ -242,39 +378,28 @@ if triton is not None:
             g_all = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
             g_first = _load_vector(cum_ptr, start + first, kc, HV * K, 1, first < length, K)
             g_last = _load_vector(cum_ptr, start + last, kc, HV * K, 1, first < length, K)
-            span = tl.max(g_first - g_last, axis=0)
-            factored = span <= factor_limit
-            # Row role: columns left of b, and b's own while factored.
-            col_end = tl.where(factored, first + BC, first)
             col_decay = tl.exp(tl.where(((local < col_end) & valid)[:, None], g_first[None, :] - g_all, float("-inf")))
             k_cols = k_all * col_decay
             row_decay = tl.exp(tl.where(valid_b[:, None], g_b - g_first[None, :], 0.0))
             dq_pair = row_decay * _dot(dscores_rows, k_cols, dot_dtype, DOT_PRECISION)
             dk_rows = row_decay * _dot(dkdot_rows, k_cols, dot_dtype, DOT_PRECISION)
-            # Column role: rows below b, and b's own while factored.
-            row_begin = tl.where(factored, first, first + BC)
             to_last = tl.exp(tl.where(((local >= row_begin) & valid)[:, None], g_all - g_last[None, :], float("-inf")))
             pulled = _dot(dkdot_cols, k_all * to_last, dot_dtype, DOT_PRECISION)
             pulled += _dot(dscores_cols, q_all * to_last, dot_dtype, DOT_PRECISION)
             dk_cols = tl.exp(tl.where(valid_b[:, None], g_last[None, :] - g_b, 0.0)) * pulled
-            # Apart from the products' results, as in decayed_scores (a Triton 3.6 miscompile on the H100).
-            dq_exact = tl.zeros([BC, BK], dtype=tl.float32)
-            dk_rows_exact = tl.zeros([BC, BK], dtype=tl.float32)
-            dk_cols_exact = tl.zeros([BC, BK], dtype=tl.float32)
-            if span > factor_limit:
-                for c in range(BC):
-                    s = first + c
-                    k_s, decay, visible = _diagonal_column(k_ptr, cum_ptr, start, s, length, kc, rows_b, valid_b,
-                                                           g_b, stride_kt, stride_kk, HV, K)
-                    dkdot_s = tl.load(dkdot_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
-                    dscores_s = tl.load(dscores_ptr + tokens_b * (HV * BT) + s, mask=visible, other=0.0)
-                    dq_exact += dscores_s[:, None] * (k_s[None, :] * decay)
-                    dk_rows_exact += dkdot_s[:, None] * (k_s[None, :] * decay)
-                    pulled_s = tl.sum((dkdot_s[:, None] * k_b + dscores_s[:, None] * q_b) * decay, axis=0)
-                    dk_cols_exact += tl.where(sub[:, None] == c, pulled_s[None, :], 0.0)
-            dq_pair += dq_exact
-            dk_rows += dk_rows_exact
-            dk_cols += dk_cols_exact
+            if HALF_DOTS:
+                # Apart from the products' results, as in decayed_scores (a Triton 3.6 miscompile on
+                # the H100).
+                dq_split = tl.zeros([BC, BK], dtype=tl.float32)
+                dk_rows_split = tl.zeros([BC, BK], dtype=tl.float32)
+                dk_cols_split = tl.zeros([BC, BK], dtype=tl.float32)
+                if span > factor_limit:
+                    dq_split, dk_rows_split, dk_cols_split = _split_diagonal_gradients(
+                        q_b, k_b, g_b, dscores_diagonal, dkdot_diagonal, cum_ptr, start + first, length - first, kc,
+                        HV, K, dot_dtype, BC, DOT_PRECISION)
+                dq_pair += dq_split
+                dk_rows += dk_rows_split
+                dk_cols += dk_cols_split
             dq = _load_rows(dq_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dq_pair
             dk = _load_rows(dk_ptr + key_offset, tokens_b, kc, HV * K, 1, valid_b, K) + dk_rows + dk_cols
             _store_rows(dq_ptr + key_offset, dq, tokens_b, kc, HV * K, 1, valid_b, K)
@@ -282,6 +407,12 @@ if triton is not None:
             dg = _load_rows(dg_ptr, tokens_b, kc, HV * K, 1, valid_b, K)
             dg += q_b * dq_pair + k_b * (dk_rows - dk_cols)
             _store_rows(dg_ptr, dg, tokens_b, kc, HV * K, 1, valid_b, K)
+        if not HALF_DOTS:
+            if span > factor_limit:
+                _split_diagonal_backward(q_ptr, k_ptr, cum_ptr, dq_ptr + key_offset, dk_ptr + key_offset, dg_ptr,
+                                         dscores_diagonal, dkdot_diagonal, start + first, length - first,
+                                         stride_qt, stride_qk, stride_kt, stride_kk, HV, K, dot_dtype, BC, BK,
+                                         DOT_PRECISION)
 
     @triton.jit
     def _decayed_scores_backward_kernel(
@@ -331,7 +462,7 @@ if triton is not None:
                 _sub_chunk_scores_backward(
                     q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
                     stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, block_b, HV, K,
-                    factor_limit, dot_dtype, BT, BC, BK, DOT_PRECISION,
+                    factor_limit, dot_dtype, BT, BC, BK, DOT_PRECISION, HALF_DOTS,
                 )
             else:
                 tl.static_assert(BC == BT, "without per-channel gates the sub-chunk is the whole chunk")
