@@ -155,9 +155,13 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     u = buffer(batch, time, value_heads, value_dim, dtype=stored)
     state_rows = plan_kept_state_rows(plan) if keep_states else scratch_rows(plan.num_chunks)
     h = buffer(state_rows, value_heads, key_dim, value_dim, dtype=stored)
-    if keep_states:
+    if keep_states and not isinstance(plan.num_chunks, torch.SymInt):
         # Kept h is an op's output: the rows past the chunk count (a varlen bound, or the minimum
-        # of 2) are zeros, not whatever the allocator left, so that it is deterministic.
+        # of 2) are zeros, not whatever the allocator left, so that it is deterministic. Not when
+        # traced (fixed-length rows, symbolic count): slicing at a symbolic row guards on the count
+        # against kept_state_rows' minimum of 2, a second graph for one-chunk lengths (the likely
+        # cause of HF's delta-rule layers compiling twice, at T = 40, on the H100 at 28f9071). The
+        # one row it can leave unwritten, at one chunk, is never read.
         h[plan.num_chunks:].zero_()
     block_k = block_size(key_dim)
     block_v = block_size(value_dim)
