@@ -58,10 +58,31 @@ COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
 GIT_TREE_CHECK = test "$(origin COMMIT)" != file || test -z "$$(git status --porcelain -- hccompile tests 2>/dev/null)" || \
 	{ echo "make $@: hccompile/ or tests/ differ from git's HEAD ($(COMMIT)); pass COMMIT=<the sha of this tree>"; exit 2; }
 
+# The device cannot download: the test dependencies it lacks (depyf, the pinned transformers,
+# hyper-connections) travel as wheels in GPU_WHEELS (gitignored; carry it) and are installed into
+# GPU_WHEEL_SITE, ahead of the machine's own packages. Without them six tests fail and seven skip
+# (session 19), so a missing directory stops the suite.
+GPU_WHEELS ?= .whl
+GPU_WHEEL_SITE ?= /tmp/hccompile-gpu-wheels
+GPU_WHEEL_PLATFORMS = --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+GPU_WHEEL_PACKAGES = depyf==0.20.0 astor dill transformers==5.24.0 hyper-connections==0.4.11 \
+	torch-einops-utils==0.2.0 einops==0.8.2
+
+.PHONY: gpu-wheels
+# Downloads GPU_WHEELS here (a machine with network), for the device's Python 3.12.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: $(GPU_WHEEL_PLATFORMS) -d $(GPU_WHEELS) \
+		$(GPU_WHEEL_PACKAGES)
+
 test-gpu:
 	@test -n "$(COMMIT)" || { echo "make test-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
 	@$(GIT_TREE_CHECK)
+	@ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1 || { echo "make test-gpu: no wheels in $(GPU_WHEELS): carry it"; exit 2; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	PYTHONPATH=$(GPU_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
 	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpu-memory-gib $(GPU_MEMORY_GIB) \
 		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
 		--durations tests/gpu_durations.json \
