@@ -5,7 +5,7 @@ rel_rms_error, evaluate)."""
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -170,6 +170,38 @@ def is_impure(node: fx.Node) -> str | None:
     return None
 
 
+def attribute(gm: fx.GraphModule, target: str) -> Any:
+    """The object a get_attr node names (a dotted path under gm)."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def run_node(gm: fx.GraphModule, n: fx.Node, value_of: Callable[[fx.Node], Any],
+             example_inputs: list[Any] | None = None, placeholders: list[fx.Node] | None = None) -> Any:
+    """One node's value at compile time, the step every evaluator of the passes shares: a call's
+    from its arguments' values (`value_of`), an attribute's from gm, a placeholder's from the real
+    example inputs (a SymInt at its hint; fake tensors refused: there is nothing to run on)."""
+    if n.op == "call_function":
+        return n.target(*fx.node.map_arg(n.args, value_of), **fx.node.map_arg(n.kwargs, value_of))
+    if n.op == "call_method":
+        self_arg, *rest = fx.node.map_arg(n.args, value_of)
+        return getattr(self_arg, n.target)(*rest, **fx.node.map_arg(n.kwargs, value_of))
+    if n.op == "get_attr":
+        return attribute(gm, n.target)
+    if n.op == "placeholder" and example_inputs is not None:
+        if placeholders is None:
+            placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
+        value = example_inputs[placeholders.index(n)]
+        if isinstance(value, torch.SymInt):
+            return size_hint(value)
+        if isinstance(value, torch.Tensor) and _is_fake(value):
+            raise ValueError("example inputs are fake tensors; cannot probe")
+        return value
+    raise ValueError(f"cannot evaluate {n.op} node {n.name}")
+
+
 def evaluate(gm: fx.GraphModule, wanted: list[fx.Node], overrides: dict[fx.Node, Any],
              example_inputs: list[Any], max_nodes: int = 256) -> list[Any]:
     """Evaluate only what `wanted` needs, with `overrides` standing in for some nodes and the real
@@ -187,35 +219,13 @@ def evaluate(gm: fx.GraphModule, wanted: list[fx.Node], overrides: dict[fx.Node,
         raise ValueError(f"probe region has {len(needed)} nodes (limit {max_nodes})")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     env: dict[fx.Node, Any] = dict(overrides)
-
-    def load(a: Any) -> Any:
-        return fx.node.map_arg(a, lambda n: env[n])
-
     for n in needed:
         if n in env:
             continue
         why = is_impure(n)
         if why:
             raise ValueError(f"probe region contains a {why}")
-        if n.op == "placeholder":
-            value = example_inputs[placeholders.index(n)]
-            if isinstance(value, torch.SymInt):
-                value = size_hint(value)
-            if isinstance(value, torch.Tensor) and _is_fake(value):
-                raise ValueError("example inputs are fake tensors; cannot probe")
-            env[n] = value
-        elif n.op == "get_attr":
-            obj: Any = gm
-            for part in n.target.split("."):
-                obj = getattr(obj, part)
-            env[n] = obj
-        elif n.op == "call_function":
-            env[n] = n.target(*load(n.args), **load(n.kwargs))
-        elif n.op == "call_method":
-            self_arg, *rest = load(n.args)
-            env[n] = getattr(self_arg, n.target)(*rest, **load(n.kwargs))
-        else:
-            raise ValueError(f"cannot evaluate {n.op} node {n.name}")
+        env[n] = run_node(gm, n, env.__getitem__, example_inputs, placeholders)
     return [env[w] for w in wanted]
 
 

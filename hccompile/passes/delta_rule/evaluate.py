@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from ...compat import concrete_shape, size_hint
+from .. import fx_match as M
 from .vocabulary import _Index, _example
 from .region import _Region
 
@@ -35,14 +36,8 @@ class _Evaluator:
         if isinstance(ev, (torch.SymFloat, float)):
             return float(ev.node.hint) if isinstance(ev, torch.SymFloat) else ev
         if n.op == "get_attr":
-            return self._attr(n)
+            return M.attribute(self.gm, n.target)
         raise ValueError(f"cannot stand in for {n.name}")
-
-    def _attr(self, n: fx.Node) -> Any:
-        obj: Any = self.gm
-        for part in n.target.split("."):
-            obj = getattr(obj, part)
-        return obj
 
     def run(self, wanted: list[fx.Node], read_pos: float | None = None) -> list[Any]:
         """Values of `wanted` as read at `read_pos` (default: right after each node), i.e. with the
@@ -74,15 +69,6 @@ class _Evaluator:
                                                                    not isinstance(ev, bool)):
                 self.env[n] = self._standin(n)
                 continue
-            args = fx.node.map_arg(n.args, lambda a: self.env[a])
-            kwargs = fx.node.map_arg(n.kwargs, lambda a: self.env[a])
-            if n.op == "call_function":
-                self.env[n] = n.target(*args, **kwargs)
-            elif n.op == "call_method":
-                self_arg, *rest = args
-                self.env[n] = getattr(self_arg, n.target)(*rest, **kwargs)
-            elif n.op == "get_attr":
-                self.env[n] = self._attr(n)
-            else:
-                raise ValueError(f"cannot evaluate {n.op} node {n.name}")
+            # placeholders come in `inputs` or as stand-ins, never from the example inputs
+            self.env[n] = M.run_node(self.gm, n, self.env.__getitem__)
         return [self.env[w] for w in wanted]

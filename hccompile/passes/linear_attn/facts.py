@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...compat import size_hint
 from .. import fx_match as M
 from ..base import PassContext
 from .vocabulary import (_SHAPE_ONLY_FNS, _SHAPE_ONLY_METHODS, _impurity, _is_fresh,
@@ -155,8 +154,8 @@ class _Facts:
         needed = self.region(wanted, stop=set(overrides) | (set(self._memo) if memo else set()))
         env: dict[fx.Node, Any] = overrides
 
-        def load(a: Any) -> Any:
-            return fx.node.map_arg(a, lambda n: env[n] if n in env else self._memo[n])
+        def value_of(n: fx.Node) -> Any:
+            return env[n] if n in env else self._memo[n]
 
         for n in needed:
             target = _mutation_target(n)
@@ -168,25 +167,7 @@ class _Facts:
                 why = _impurity(n)
                 if why:
                     raise ValueError(f"probe region contains a {why}")
-            if n.op == "placeholder":
-                value = self.ctx.example_inputs[self.placeholders.index(n)]
-                if isinstance(value, torch.SymInt):
-                    value = size_hint(value)
-                if isinstance(value, torch.Tensor) and M._is_fake(value):
-                    raise ValueError("example inputs are fake tensors; cannot probe")
-                env[n] = value
-            elif n.op == "get_attr":
-                obj: Any = self.gm
-                for part in n.target.split("."):
-                    obj = getattr(obj, part)
-                env[n] = obj
-            elif n.op == "call_function":
-                env[n] = n.target(*load(n.args), **load(n.kwargs))
-            elif n.op == "call_method":
-                self_arg, *rest = load(n.args)
-                env[n] = getattr(self_arg, n.target)(*rest, **load(n.kwargs))
-            else:
-                raise ValueError(f"cannot evaluate {n.op} node {n.name}")
+            env[n] = M.run_node(self.gm, n, value_of, self.ctx.example_inputs, self.placeholders)
             if memo:
                 self._memo[n] = env[n]
         values = [env[w] if w in env else self._memo[w] for w in wanted]
