@@ -26,6 +26,19 @@ if triton is not None:
     from .tiles import _load_rows, _row_chunk_coords, _store_rows, _varlen_chunk_coords
 
     @triton.jit
+    def _activation_input(g, A_log_ptr, dt_bias_ptr, head, cols, GK):
+        """(rate, x) of KDA's gate activation for a [BT, BK] tile of raw gates: rate = e^A_log of
+        the head, x = g_raw + dt_bias of the tile's channels."""
+        rate = tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
+        bias = tl.load(dt_bias_ptr + head * GK + cols, mask=cols < GK, other=0.0).to(tl.float32)
+        return rate, g + bias[None, :]
+
+    @triton.jit
+    def _softplus(x):
+        # Linear above 20, as torch's softplus; the clamp keeps exp finite there.
+        return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+    @triton.jit
     def _gate_cumsum_kernel(
         g_ptr, out_ptr, A_log_ptr, dt_bias_ptr,
         stride_gb, stride_gt, stride_gh, stride_gk,
@@ -57,13 +70,9 @@ if triton is not None:
         g = _load_rows(g_ptr + batch * stride_gb + head * stride_gh, start + local, cols,
                        stride_gt, stride_gk, valid, GK)
         if ACTIVATION != 0:
-            rate = tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
-            bias = tl.load(dt_bias_ptr + head * GK + cols, mask=cols < GK, other=0.0).to(tl.float32)
-            x = g + bias[None, :]
+            rate, x = _activation_input(g, A_log_ptr, dt_bias_ptr, head, cols, GK)
             if ACTIVATION == 1:
-                # Linear above 20, as torch's softplus; the clamp keeps exp finite there.
-                softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-                g = -rate * softplus
+                g = -rate * _softplus(x)
             else:
                 g = lower_bound * tl.sigmoid(rate * x)
             g = tl.where(valid[:, None], g, 0.0)
@@ -106,15 +115,12 @@ if triton is not None:
         dgate = tl.sum(dcum, axis=0)[None, :] - tl.cumsum(dcum, axis=0) + dcum
         g = _load_rows(g_ptr + batch * stride_gb + head * stride_gh, start + local, cols,
                        stride_gt, stride_gk, valid, GK)
-        rate = tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
-        bias = tl.load(dt_bias_ptr + head * GK + cols, mask=cols < GK, other=0.0).to(tl.float32)
-        x = g + bias[None, :]
+        rate, x = _activation_input(g, A_log_ptr, dt_bias_ptr, head, cols, GK)
         if ACTIVATION == 1:
             # gate = -rate softplus(x); softplus' = sigmoid, 1 above 20 (torch's threshold)
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
             slope = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
             dx = -rate * slope * dgate
-            dA_log = -rate * softplus * dgate  # d gate / d A_log = gate
+            dA_log = -rate * _softplus(x) * dgate  # d gate / d A_log = gate
         else:
             # gate = b sigmoid(rate x)
             s = tl.sigmoid(rate * x)
