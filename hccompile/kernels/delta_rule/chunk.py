@@ -46,9 +46,11 @@ if triton is not None:
 
 __all__ = [
     "GRADIENT_NAMES",
+    "ChunkLocal",
     "Kept",
     "chunk_delta_rule_bwd",
     "chunk_delta_rule_fwd",
+    "chunk_local_steps",
     "sum_key_groups",
 ]
 
@@ -107,54 +109,101 @@ class _Forward:
     k_decayed: torch.Tensor  # [B, T, HV, K] K e^(G_last - G) with a channel gate (the plan's dummy without)
 
 
-def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
-             A_log, dt_bias, lower_bound, kept: Kept | None = None, keep_states: bool = False) -> _Forward:
-    """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, what an
-    earlier forward on the same inputs kept, decayed_scores and the WY solve are skipped (wy_solve
-    only forms W and U~ from the kept inverse), and so are the l2norm and the gate's cumulative sum
-    when it kept their results, and wy_solve and the state sweep when it kept w, u and h (then
-    neither o nor final_state may be asked for). The chunk states get kept_state_rows rows when
-    `keep_states`, so that the forward can hand them to an op's output of a shape its fake knows."""
+@dataclass
+class ChunkLocal:
+    """What the chunk-parallel steps (the l2norm, gate_cumsum, decayed_scores, wy_solve) give the
+    state sweeps, independent of any state: l2normed q and k in the plan's normed_qk_dtype, w, u~
+    and k_decayed in its intermediate_dtype, the rest fp32. cp.py's segments start from it too."""
+
+    q: torch.Tensor  # q or its l2norm
+    k: torch.Tensor
+    cum: torch.Tensor | None  # [B, T, HV, K or 1] chunk-local cumulative log-gate
+    kdot: torch.Tensor  # [B, T, HV, BT]
+    scores: torch.Tensor  # [B, T, HV, BT]
+    inverse: torch.Tensor  # [B, T, HV, BT]
+    w: torch.Tensor  # [B, T, HV, K]
+    u_tilde: torch.Tensor  # [B, T, HV, V] values before the state's correction (the plan's dummy when kept)
+    k_decayed: torch.Tensor  # [B, T, HV, K] K e^(G_last - G) with a channel gate (the plan's dummy without)
+
+
+def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound,
+                      kept: Kept | None = None, empty: Callable | None = None) -> ChunkLocal:
+    """Steps 1-3 of the forward, chunk-parallel. With `kept`, what an earlier forward on the same
+    inputs kept, decayed_scores and the WY solve are skipped (wy_solve only forms W and U~ from the
+    kept inverse), and so are the l2norm and the gate's cumulative sum when it kept their results,
+    and wy_solve itself when it kept w, u and h (the sweep is skipped then too). `empty(*shape,
+    dtype=...)` allocates the buffers on q's device (default torch.empty; CP's can poison them)."""
     problem = plan.problem
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
-    key_dim, value_dim = problem.key_dim, problem.value_dim
-    chunk = plan.chunk_size
-    device = q.device
+    key_dim, value_dim, chunk = problem.key_dim, problem.value_dim, plan.chunk_size
     stored = plan.intermediate_dtype
+    device = q.device
+
+    def buffer(*shape, dtype=torch.float32):
+        return empty(*shape, dtype=dtype) if empty is not None else torch.empty(*shape, dtype=dtype, device=device)
+
     if use_qk_l2norm_in_kernel:
         if kept is not None and kept.q_normed is not None:
             q, k = kept.q_normed, kept.k_normed
         else:
             q, k = l2norm_forward(q, k, plan.normed_qk_dtype, plan.launch)
-    table, seqlens = plan.chunk_args()
-    common = dict(IS_VARLEN=plan.varlen)
-
-    def buffer(*shape, dtype=torch.float32):
-        return torch.empty(*shape, dtype=dtype, device=device)
-
     cum = None
     if kept is not None and kept.cum is not None:
         cum = kept.cum
     elif problem.gate != "none" and plan.num_chunks:
         cum = launch_gate_cumsum(plan, g, gate_activation(problem, lower_bound), A_log, dt_bias, lower_bound,
                                  reverse=False)
-    cum_arg = cum if cum is not None else plan.dummy
-
     if kept is None:
         kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
     else:
         kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
     if kept is not None and kept.h is not None:
-        assert o is None and final_state is None, "kept states serve the backward only"
-        return _Forward(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=kept.w, u=kept.u, h=kept.h,
-                        k_decayed=plan.dummy)
+        return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=kept.w,
+                          u_tilde=plan.dummy, k_decayed=plan.dummy)
     w = buffer(batch, time, value_heads, key_dim, dtype=stored)
     # A channel gate's keys decayed to their chunk's end, for the state sweeps (wy_solve forms them).
     k_decayed = buffer(batch, time, value_heads, key_dim, dtype=stored) if problem.gate == "channel" else plan.dummy
     u_tilde = buffer(batch, time, value_heads, value_dim, dtype=stored)
-    u = buffer(batch, time, value_heads, value_dim, dtype=stored)
+    if plan.num_chunks:
+        table, seqlens = plan.chunk_args()
+        cum_arg = cum if cum is not None else plan.dummy
+        if kept is None:
+            launch_decayed_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
+        plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
+            k, v, beta, cum_arg, kdot, inverse, w, u_tilde, k_decayed, *k.stride(), *v.stride(), *beta.stride(),
+            table, seqlens, time, plan.chunks_per_row, value_heads, problem.group_size, key_dim, value_dim,
+            GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_size(key_dim),
+            BV=block_size(value_dim), DOT_PRECISION=plan.dot_precision, SOLVE=kept is None,
+            IS_VARLEN=plan.varlen, **wy_solve_options(plan),
+        )
+    return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde,
+                      k_decayed=k_decayed)
+
+
+def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o, use_qk_l2norm_in_kernel,
+             A_log, dt_bias, lower_bound, kept: Kept | None = None, keep_states: bool = False) -> _Forward:
+    """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, what
+    chunk_local_steps skips (see there), and the state sweep when it kept w, u and h (then neither
+    o nor final_state may be asked for). The chunk states get kept_state_rows rows when
+    `keep_states`, so that the forward can hand them to an op's output of a shape its fake knows."""
+    problem = plan.problem
+    time, value_heads = problem.time, problem.value_heads
+    key_dim, value_dim = problem.key_dim, problem.value_dim
+    chunk = plan.chunk_size
+    device = q.device
+    stored = plan.intermediate_dtype
+    local = chunk_local_steps(plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound, kept)
+    q, k, cum = local.q, local.k, local.cum
+    if kept is not None and kept.h is not None:
+        assert o is None and final_state is None, "kept states serve the backward only"
+        return _Forward(q=q, k=k, cum=cum, kdot=local.kdot, scores=local.scores, inverse=local.inverse, w=kept.w,
+                        u=kept.u, h=kept.h, k_decayed=plan.dummy)
+    table, seqlens = plan.chunk_args()
+    common = dict(IS_VARLEN=plan.varlen)
+    cum_arg = cum if cum is not None else plan.dummy
+    u = torch.empty(problem.batch, time, value_heads, value_dim, dtype=stored, device=device)
     state_rows = plan_kept_state_rows(plan) if keep_states else scratch_rows(plan.num_chunks)
-    h = buffer(state_rows, value_heads, key_dim, value_dim, dtype=stored)
+    h = torch.empty(state_rows, value_heads, key_dim, value_dim, dtype=stored, device=device)
     if keep_states and not isinstance(plan.num_chunks, torch.SymInt):
         # Kept h is an op's output: the rows past the chunk count (a varlen bound, or the minimum
         # of 2) are zeros, not whatever the allocator left, so that it is deterministic. Not when
@@ -167,15 +216,6 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     block_v = block_size(value_dim)
     group = problem.group_size
     nt = plan.chunks_per_row
-    if plan.num_chunks:
-        if kept is None:
-            launch_decayed_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
-        plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
-            k, v, beta, cum_arg, kdot, inverse, w, u_tilde, k_decayed, *k.stride(), *v.stride(), *beta.stride(),
-            table, seqlens, time, nt, value_heads, group, key_dim, value_dim,
-            GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
-            DOT_PRECISION=plan.dot_precision, SOLVE=kept is None, **wy_solve_options(plan), **common,
-        )
     block_k_full = block_size(key_dim, MAX_HEAD_DIM)
     block_v_state = state_forward_block_v(block_k_full, value_dim, stored, problem.num_sequences * value_heads,
                                           device)
@@ -185,8 +225,8 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     ht_strides = final_state.stride() if final_state is not None else (0, 0, 0, 0)
     if problem.num_sequences and (final_state is not None or plan.num_chunks):
         plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
-            k, k_decayed, cum_arg, w, u_tilde, h0, h, u, ht, *k.stride(), *h0_strides, *ht_strides,
-            plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
+            k, local.k_decayed, cum_arg, local.w, local.u_tilde, h0, h, u, ht, *k.stride(), *h0_strides,
+            *ht_strides, plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
             time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BKF=block_k_full, BV=block_v_state,
             HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
@@ -194,12 +234,12 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
         )
     if o is not None and plan.num_chunks:
         plan.launch(_output_kernel)[(plan.num_chunks, value_heads, triton.cdiv(value_dim, block_v))](
-            q, cum_arg, h, scores, u, o, *q.stride(), *o.stride(), table, seqlens,
+            q, cum_arg, h, local.scores, u, o, *q.stride(), *o.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,
         )
-    return _Forward(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u=u, h=h,
-                    k_decayed=k_decayed)
+    return _Forward(q=q, k=k, cum=cum, kdot=local.kdot, scores=local.scores, inverse=local.inverse, w=local.w,
+                    u=u, h=h, k_decayed=local.k_decayed)
 
 
 def plan_kept_state_rows(plan: Plan):

@@ -51,22 +51,22 @@ from typing import Any
 import torch
 
 from .._triton import require_triton, scratch_rows, tl, triton
-from .chunk import sum_key_groups
+from .chunk import ChunkLocal, chunk_local_steps, sum_key_groups
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
-from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
+from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, Plan, block_size, check_kernel_inputs,
                    narrow_for_occupancy)
-from .qk_l2norm import l2norm_backward, l2norm_forward
+from .qk_l2norm import l2norm_backward
 from .reference import DeltaRuleProblem, check_delta_rule_inputs
-from .scores import launch_decayed_scores, launch_scores_backward
+from .scores import launch_scores_backward
 from .state import (MIN_BACKWARD_SWEEP_TILE, STATE_TILE_ELEMENTS, state_backward_block_v, state_forward_block_v,
                     state_launch_options)
-from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
+from .wy import WY_BACKWARD_OPTIONS
 
 if triton is not None:
     from .output import _output_kernel
     from .state import _state_backward_kernel, _state_forward_kernel
     from .tiles import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows, _varlen_chunk_coords
-    from .wy import _wy_backward_kernel, _wy_solve_kernel
+    from .wy import _wy_backward_kernel
 
 __all__ = [
     "CPBackward",
@@ -563,20 +563,7 @@ def _launch_summary_backward(kplan, intra, geometry, do, final_grads, segments, 
 # The local problem: a rank's tokens flattened into one varlen row of segments
 
 
-@dataclass
-class _Intra:
-    """Intra-chunk intermediates (chunk-parallel, independent of any state); l2normed q and k in the
-    plan's normed_qk_dtype, w and u_tilde in its intermediate_dtype, the rest fp32."""
-
-    q: torch.Tensor  # q or its l2norm
-    k: torch.Tensor
-    cum: torch.Tensor | None
-    kdot: torch.Tensor
-    scores: torch.Tensor
-    inverse: torch.Tensor
-    w: torch.Tensor
-    u_tilde: torch.Tensor
-    k_decayed: torch.Tensor  # channel gate: K e^(G_last - G) (else the plan's dummy)
+_Intra = ChunkLocal  # a rank's chunk-parallel intermediates
 
 
 @dataclass
@@ -645,37 +632,11 @@ def _local_problem(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, 
 
 
 def _intra(local: _Local) -> _Intra:
-    """The forward's first three kernels (and the l2norm), as chunk.py's forward runs them."""
-    kplan, problem = local.kplan, local.problem
-    time, value_heads, chunk = problem.time, problem.value_heads, kplan.chunk_size
+    """The forward's chunk-parallel steps (chunk.chunk_local_steps) on the rank's segments."""
     device = local.q.device
-    q, k = local.q, local.k
-    stored = kplan.intermediate_dtype
-    if local.use_qk_l2norm_in_kernel:
-        q, k = l2norm_forward(q, k, kplan.normed_qk_dtype)
-    cum = None
-    if problem.gate != "none" and kplan.num_chunks:
-        cum = launch_gate_cumsum(kplan, local.g, gate_activation(problem, local.lower_bound), local.A_log,
-                                 local.dt_bias, local.lower_bound, reverse=False)
-    cum_arg = cum if cum is not None else kplan.dummy
-    kdot, scores, inverse = (_empty(1, time, value_heads, chunk, device=device) for _ in range(3))
-    w = _empty(1, time, value_heads, problem.key_dim, dtype=stored, device=device)
-    k_decayed = _empty(1, time, value_heads, problem.key_dim, dtype=stored, device=device) \
-        if problem.gate == "channel" else kplan.dummy
-    u_tilde = _empty(1, time, value_heads, problem.value_dim, dtype=stored, device=device)
-    if kplan.num_chunks:
-        table, seqlens = kplan.chunk_args()
-        block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
-        launch_decayed_scores(kplan, q, k, cum_arg, kdot, scores, kplan.num_chunks, table, seqlens)
-        _wy_solve_kernel[(kplan.num_chunks, value_heads)](
-            k, local.v, local.beta, cum_arg, kdot, inverse, w, u_tilde, k_decayed, *k.stride(), *local.v.stride(),
-            *local.beta.stride(), table, seqlens, time, kplan.chunks_per_row, value_heads, problem.group_size,
-            problem.key_dim, problem.value_dim,
-            GATE=kplan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_k, BV=block_v,
-            DOT_PRECISION=kplan.dot_precision, IS_VARLEN=True, **wy_solve_options(kplan),
-        )
-    return _Intra(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde,
-                  k_decayed=k_decayed)
+    return chunk_local_steps(local.kplan, local.q, local.k, local.v, local.beta, local.g,
+                             local.use_qk_l2norm_in_kernel, local.A_log, local.dt_bias, local.lower_bound,
+                             empty=lambda *shape, dtype: _empty(*shape, dtype=dtype, device=device))
 
 
 def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_states, lo: int, hi: int) -> None:
