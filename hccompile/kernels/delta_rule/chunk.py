@@ -93,23 +93,6 @@ class Kept(NamedTuple):
 
 
 @dataclass
-class _Forward:
-    """Intermediates of the forward pass, all contiguous; fp32 but for w, u and h (the plan's
-    intermediate_dtype) and the l2normed q and k (its normed_qk_dtype)."""
-
-    q: torch.Tensor  # q or its l2norm
-    k: torch.Tensor
-    cum: torch.Tensor | None  # [B, T, HV, K or 1] chunk-local cumulative log-gate
-    kdot: torch.Tensor  # [B, T, HV, BT]
-    scores: torch.Tensor  # [B, T, HV, BT]
-    inverse: torch.Tensor  # [B, T, HV, BT]
-    w: torch.Tensor  # [B, T, HV, K]
-    u: torch.Tensor  # [B, T, HV, V] corrected values
-    h: torch.Tensor  # [chunks, HV, K, V] chunk-start states
-    k_decayed: torch.Tensor  # [B, T, HV, K] K e^(G_last - G) with a channel gate (the plan's dummy without)
-
-
-@dataclass
 class ChunkLocal:
     """What the chunk-parallel steps (the l2norm, gate_cumsum, decayed_scores, wy_solve) give the
     state sweeps, independent of any state: l2normed q and k in the plan's normed_qk_dtype, w, u~
@@ -124,6 +107,15 @@ class ChunkLocal:
     w: torch.Tensor  # [B, T, HV, K]
     u_tilde: torch.Tensor  # [B, T, HV, V] values before the state's correction (the plan's dummy when kept)
     k_decayed: torch.Tensor  # [B, T, HV, K] K e^(G_last - G) with a channel gate (the plan's dummy without)
+
+
+@dataclass
+class _Forward(ChunkLocal):
+    """The whole forward's intermediates: the chunk-parallel ones and the state sweep's, in the
+    plan's intermediate_dtype."""
+
+    u: torch.Tensor  # [B, T, HV, V] corrected values
+    h: torch.Tensor  # [chunks, HV, K, V] chunk-start states
 
 
 def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound,
@@ -196,8 +188,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     q, k, cum = local.q, local.k, local.cum
     if kept is not None and kept.h is not None:
         assert o is None and final_state is None, "kept states serve the backward only"
-        return _Forward(q=q, k=k, cum=cum, kdot=local.kdot, scores=local.scores, inverse=local.inverse, w=kept.w,
-                        u=kept.u, h=kept.h, k_decayed=plan.dummy)
+        return _Forward(**vars(local), u=kept.u, h=kept.h)
     table, seqlens = plan.chunk_args()
     common = dict(IS_VARLEN=plan.varlen)
     cum_arg = cum if cum is not None else plan.dummy
@@ -238,8 +229,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,
         )
-    return _Forward(q=q, k=k, cum=cum, kdot=local.kdot, scores=local.scores, inverse=local.inverse, w=local.w,
-                    u=u, h=h, k_decayed=local.k_decayed)
+    return _Forward(**vars(local), u=u, h=h)
 
 
 def plan_kept_state_rows(plan: Plan):
