@@ -392,33 +392,10 @@ def probe(inst: Instance, gm: fx.GraphModule, ctx: PassContext, orders, candidat
 
 
 # fx_match.is_impure reads a trailing underscore as in-place; these operator functions are pure.
-_PURE_OPERATORS = (operator.and_, operator.or_, operator.xor, operator.not_, operator.inv, operator.invert)
-
-
 def _evaluate(gm: fx.GraphModule, output: fx.Node, overrides: dict[fx.Node, Any], example_inputs: list[Any]) -> Any:
-    """The region's value with `overrides` for q, k, v (fx_match.evaluate, with `&`, `|`, `~` pure)."""
-    needed = sorted(M.ancestors(output, stop=overrides), key={n: i for i, n in enumerate(gm.graph.nodes)}.__getitem__)
-    if len(needed) > MAX_REGION_NODES:
-        raise ValueError(f"probe region has {len(needed)} nodes (limit {MAX_REGION_NODES})")
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    env: dict[fx.Node, Any] = dict(overrides)
-    for node in needed:
-        if node in env:
-            continue
-        if node.op == "call_function" and node.target in _PURE_OPERATORS:
-            args = fx.node.map_arg(node.args, lambda n: env[n])
-            env[node] = node.target(*args)
-            continue
-        if node.op == "placeholder":
-            value = example_inputs[placeholders.index(node)]
-            if isinstance(value, torch.Tensor) and M._is_fake(value):
-                raise ValueError("example inputs are fake tensors; cannot probe")
-            env[node] = value
-            continue
-        # One node at a time through fx_match's evaluator, which checks purity.
-        inputs = {p: env[p] for p in node.all_input_nodes}
-        (env[node],) = M.evaluate(gm, [node], inputs, example_inputs, max_nodes=len(inputs) + 1)
-    return env[output]
+    """The region's value with `overrides` for q, k, v (fx_match.evaluate: `&`, `|`, `~` are pure there)."""
+    (value,) = M.evaluate(gm, [output], overrides, example_inputs, max_nodes=MAX_REGION_NODES)
+    return value
 
 
 def _eager_emit(what: str, x: Any, *args: Any) -> Any:
