@@ -132,6 +132,27 @@ def permutation_of(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
     return None
 
 
+def _closure(node: fx.Node, step) -> set[fx.Node]:
+    seen, todo = {node}, [node]
+    while todo:
+        for nxt in step(todo.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def downstream(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node that uses its value, transitively."""
+    return _closure(node, lambda n: n.users)
+
+
+def upstream(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node its value depends on, transitively (ancestors(), unordered and
+    without stops)."""
+    return _closure(node, lambda n: n.all_input_nodes)
+
+
 def ancestors(node: fx.Node, stop: Iterable[fx.Node] = ()) -> list[fx.Node]:
     """Nodes `node` depends on, stopping at (and excluding the inputs of) `stop`, in graph order."""
     stop = set(stop)

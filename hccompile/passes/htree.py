@@ -95,29 +95,9 @@ def _is_float(node: Any) -> bool:
     return value is not None and value.is_floating_point()
 
 
-def _descendants(start: fx.Node) -> set[fx.Node]:
-    seen, todo = {start}, [start]
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, todo = {node}, [node]
-    while todo:
-        for parent in todo.pop().all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
-
-
 def _find_output(sort: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
     """First floating node after `sort` that is then the only live value depending on it."""
-    tainted = _descendants(sort)
+    tainted = M.downstream(sort)
     last_use = {n: max((order[u] for u in n.users), default=order[n]) for n in tainted}
     live: set[fx.Node] = set()
     for node in sorted(tainted, key=order.__getitem__):
@@ -153,7 +133,7 @@ def _entries(output: fx.Node, first_sort: fx.Node, order: dict[fx.Node, int], ba
     just after the q, k, v projections (the residual stream is used only after the output), and in
     a bare function it is the inputs themselves.
     """
-    region = _ancestors(output)
+    region = M.upstream(output)
     depends = {}
     for node in sorted(region, key=order.__getitem__):
         depends[node] = node.op == "placeholder" or any(depends.get(p, False) for p in node.all_input_nodes)
@@ -174,7 +154,7 @@ def _entries(output: fx.Node, first_sort: fx.Node, order: dict[fx.Node, int], ba
 
 def _assign_roles(inst: Instance, entries: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
     """(q, k, v) orders to try: k and q reach the sort, v does not; q has the most heads."""
-    reaching = [e for e in entries if e in _ancestors(inst.sort)]
+    reaching = [e for e in entries if e in M.upstream(inst.sort)]
     values = [e for e in entries if e not in reaching]
     if len(reaching) != 2 or len(values) != 1:
         raise Refusal("could not tell v (the input that does not reach the selection) from q and k")
@@ -391,7 +371,6 @@ def probe(inst: Instance, gm: fx.GraphModule, ctx: PassContext, orders, candidat
     raise Refusal("probe mismatch: " + "; ".join(errors))
 
 
-# fx_match.is_impure reads a trailing underscore as in-place; these operator functions are pure.
 def _evaluate(gm: fx.GraphModule, output: fx.Node, overrides: dict[fx.Node, Any], example_inputs: list[Any]) -> Any:
     """The region's value with `overrides` for q, k, v (fx_match.evaluate: `&`, `|`, `~` are pure there)."""
     (value,) = M.evaluate(gm, [output], overrides, example_inputs, max_nodes=MAX_REGION_NODES)
@@ -406,7 +385,7 @@ def _eager_emit(what: str, x: Any, *args: Any) -> Any:
 
 def match(sort: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> tuple[Instance, set[fx.Node]]:
     output = _extend_through_layout(_find_output(sort, order))
-    tainted = _descendants(sort)
+    tainted = M.downstream(sort)
     selections = [n for n in tainted if _descending_sort(n) and order[n] < order[output]]
     inst = Instance(sort=sort, output=output, selections=sorted(selections, key=order.__getitem__))
     return inst, tainted
@@ -440,7 +419,7 @@ def rewrite(inst: Instance, gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
         out = _adapt(out, tuple(want.shape), inst.layout, emit)
         if out.meta.get("example_value") is not None and out.meta["example_value"].dtype != want.dtype:
             out = emit("to", out, want.dtype)
-    region = _ancestors(inst.output)
+    region = M.upstream(inst.output)
     inst.output.replace_all_uses_with(out)
     order = {n: i for i, n in enumerate(g.nodes)}
     # Users before producers, so that one sweep frees whole chains.
@@ -488,7 +467,7 @@ class HTreeAttentionPass(GraphPass):
                 if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
                     raise Refusal(f"q, k, v dtypes {sorted(map(str, dtypes))}: the op takes one of float16, "
                                   f"bfloat16, float32")
-                region = _ancestors(inst.output) - _ancestors(q) - _ancestors(k) - _ancestors(v)
+                region = M.upstream(inst.output) - M.upstream(q) - M.upstream(k) - M.upstream(v)
                 if not ctx.config.probe:
                     raise Refusal("probing is disabled (probe=False): htree options are only inferred by probing")
                 candidates = _candidate_options(inst, region, _tensor(q).shape[1], _tensor(q).shape[3])

@@ -57,31 +57,9 @@ def default_block_length(n: int, num_layers: int) -> int:
     return max(1, round(math.sqrt(n * num_layers / (n + 2))))
 
 
-def _forward_closure(start: fx.Node) -> set[fx.Node]:
-    seen, todo = set(), [start]
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
-
-
-def _backward_closure(end: fx.Node) -> set[fx.Node]:
-    seen, todo = {end}, [end]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
-
-
 def sublayer_interior(layer: HCLayer) -> set[fx.Node]:
     """Nodes strictly between y and f: the attention/MLP itself."""
-    return (_forward_closure(layer.aggregate) & _backward_closure(layer.f)) - {layer.aggregate, layer.f}
+    return (M.downstream(layer.aggregate) & M.upstream(layer.f)) - {layer.aggregate, layer.f}
 
 
 def _numel(node: fx.Node) -> int | None:
@@ -115,7 +93,7 @@ def mapping_inputs(layer: HCLayer, region: set[fx.Node]) -> set[fx.Node]:
 
     ancestors = set()
     for h in (layer.h_pre, layer.h_post, layer.h_res):
-        ancestors |= _backward_closure(h)
+        ancestors |= M.upstream(h)
     return {node for node in ancestors & region
             if node.op in ("call_function", "call_method") and small(node)
             and any(large(a) for a in node.all_input_nodes)}
@@ -195,7 +173,7 @@ class HCRecomputePass(GraphPass):
         for seq in chain_layers(layers):
             for blk in plan_blocks(seq, cfg.hc_recompute, cfg.hc_recompute_block):
                 start, end = expansion_source(view_root(blk[0].x)), blk[-1].x_out
-                region = (_forward_closure(start) & _backward_closure(end)) - {start}
+                region = (M.downstream(start) & M.upstream(end)) - {start}
                 keep: set[fx.Node] = set()
                 kept_per_token: set[fx.Node] = set()
                 for layer in blk:

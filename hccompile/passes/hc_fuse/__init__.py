@@ -46,12 +46,13 @@ from typing import Any
 
 import torch.fx as fx
 
+from .. import fx_match as M
 from ..fx_match import Refusal
 from ..base import GraphPass, PassContext, register_pass
 from ..hc_detect import HCLayer, current_layers, view_root
 from .views import _shape
 from .layout import stream_layout
-from .mapping import _forward_closure, _res_value, _sigma_side, plan_mapping
+from .mapping import _res_value, _sigma_side, plan_mapping
 from .post import plan_post
 from .aggregate import plan_aggregate
 from .probe import probe_aggregate, probe_mapping, probe_post
@@ -123,7 +124,7 @@ class HCFusePass(GraphPass):
                 lambda plan: rewrite_post(plan, layer, layers, gm, ctx), layer.x_out)
         attempt("mhc_aggregate", lambda: plan_aggregate(layer, layout, h_pre), probe_aggregate,
                 lambda plan: rewrite_aggregate(plan, layer, gm, ctx), layer.aggregate)
-        token_dependent = _forward_closure(view_root(layer.x))
+        token_dependent = M.downstream(view_root(layer.x))
         attempt("mhc_mapping", lambda: plan_mapping(layer, token_dependent), probe_mapping,
                 lambda plan: rewrite_mapping(plan, layer, gm, ctx)[2], layer.sinkhorn[-1])
         return changed

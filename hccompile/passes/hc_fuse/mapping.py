@@ -52,16 +52,6 @@ def _reaches(node: Any, target: fx.Node, depth: int = 24) -> bool:
     return False
 
 
-def _forward_closure(start: fx.Node) -> set[fx.Node]:
-    seen, todo = {start}, [start]
-    while todo:
-        for u in todo.pop().users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
-
-
 def _is_add(node: Any) -> bool:
     return isinstance(node, fx.Node) and not node.kwargs and len(node.args) == 2 and (
         (node.op == "call_function" and node.target in (operator.add, torch.add)) or
