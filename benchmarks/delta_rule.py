@@ -39,6 +39,9 @@ OURS_FP32 = "ours, fp32 intermediates"
 FP32_NOTE = ("HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES=0: w, u, h in fp32 and tf32 products for bf16 inputs, "
              "about a third of the default's (and FLA's) error on ill-conditioned chunks (see plan.BF16_INTERMEDIATES)")
 
+OURS_RECOMPUTE = "ours, states recomputed"
+RECOMPUTE_NOTE = ("lowering.delta_rule.KEEP_STATES=False (HCCOMPILE_DELTA_RULE_KEEP_STATES=0): the backward "
+                  "recomputes w, u and h instead of keeping them")
 OURS_WIDE = "ours, widest sweep tiles"
 WIDE_NOTE = ("plan.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
              "fills at most half the SMs (the default narrows them)")
@@ -111,7 +114,15 @@ def run_variant(fn, inputs: dict) -> dict:
         fn(**leaves).backward(do)
 
     fwd_bwd = bench(step, grad_to_none=list(leaves.values()))
-    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
+    # Peak memory of one forward+backward above what is already held (inputs, their gradients, do):
+    # what the op's saved tensors and its backward's temporaries cost.
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - held) / 2**20
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "fwd_bwd_peak_mib": peak_mib}
 
 
 def ours(gate: str):
@@ -184,10 +195,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def kernel_rows(args, meta) -> list[dict]:
     from hccompile.kernels.delta_rule import plan as kernel_plan
+    from hccompile.lowering import delta_rule as lowering_delta_rule
 
     rows = []
     dtype = getattr(torch, args.dtype)
     bf16_default, sweep_default = kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS
+    keep_default = lowering_delta_rule.KEEP_STATES
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -207,6 +220,7 @@ def kernel_rows(args, meta) -> list[dict]:
                 continue
             inputs = make_inputs(shape, gate, dtype)
             variants = [("ours", ours(gate), "")]
+            variants.append((OURS_RECOMPUTE, ours(gate), RECOMPUTE_NOTE))
             if dtype == torch.bfloat16:
                 variants.append((OURS_FP32, ours(gate), FP32_NOTE))
             if 2 * shape["B"] * shape["H"] * -(-shape["D"] // 32) <= torch.cuda.get_device_properties(0).multi_processor_count:
@@ -219,7 +233,7 @@ def kernel_rows(args, meta) -> list[dict]:
             if shape_text in plain_shapes:
                 for how in ("eager", "inductor", "hc"):
                     variants.append((f"plain {how}", plain(gate, how), ""))
-            kinds = {"ours": "ours", OURS_FP32: "fp32", OURS_WIDE: "wide", "FLA": "fla"}
+            kinds = {"ours": "ours", OURS_RECOMPUTE: "recompute", OURS_FP32: "fp32", OURS_WIDE: "wide", "FLA": "fla"}
             wanted = set(args.impls.split(","))
             if "plain" in wanted:
                 wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
@@ -232,6 +246,7 @@ def kernel_rows(args, meta) -> list[dict]:
                     row["gate_in_kernel"] = True
                 kernel_plan.BF16_INTERMEDIATES = name != OURS_FP32
                 kernel_plan.SWEEP_MIN_PROGRAMS = 0 if name == OURS_WIDE else sweep_default
+                lowering_delta_rule.KEEP_STATES = name != OURS_RECOMPUTE
                 try:
                     if name == "FLA" and gate == "scalar":
                         locked = unlock_fla_gdn_backward()
@@ -250,6 +265,7 @@ def kernel_rows(args, meta) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS = bf16_default, sweep_default
+                lowering_delta_rule.KEEP_STATES = keep_default
                 emit(rows, row, args.out)
                 torch.cuda.empty_cache()
     return rows
@@ -300,14 +316,14 @@ def markdown(rows: list[dict]) -> str:
     out = []
     kernel = [r for r in rows if r["bench"] == "kernel"]
     if kernel:
-        out += ["| op | shape | impl | fwd ms | fwd+bwd ms | fwd rel err vs ours | note |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["| op | shape | impl | fwd ms | fwd+bwd ms | fwd+bwd peak MiB | fwd rel err vs ours | note |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in kernel:
             fmt = (lambda x: f"{x:.3f}" if isinstance(x, float) else "—")
             err = r.get("fwd_rel_err_vs_ours")
             note = r.get("error") or r.get("note", "")
             out.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'))} | "
-                       f"{fmt(r.get('fwd_bwd_ms'))} | {'' if err is None else f'{err:.1e}'} | {note} |")
+                       f"{fmt(r.get('fwd_bwd_ms'))} | {fmt(r.get('fwd_bwd_peak_mib'))} | {'' if err is None else f'{err:.1e}'} | {note} |")
     comp = [r for r in rows if r["bench"] == "compile"]
     if comp:
         out += ["", "| model | backend | T | compile s | warm fwd+bwd ms |", "|---|---|---|---|---|"]
@@ -328,7 +344,7 @@ def main() -> None:
     p.add_argument("--ops", default="gdn,kda", help="comma-separated: gdn, kda (precomputed gate), kda-gate "
                    "(KDA's gate activation in the kernel)")
     p.add_argument("--impls", default="ours,fp32,wide,fla,plain",
-                   help="kernel rows to run: ours, fp32 (fp32 intermediates for bf16 inputs), wide (widest sweep "
+                   help="kernel rows to run: ours, recompute (w, u, h recomputed in the backward, not kept), fp32 (fp32 intermediates for bf16 inputs), wide (widest sweep "
                         "tiles, where ours narrows them), fla, plain (eager, Inductor and hc, at --plain-shapes) "
                         "or one of plain-eager, plain-inductor, plain-hc")
     p.add_argument("--what", default="kernels,compile", help="kernels, compile or both")
