@@ -17,9 +17,19 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: $(STAMP)
 	$(VENV)/bin/hccompile demo
 
-# CPU suite: Triton kernels run in Triton's interpreter; tests marked `gpu` are skipped.
+# CPU suite: Triton kernels run in Triton's interpreter; tests marked `gpu` are skipped. One pytest
+# process kept one of CI's two cores busy (the interpreter and Inductor's C++ compiles are single
+# threaded): 40 min in one process at 71f34a6, CI 3095 s in all. tests/parallel.py runs CPU_WORKERS
+# processes over chunks of CPU_CHUNK tests, each with one intra-op thread. TESTS: the paths to run;
+# PYTEST_ARGS: options for every pytest process.
+CPU_WORKERS ?= 2
+CPU_CHUNK ?= 40
+TESTS ?= tests
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VENV)/bin/python -m pytest -q -m "not gpu" --durations=15 $(PYTEST_ARGS)
+	rm -rf .cpu-suite  # a crashed chunk must not find an earlier run's report
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV)/bin/python tests/parallel.py -n $(CPU_WORKERS) \
+		--chunk $(CPU_CHUNK) --log-dir .cpu-suite $(TESTS) -- -m "not gpu" $(PYTEST_ARGS) \
+		|| { tail -n 300 .cpu-suite/worker*.log; exit 1; }  # the failures' tracebacks
 
 # The kernel and gloo tests in the interpreter of the oldest supported Triton (3.6, the GPU machine's),
 # in a venv of its own; `make test` runs everything on the newest (constraints-cpu.txt). CI runs both.
@@ -35,7 +45,10 @@ $(VENV_OLDEST)/.installed-stamp: pyproject.toml
 	touch $@
 
 test-triton-oldest: $(VENV_OLDEST)/.installed-stamp
-	TRITON_INTERPRET=1 $(VENV_OLDEST)/bin/python -m pytest -q -m "not gpu" tests/kernels tests/distributed $(PYTEST_ARGS)
+	rm -rf .cpu-suite-oldest
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV_OLDEST)/bin/python tests/parallel.py -n $(CPU_WORKERS) \
+		--chunk $(CPU_CHUNK) --log-dir .cpu-suite-oldest tests/kernels tests/distributed -- -m "not gpu" $(PYTEST_ARGS) \
+		|| { tail -n 300 .cpu-suite-oldest/worker*.log; exit 1; }
 
 # The whole suite on a CUDA machine (the device's command; not part of CI). Uses the machine's own
 # python3 (its preinstalled torch and Triton), installs this package there without dependencies (the
@@ -75,6 +88,19 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: $(GPU_WHEEL_PLATFORMS) -d $(GPU_WHEELS) \
 		$(GPU_WHEEL_PACKAGES)
 
+# Compile caches between device sessions: the suite's time is mostly compiling (Triton kernels and
+# Inductor's graphs, ~14000 worker-seconds on 14 workers at 5a0f717) on a machine that starts cold
+# each session. The suite compiles into GPU_CACHE_DIR (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR),
+# seeded from GPU_CACHE/cache.tgz.* when present (gitignored; carry it like .whl), and packs it
+# afterwards into GPU_CACHE_OUT (15 MiB parts, when under GPU_CACHE_PACK_MAX_MIB unpacked); test-gpu-wait returns the parts under $$OUT when they
+# fit GPU_CACHE_MAX_MIB (a call returns at most 8 files, 64 MiB). Both caches key an entry by its
+# source and the compiler's versions: a changed kernel or graph compiles again.
+GPU_CACHE ?= .gpu-cache
+GPU_CACHE_DIR ?= /tmp/hccompile-gpu-cache
+GPU_CACHE_OUT ?= .gpu-cache-out
+GPU_CACHE_MAX_MIB ?= 45
+GPU_CACHE_PACK_MAX_MIB ?= 1500
+
 test-gpu:
 	@test -n "$(COMMIT)" || { echo "make test-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
 	@$(GIT_TREE_CHECK)
@@ -82,11 +108,20 @@ test-gpu:
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	rm -rf $(GPU_CACHE_DIR) && mkdir -p $(GPU_CACHE_DIR)
+	@if ls $(GPU_CACHE)/cache.tgz.* >/dev/null 2>&1; then cat $(GPU_CACHE)/cache.tgz.* | tar xzf - -C $(GPU_CACHE_DIR) \
+		&& echo "compile caches from $(GPU_CACHE): $$(du -sh $(GPU_CACHE_DIR) | cut -f1)"; fi
 	PYTHONPATH=$(GPU_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
+	TRITON_CACHE_DIR=$(GPU_CACHE_DIR)/triton TORCHINDUCTOR_CACHE_DIR=$(GPU_CACHE_DIR)/inductor \
 	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpu-memory-gib $(GPU_MEMORY_GIB) \
 		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
 		--durations tests/gpu_durations.json \
-		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS)
+		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS); status=$$?; \
+	rm -rf $(GPU_CACHE_OUT) && mkdir -p $(GPU_CACHE_OUT) && du -sh $(GPU_CACHE_DIR)/* > $(GPU_CACHE_OUT)/sizes.txt; \
+	if test "$$(du -sm $(GPU_CACHE_DIR) | cut -f1)" -le $(GPU_CACHE_PACK_MAX_MIB); then \
+		tar czf - -C $(GPU_CACHE_DIR) . | split -b 15m -d - $(GPU_CACHE_OUT)/cache.tgz.; \
+	else echo "not packed: over $(GPU_CACHE_PACK_MAX_MIB) MiB" >> $(GPU_CACHE_OUT)/sizes.txt; fi; \
+	du -sh $(GPU_CACHE_OUT) >> $(GPU_CACHE_OUT)/sizes.txt; cat $(GPU_CACHE_OUT)/sizes.txt; exit $$status
 
 # The GPU suite over more than one device call (a call may run 10 minutes; the suite takes ~14 on the
 # H100): `make test-gpu-start COMMIT=<sha>` copies the tree to GPU_COPY (the next call re-copies the
@@ -123,7 +158,14 @@ test-gpu-wait:
 	if test -s $(GPU_COPY)/gpu-suite.txt; then \
 		cp $(GPU_COPY)/gpu-suite.txt benchmarks/results/gpu-suite.txt; \
 		if test -n "$$OUT"; then cp $(GPU_COPY)/gpu-suite.txt $(GPU_COPY)/suite.log "$$OUT"/; \
-			tar czf "$$OUT"/gpu-suite-logs.tar.gz -C $(GPU_COPY) .gpu-suite 2>/dev/null || true; fi; \
+			tar czf "$$OUT"/gpu-suite-logs.tar.gz -C $(GPU_COPY) .gpu-suite 2>/dev/null || true; \
+			parts=$(GPU_COPY)/$(GPU_CACHE_OUT); cat $$parts/sizes.txt 2>/dev/null; \
+			if test -n "$$(ls $$parts/cache.tgz.* 2>/dev/null)" && \
+				test "$$(du -cm $$parts/cache.tgz.* | tail -1 | cut -f1)" -le $(GPU_CACHE_MAX_MIB) && \
+				test "$$(ls $$parts/cache.tgz.* | wc -l)" -le 5; then \
+				mkdir -p "$$OUT"/gpu-cache && cp $$parts/cache.tgz.* "$$OUT"/gpu-cache/ && \
+				echo "compile caches returned under \$$OUT/gpu-cache"; \
+			else echo "compile caches not returned (over $(GPU_CACHE_MAX_MIB) MiB or 5 parts)"; fi; fi; \
 		echo "report written"; \
 	else echo "still running: call make test-gpu-wait again"; exit 3; fi
 
