@@ -29,6 +29,25 @@ _SPELLINGS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "cast": ((), ("float", "to", "type_as", "half", "bfloat16", "double", "type")),
     "contiguous": ((), ("contiguous",)),
     "getattr": ((getattr,), ()),
+    # Arithmetic and reductions; an in-place add is an add here (is_impure reports the mutation).
+    "exp": ((torch.exp,), ("exp",)),
+    "pow": ((torch.pow, operator.pow), ("pow", "__pow__")),
+    "neg": ((torch.neg, torch.negative, operator.neg), ("neg", "negative", "__neg__")),
+    "add": ((operator.add, torch.add, operator.iadd), ("add", "__add__", "add_")),
+    "sub": ((operator.sub, torch.sub, torch.subtract), ("sub", "subtract", "__sub__")),
+    "cumsum": ((torch.cumsum,), ("cumsum",)),
+    "sum": ((torch.sum,), ("sum",)),
+    "nan_to_num": ((torch.nan_to_num,), ("nan_to_num",)),
+    # Shapes: joining, indexing, splitting, reshaping, broadcasting.
+    "cat": ((torch.cat, torch.concat, torch.concatenate), ()),
+    "setitem": ((operator.setitem,), ()),
+    "getitem": ((operator.getitem,), ()),
+    "unsqueeze": ((torch.unsqueeze,), ("unsqueeze",)),
+    "squeeze": ((torch.squeeze,), ("squeeze",)),
+    "narrow": ((torch.narrow,), ("narrow",)),
+    "split": ((torch.split,), ("split",)),
+    "reshape": ((torch.reshape,), ("view", "reshape", "view_as", "reshape_as")),
+    "expand": ((), ("expand", "expand_as")),
 }
 
 _FN_TO_KIND: dict[Any, str] = {}
@@ -263,6 +282,21 @@ def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = ref64.norm().item()
     num = (out64 - ref64).norm().item()
     return num / denom if denom > 0 else (0.0 if num == 0 else float("inf"))
+
+
+# Method and function spellings by what they do to a tensor, for the walks that look through layout:
+# a reshape keeps the values in row-major order under another shape; a permute reorders dims; a cast
+# keeps the values at another precision.
+RESHAPE_METHODS = frozenset({"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
+                             "reshape_as"})
+RESHAPE_FUNCTIONS = frozenset({torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze,
+                               torch.Tensor.view})
+PERMUTE_METHODS = frozenset({"permute", "transpose"})
+PERMUTE_FUNCTIONS = frozenset({torch.permute, torch.transpose})
+CAST_METHODS = frozenset({"float", "to", "type_as", "half", "bfloat16", "double"})
+# Layout without a change of values: reshapes, permutes, casts and a copy into contiguous memory.
+LAYOUT_METHODS = RESHAPE_METHODS | PERMUTE_METHODS | CAST_METHODS | {"contiguous"}
+LAYOUT_FUNCTIONS = RESHAPE_FUNCTIONS | PERMUTE_FUNCTIONS
 
 
 # Ops whose result aliases their first argument's storage (a view), in Dynamo-graph spellings.

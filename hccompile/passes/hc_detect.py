@@ -36,11 +36,9 @@ from .base import GraphPass, PassContext, register_pass
 PATTERN = "mhc_layer"
 MIN_SINKHORN_ROUNDS = 2
 
-_VIEW_METHODS = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "contiguous",
-                 "unsqueeze", "squeeze", "expand", "float", "to", "type_as", "half", "bfloat16",
-                 "view_as", "reshape_as"}
-_VIEW_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.permute, torch.transpose,
-                   torch.unsqueeze, torch.squeeze, torch.Tensor.view}
+# What the walks look through between the stream and its mappings: layout, and a broadcast.
+_VIEW_METHODS = M.LAYOUT_METHODS | {"expand"}
+_VIEW_FUNCTIONS = M.LAYOUT_FUNCTIONS
 _PRODUCTS = {"matmul", "einsum"}
 
 
@@ -118,7 +116,7 @@ def norm_step_parts(node: Any) -> tuple[fx.Node, int, float] | None:
     if not isinstance(m, fx.Node) or not isinstance(den, fx.Node):
         return None
     eps = 0.0
-    if M.kind(den) is None and den.op == "call_function" and den.target in (operator.add, torch.add) \
+    if den.op == "call_function" and den.target in (operator.add, torch.add) \
             and not den.kwargs:
         a, b = den.args[0], den.args[1]
         if isinstance(a, fx.Node) and M.scalar(b) is not None:

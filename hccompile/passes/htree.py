@@ -42,8 +42,7 @@ from .base import GraphPass, PassContext, register_pass
 
 PATTERN = "htree_attention"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LAYOUT_OPS = ("transpose", "permute", "reshape", "view", "flatten", "contiguous", "to", "float", "type_as",
-               "bfloat16", "half", "squeeze", "unsqueeze")
+_LAYOUT_OPS = M.LAYOUT_METHODS | {f.__name__ for f in M.LAYOUT_FUNCTIONS}
 _SORTS = ((torch.sort, torch.argsort, torch.topk), ("sort", "argsort", "topk"))
 _REDUCTIONS = ((torch.sum, torch.mean), ("sum", "mean"))
 _RESHAPES = ((torch.reshape,), ("view", "reshape", "unflatten"))

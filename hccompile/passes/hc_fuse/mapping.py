@@ -315,7 +315,7 @@ def _mapping_differences(layer: HCLayer) -> list[str]:
     if (start.op == "call_function" and start.target is torch.exp) or \
             (start.op == "call_method" and start.target == "exp"):
         arg = start.args[0]
-        if M.kind(arg) is None and isinstance(arg, fx.Node) and \
+        if isinstance(arg, fx.Node) and \
                 arg.op == "call_function" and arg.target in (operator.sub, torch.sub):
             out.append("the Sinkhorn start is exp(z − max z) (a detached shift), which the kernel "
                        "does not subtract")

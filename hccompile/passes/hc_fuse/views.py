@@ -21,11 +21,7 @@ _SEED = 20261122
 # index maps through view chains
 
 
-_RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
-                    "reshape_as"}
-_RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze,
-                      torch.Tensor.view}
-_SAME_INDEX_METHODS = {"contiguous", "float", "to", "type_as", "half", "bfloat16", "double", "clone"}
+_SAME_INDEX_METHODS = M.CAST_METHODS | {"contiguous", "clone"}
 
 
 def _sym_shape(node: Any) -> tuple[Any, ...]:
@@ -70,7 +66,7 @@ def _transform(node: fx.Node) -> tuple | None:
     if perm is not None:
         return ("permute", perm[1])
     name = node.target if node.op == "call_method" else None
-    if name in _RESHAPE_METHODS or (node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS):
+    if name in M.RESHAPE_METHODS or (node.op == "call_function" and node.target in M.RESHAPE_FUNCTIONS):
         return ("reshape", _shape(src), _shape(node))
     if name == "expand":
         return ("expand", _shape(src), _shape(node))

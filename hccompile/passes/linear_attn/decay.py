@@ -115,7 +115,7 @@ class _DecayAnalysis:
         elif k == "div" and M.scalar(_other(node)) is not None:
             self.weight /= M.scalar(_other(node))
             self.weight_factor(node.args[0])
-        elif k in ("tril", "triu", "nan_to_num", "cast", "contiguous", "view", "unsqueeze",
+        elif k in ("tril", "triu", "nan_to_num", "cast", "contiguous", "reshape", "expand", "unsqueeze",
                    "getitem"):
             if k == "getitem" and not isinstance(node.args[1], (tuple, slice, type(None))):
                 raise Refusal("decay mask: indexing is not a slice")

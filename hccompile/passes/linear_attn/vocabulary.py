@@ -1,6 +1,6 @@
-"""What each node does, in the words every later stage uses: a kind for the spellings fx_match does
-not know, which ops create a tensor, write into one or read only its shape, and which are pure. Kept
-apart so that the matchers, the evaluator and the dead-code sweeps classify a node the same way."""
+"""What each node does, in the words every later stage uses (fx_match's kinds): which ops create a
+tensor, write into one or read only its shape, and which are pure. Kept apart so that the matchers,
+the evaluator and the dead-code sweeps classify a node the same way."""
 from __future__ import annotations
 
 import operator
@@ -13,30 +13,6 @@ from ...compat import concrete_shape
 from .. import fx_match as M
 
 
-# ---------------------------------------------------------------------------------------------
-# Spellings beyond fx_match's
-
-_EXTRA: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
-    "exp": ((torch.exp,), ("exp",)),
-    "pow": ((torch.pow, operator.pow), ("pow", "__pow__")),
-    "neg": ((torch.neg, torch.negative, operator.neg), ("neg", "negative", "__neg__")),
-    "add": ((operator.add, torch.add, operator.iadd), ("add", "__add__", "add_")),
-    "cumsum": ((torch.cumsum,), ("cumsum",)),
-    "sum": ((torch.sum,), ("sum",)),
-    "cat": ((torch.cat, torch.concat, torch.concatenate), ()),
-    "setitem": ((operator.setitem,), ()),
-    "getitem": ((operator.getitem,), ()),
-    "unsqueeze": ((torch.unsqueeze,), ("unsqueeze",)),
-    "squeeze": ((torch.squeeze,), ("squeeze",)),
-    "narrow": ((torch.narrow,), ("narrow",)),
-    "split": ((torch.split,), ("split",)),
-    "view": ((torch.reshape,), ("view", "reshape", "expand", "expand_as", "view_as", "reshape_as")),
-    "nan_to_num": ((torch.nan_to_num,), ("nan_to_num",)),
-    "sub": ((operator.sub, torch.sub, torch.subtract), ("sub", "subtract", "__sub__")),
-}
-_EXTRA_FN = {f: k for k, (fns, _) in _EXTRA.items() for f in fns}
-_EXTRA_METHOD = {m: k for k, (_, ms) in _EXTRA.items() for m in ms}
-
 _CREATION_FNS = {torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
                  torch.empty_like, torch.full_like, torch.arange, torch.clone, torch.tensor,
                  torch.eye}
@@ -47,15 +23,7 @@ _SHAPE_ONLY_FNS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.fu
 _INPLACE_FNS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
-def _kind(node: Any) -> str | None:
-    k = M.kind(node)
-    if k is not None or not isinstance(node, fx.Node):
-        return k
-    if node.op == "call_function":
-        return _EXTRA_FN.get(node.target)
-    if node.op == "call_method":
-        return _EXTRA_METHOD.get(node.target)
-    return None
+_kind = M.kind  # one vocabulary for every pass (fx_match's spellings)
 
 
 def _mutation_target(node: fx.Node) -> Any:
