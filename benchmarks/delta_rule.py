@@ -42,6 +42,9 @@ FP32_NOTE = ("HCCOMPILE_DELTA_RULE_BF16_INTERMEDIATES=0: w, u, h in fp32 and tf3
 OURS_RECOMPUTE = "ours, states recomputed"
 RECOMPUTE_NOTE = ("lowering.delta_rule.KEEP_STATES=False (HCCOMPILE_DELTA_RULE_KEEP_STATES=0): the backward "
                   "recomputes w, u and h instead of keeping them")
+OURS_TWO_KERNELS = "ours, scores backward apart"
+TWO_KERNELS_NOTE = ("plan.FUSED_SCORES_BACKWARD=False (HCCOMPILE_DELTA_RULE_FUSED_SCORES_BACKWARD=0): "
+                    "decayed_scores_backward takes the gradients through Kdot and P, as before wy_backward did")
 OURS_WIDE = "ours, widest sweep tiles"
 WIDE_NOTE = ("plan.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
              "fills at most half the SMs (the default narrows them)")
@@ -200,7 +203,7 @@ def kernel_rows(args, meta) -> list[dict]:
     rows = []
     dtype = getattr(torch, args.dtype)
     bf16_default, sweep_default = kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS
-    keep_default = lowering_delta_rule.KEEP_STATES
+    keep_default, fused_default = lowering_delta_rule.KEEP_STATES, kernel_plan.FUSED_SCORES_BACKWARD
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -221,6 +224,8 @@ def kernel_rows(args, meta) -> list[dict]:
             inputs = make_inputs(shape, gate, dtype)
             variants = [("ours", ours(gate), "")]
             variants.append((OURS_RECOMPUTE, ours(gate), RECOMPUTE_NOTE))
+            if gate == "scalar":  # KDA's per-channel gates always take the two kernels
+                variants.append((OURS_TWO_KERNELS, ours(gate), TWO_KERNELS_NOTE))
             if dtype == torch.bfloat16:
                 variants.append((OURS_FP32, ours(gate), FP32_NOTE))
             if 2 * shape["B"] * shape["H"] * -(-shape["D"] // 32) <= torch.cuda.get_device_properties(0).multi_processor_count:
@@ -233,7 +238,8 @@ def kernel_rows(args, meta) -> list[dict]:
             if shape_text in plain_shapes:
                 for how in ("eager", "inductor", "hc"):
                     variants.append((f"plain {how}", plain(gate, how), ""))
-            kinds = {"ours": "ours", OURS_RECOMPUTE: "recompute", OURS_FP32: "fp32", OURS_WIDE: "wide", "FLA": "fla"}
+            kinds = {"ours": "ours", OURS_RECOMPUTE: "recompute", OURS_TWO_KERNELS: "unfused", OURS_FP32: "fp32",
+                     OURS_WIDE: "wide", "FLA": "fla"}
             wanted = set(args.impls.split(","))
             if "plain" in wanted:
                 wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
@@ -247,6 +253,7 @@ def kernel_rows(args, meta) -> list[dict]:
                 kernel_plan.BF16_INTERMEDIATES = name != OURS_FP32
                 kernel_plan.SWEEP_MIN_PROGRAMS = 0 if name == OURS_WIDE else sweep_default
                 lowering_delta_rule.KEEP_STATES = name != OURS_RECOMPUTE
+                kernel_plan.FUSED_SCORES_BACKWARD = name != OURS_TWO_KERNELS and fused_default
                 try:
                     if name == "FLA" and gate == "scalar":
                         locked = unlock_fla_gdn_backward()
@@ -266,6 +273,7 @@ def kernel_rows(args, meta) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS = bf16_default, sweep_default
                 lowering_delta_rule.KEEP_STATES = keep_default
+                kernel_plan.FUSED_SCORES_BACKWARD = fused_default
                 emit(rows, row, args.out)
                 torch.cuda.empty_cache()
     return rows
@@ -344,7 +352,9 @@ def main() -> None:
     p.add_argument("--ops", default="gdn,kda", help="comma-separated: gdn, kda (precomputed gate), kda-gate "
                    "(KDA's gate activation in the kernel)")
     p.add_argument("--impls", default="ours,fp32,wide,fla,plain",
-                   help="kernel rows to run: ours, recompute (w, u, h recomputed in the backward, not kept), fp32 (fp32 intermediates for bf16 inputs), wide (widest sweep "
+                   help="kernel rows to run: ours, recompute (w, u, h recomputed in the backward, not kept), "
+                        "unfused (GDN: decayed_scores_backward apart from wy_backward), fp32 (fp32 intermediates "
+                        "for bf16 inputs), wide (widest sweep "
                         "tiles, where ours narrows them), fla, plain (eager, Inductor and hc, at --plain-shapes) "
                         "or one of plain-eager, plain-inductor, plain-hc")
     p.add_argument("--what", default="kernels,compile", help="kernels, compile or both")

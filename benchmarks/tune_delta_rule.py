@@ -38,6 +38,8 @@ VARIANTS = {
     # Module constants the launchers read at call time: the values tried.
     "L2NORM_BLOCK_ROWS": (qk_l2norm, [32, 64]),
     "L2NORM_WARPS": (qk_l2norm, [1, 2, 8]),
+    # GDN: decayed_scores_backward apart from wy_backward (KDA takes it either way)
+    "FUSED_SCORES_BACKWARD": (kernel_plan, [False]),
 }
 
 

@@ -566,6 +566,40 @@ def test_backward_is_deterministic(monkeypatch, case, narrow):
 
 
 # ----------------------------------------------------------------------------------------
+# Without per-channel gates wy_backward also takes the gradients through Kdot and P
+# (plan.FUSED_SCORES_BACKWARD); off, decayed_scores_backward does, as it always does for KDA.
+
+# name, sizes, gate, options, dtype, chunk size; T never a multiple of the chunk
+FUSED_SCORES_CASES = [
+    ("gdn-T45-gva-h0", (1, 45, 1, 2, 32, 16), "scalar", {"initial_state": True}, torch.float32, 32),
+    # K = 100: two key tiles, the second partial, in the key loop and in dKdot's pass after it
+    ("gdn-K100-gqa-h0-l2norm", (1, 50, 2, 4, 100, 32), "scalar", {"initial_state": True, "l2norm": True},
+     torch.float16, 32),
+    ("gdn-varlen-strong-decay", THREE_SEQUENCES, "scalar", {**THREE_SEQUENCE_OPTIONS, "decay": 20.0},
+     torch.bfloat16, 64),
+    ("plain-T41-gva-h0-chunk16", (1, 41, 1, 2, 32, 16), "none", {"initial_state": True}, torch.float32, 16),
+    ("plain-K100-h0", (2, 37, 1, 1, 100, 32), "none", {"initial_state": True}, torch.bfloat16, 64),
+    ("plain-varlen", THREE_SEQUENCES, "none", THREE_SEQUENCE_OPTIONS, torch.float16, 32),
+    # per-channel gates: decayed_scores_backward either way
+    ("kda-T40-gva-h0", (1, 40, 1, 2, 32, 16), "channel", {"initial_state": True}, torch.float32, 32),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", FUSED_SCORES_CASES,
+                         ids=[c[0] for c in FUSED_SCORES_CASES])
+def test_scores_backward_inside_wy_backward_or_apart(monkeypatch, fused, name, sizes, gate, options, dtype, chunk):
+    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_BACKWARD", fused)
+    launches = []
+    launch = chunk_kernels.launch_scores_backward
+    monkeypatch.setattr(chunk_kernels, "launch_scores_backward", lambda *a, **k: launches.append(a) or launch(*a, **k))
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 13)
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+    assert len(launches) == (0 if fused and gate != "channel" else 1)
+
+
+# ----------------------------------------------------------------------------------------
 # The forward's intra-chunk matrices kept for the backward (return_intermediates / intermediates).
 
 KEPT_CASES = [

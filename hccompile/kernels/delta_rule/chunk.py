@@ -11,8 +11,9 @@ reference.chunk_delta_rule_ref for the math they implement):
 
 The backward pass recomputes them (or takes the forward's kept Kdot, P and A), then runs
 state_backward (state.py; sequential, reverse), wy_backward (wy.py), decayed_scores_backward
-(scores.py) and gate_cumsum in reverse; a small kernel does the optional l2norm of q and k both ways
-(qk_l2norm.py). A forward asked for its intermediates (return_intermediates) also hands over the
+(scores.py; per-channel gates only while plan.FUSED_SCORES_BACKWARD is on: without them wy_backward
+does its work) and gate_cumsum in reverse; a small kernel does the optional l2norm of q and k both
+ways (qk_l2norm.py). A forward asked for its intermediates (return_intermediates) also hands over the
 l2-normed q and k, so that the backward's recomputation starts from them.
 
 The kernels share jit helpers (tiles.py: tiles, chunk coordinates, gates and their decays) and a
@@ -423,7 +424,11 @@ def chunk_delta_rule_bwd(
     dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
     dh = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
     du = buffer(batch, time, value_heads, value_dim, dtype=plan.intermediate_dtype)
-    dkdot, dscores = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk)
+    # wy_backward's dKdot and dP, for decayed_scores_backward: none when wy_backward takes their products itself
+    fused_scores = plan.fused_scores_backward
+    dkdot = dscores = plan.dummy
+    if not fused_scores:
+        dkdot, dscores = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk)
     cum_arg = fwd.cum if fwd.cum is not None else plan.dummy
     table, seqlens = plan.chunk_args()
     group, nt = problem.group_size, plan.chunks_per_row
@@ -453,10 +458,11 @@ def chunk_delta_rule_bwd(
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
             *dbeta.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            BK=block_k, BV=block_v, **WY_BACKWARD_OPTIONS, **common,
+            BK=block_k, BV=block_v, FUSE_SCORES=fused_scores, **WY_BACKWARD_OPTIONS, **common,
         )
-        launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
-                               plan.num_chunks, table, seqlens)
+        if not fused_scores:
+            launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,
+                                   plan.num_chunks, table, seqlens)
     else:
         dq_heads.zero_()
         dk_heads.zero_()

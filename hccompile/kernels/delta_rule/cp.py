@@ -895,8 +895,12 @@ class CPBackward(CPForward):
         gate_width = problem.key_dim if problem.gate == "channel" else 1
         self.dcum = _empty(1, time, value_heads, gate_width, device=device) if problem.gate != "none" \
             else local.kplan.dummy
-        self.dkdot = _empty(1, time, value_heads, local.kplan.chunk_size, device=device)
-        self.dscores = _empty(1, time, value_heads, local.kplan.chunk_size, device=device)
+        # Decided once for all of this backward's _chunk_backward launches (the flag is read at call time).
+        self.fused_scores = local.kplan.fused_scores_backward
+        self.dkdot = self.dscores = local.kplan.dummy
+        if not self.fused_scores:
+            self.dkdot = _empty(1, time, value_heads, local.kplan.chunk_size, device=device)
+            self.dscores = _empty(1, time, value_heads, local.kplan.chunk_size, device=device)
         self.dv = torch.empty_like(local.v, memory_format=torch.contiguous_format)
         self.dbeta = torch.empty_like(local.beta, memory_format=torch.contiguous_format)
         if POISON:
@@ -904,7 +908,8 @@ class CPBackward(CPForward):
             self.dbeta.fill_(float("nan"))
 
     def _chunk_backward(self, lo: int, hi: int) -> None:
-        """wy_backward (wy.py) and decayed_scores_backward (scores.py) on the chunks of segments [lo, hi)."""
+        """wy_backward (wy.py) and, unless wy_backward takes its work, decayed_scores_backward (scores.py) on
+        the chunks of segments [lo, hi)."""
         local, intra, kplan, problem, geometry = self.local, self.intra, self.local.kplan, self.local.problem, \
             self.local.geometry
         first, last = geometry.chunk_starts[lo], geometry.chunk_starts[hi]
@@ -922,11 +927,12 @@ class CPBackward(CPForward):
             *intra.q.stride(), *intra.k.stride(), *local.v.stride(), *local.beta.stride(), *self.do.stride(),
             *self.dv.stride(), *self.dbeta.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-            problem.value_dim, local.scale, BK=block_k, BV=block_v, **WY_BACKWARD_OPTIONS,
-            **common,
+            problem.value_dim, local.scale, BK=block_k, BV=block_v, FUSE_SCORES=self.fused_scores,
+            **WY_BACKWARD_OPTIONS, **common,
         )
-        launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
-                               self.dk_heads, self.dcum, last - first, table, geometry.cu_seqlens)
+        if not self.fused_scores:
+            launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
+                                   self.dk_heads, self.dcum, last - first, table, geometry.cu_seqlens)
 
     def _sweep_backward(self, incoming, outgoing) -> None:
         for lo, hi in _segments_where(self.plan, incoming, outgoing):

@@ -58,6 +58,14 @@ MAX_TILE = 64
 # GPU's SM count (no narrowing off CUDA); 0 turns it off. Narrower tiles re-read k and w (from L2)
 # once more per tile. Read at call time: tests and benchmarks set it.
 SWEEP_MIN_PROGRAMS: int | None = None
+# Without per-channel gates, wy_backward also takes the gradients through Kdot and P (wy.py), as
+# FLA's chunk_bwd_kernel_dqkwg consumes its ds: the fp32 [B, T, HV, BT] dKdot and dP are neither
+# stored nor read back, and decayed_scores_backward (0.83 of 6.74 ms at GDN B1 T32768 H16 D128 on
+# the H100) is not launched. Off: the two kernels, as KDA always runs them.
+# HCCOMPILE_DELTA_RULE_FUSED_SCORES_BACKWARD=0 (read at import) turns it off; the attribute is read
+# when the backward's launches are made (traced ones: when traced), so benchmarks time both in one
+# process and tests set it.
+FUSED_SCORES_BACKWARD = os.environ.get("HCCOMPILE_DELTA_RULE_FUSED_SCORES_BACKWARD", "1") != "0"
 GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
 
 
@@ -183,6 +191,12 @@ class Plan:
         (tf32) operands there, bf16 ones (fp32's range) stay half."""
         return self.half_dots and not (self.gate_code == GATE_CODES["channel"]
                                        and self.intermediate_dtype == torch.float16)
+
+    @property
+    def fused_scores_backward(self) -> bool:
+        """Whether wy_backward takes decayed_scores_backward's work (FUSED_SCORES_BACKWARD; never
+        with per-channel gates, whose decays take sub-chunk programs)."""
+        return FUSED_SCORES_BACKWARD and self.gate_code != GATE_CODES["channel"]
 
     @property
     def dot_precision(self) -> str:

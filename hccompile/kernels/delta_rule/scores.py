@@ -37,8 +37,8 @@ FACTOR_SPAN_LIMIT = 40.0
 
 
 if triton is not None:
-    from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector, _row_chunk_coords, _store_rows,
-                        _varlen_chunk_coords)
+    from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector, _pair_decays,
+                        _row_chunk_coords, _store_rows, _varlen_chunk_coords)
 
     # Levels of the diagonal blocks' split (_level_factors): SUB_CHUNK halved down to single rows.
     SPLIT_LEVELS = tl.constexpr(SUB_CHUNK.bit_length() - 1)
@@ -285,16 +285,15 @@ if triton is not None:
     ):
         """No gate or a scalar one: the decays of Kdot and P are one [BT, BT] tile, applied to
         dKdot and dP once; each key tile then takes four products (rows: dP K, dKdot K;
-        columns: dKdot^T K + dP^T Q)."""
+        columns: dKdot^T K + dP^T Q). Launched only with plan.FUSED_SCORES_BACKWARD off:
+        wy_backward adds these terms itself otherwise."""
         local = tl.arange(0, BT)
         valid = local < length
         tokens = start + local
         dkdot = _load_rows(dkdot_ptr, tokens, local, HV * BT, 1, valid, BT)
         dscores = _load_rows(dscores_ptr, tokens, local, HV * BT, 1, valid, BT)
         if GATE == 1:
-            g = tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0)
-            visible = (local[:, None] >= local[None, :]) & valid[:, None] & valid[None, :]
-            decay = tl.exp(tl.where(visible, g[:, None] - g[None, :], float("-inf")))
+            decay = _pair_decays(cum_ptr, tokens, valid, HV, BT)
             dkdot *= decay
             dscores *= decay
         dkdot = dkdot.to(dot_dtype)

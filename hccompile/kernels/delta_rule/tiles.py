@@ -111,6 +111,15 @@ if triton is not None:
         return (batch * T * HV + head) * width
 
     @triton.jit
+    def _pair_decays(cum_ptr, tokens, valid, HV, BT: tl.constexpr):
+        """e^(G_t - G_s) [BT, BT] of a scalar gate's chunk for the valid pairs s <= t, 0 elsewhere:
+        the decays of Kdot and P, one tile for the whole chunk."""
+        local = tl.arange(0, BT)
+        g = tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0)
+        visible = (local[:, None] >= local[None, :]) & valid[:, None] & valid[None, :]
+        return tl.exp(tl.where(visible, g[:, None] - g[None, :], float("-inf")))
+
+    @triton.jit
     def _chunk_end_decay(cum_ptr, last_token, kc, HV, K):
         """e^G_last [BK] of a channel gate's chunk: the state's decay over the chunk."""
         return tl.exp(_load_vector(cum_ptr, last_token, kc, HV * K, 1, last_token >= 0, K))

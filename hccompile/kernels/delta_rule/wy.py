@@ -11,7 +11,8 @@ forms W and U~.
 
 wy_backward, given dU and the chunk-start state gradients, returns dv and dbeta complete, the parts of
 dq, dk and dG that do not go through the pairwise decays, and dKdot and dP for decayed_scores_backward
-(scores.py).
+(scores.py). Without per-channel gates (plan.FUSED_SCORES_BACKWARD) it takes the gradients through
+Kdot and P itself: dq, dk and dG complete, and dKdot and dP never leave the program.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .._triton import tl, triton
 
 if triton is not None:
     from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector,
-                        _row_chunk_coords, _store_rows, _varlen_chunk_coords)
+                        _pair_decays, _row_chunk_coords, _store_rows, _varlen_chunk_coords)
 
     @triton.jit
     def _substitution_step(inverse, kdot_ptr, beta_ptr, stride_bt, start, first, length, row_stride, r,
@@ -219,6 +220,7 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FUSE_SCORES: tl.constexpr,
     ):
         """Per chunk and value head, everything but the pairwise-decay terms.
 
@@ -226,6 +228,14 @@ if triton is not None:
         through O's (Q e^G) h and S_end's terms: partial dq, dk and dG (the gradient of the
         cumulative gate). Stores dKdot = beta * dL with dL = -A^T dA A^T (strictly lower) and
         dP = scale dO U^T (lower) for decayed_scores_backward.
+
+        With FUSE_SCORES (no gate or a scalar one, whose decays are one [BT, BT] tile) the terms
+        through Kdot and P are added here instead, and dq, dk and dG leave complete (what
+        _whole_chunk_scores_backward adds, without dKdot and dP's round trip through memory and
+        its read-modify-write of dq and dG). dP is complete after the value loop: the key loop adds
+        dP K to dq and dP^T Q to dk before it stores them. dKdot is complete only after the key
+        loop (whose dW terms are part of dA): a last pass over the key tiles adds its products to
+        the stored dk.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -274,9 +284,16 @@ if triton is not None:
             inverse_t_du = _dot(tl.trans(inverse), du, dot_dtype, DOT_PRECISION)
             _store_rows(dv_ptr, inverse_t_du * beta[:, None], tokens, vc, stride_dvt, stride_dvv, valid, V)
             dbeta += tl.sum(v_tile * inverse_t_du, axis=1)
-        # Stored now rather than at the end: one [BT, BT] tile fewer held through the key loop.
         d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
-        _store_rows(dscores_ptr + square_offset, d_scores, tokens, local, HV * BT, 1, valid, BT)
+        if FUSE_SCORES:
+            tl.static_assert(GATE != 2, "per-channel decays take decayed_scores_backward's sub-chunk programs")
+            if GATE == 1:
+                d_scores *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
+            # held through the key loop: in the products' dtype, half the registers of fp32 with half inputs
+            d_scores = d_scores.to(dot_dtype)
+        else:
+            # Stored now rather than at the end: one [BT, BT] tile fewer held through the key loop.
+            _store_rows(dscores_ptr + square_offset, d_scores, tokens, local, HV * BT, 1, valid, BT)
 
         dg_scalar = tl.zeros([BT], dtype=tl.float32)
         # Per key tile, three passes over the value tiles, one accumulator each (dW, dQ's state
@@ -313,6 +330,19 @@ if triton is not None:
                 do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
                 dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)
             dq = scale * gamma * dq_state
+            if FUSE_SCORES:
+                # P's row role (dq_t += sum_s dP[t,s] k_s e^(G_t - G_s)) and column role (dk_s +=
+                # sum_t dP[t,s] q_t e^(G_t - G_s)), and their share of dG, taken while dq is live:
+                # dq and the q tile are then dead through the end-state loop below.
+                if GATE == 1:
+                    q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                else:
+                    q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                dq += _dot(d_scores, k_tile, dot_dtype, DOT_PRECISION)
+                dk_scores = _dot(tl.trans(d_scores), q_tile, dot_dtype, DOT_PRECISION)
+                dk += dk_scores
+                if GATE == 1:
+                    dg += q_tile * dq - k_tile * dk_scores
             _store_rows(dq_ptr + key_offset, dq, tokens, kc, HV * K, 1, valid, K)
             # Through S_end = e^G_last S + (K e^(G_last - G))^T U.
             dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
@@ -326,8 +356,9 @@ if triton is not None:
                     state = _load_rows(h_ptr, kc, vc, V, 1, kc < K, V)
                     dg_whole += tl.sum(state * dstate.to(tl.float32), axis=1)
             if GATE != 0:
-                q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
-                dg += q_tile * dq
+                if not FUSE_SCORES:
+                    q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+                    dg += q_tile * dq
                 to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
                 dk_to_end *= to_end
                 k_to_end_grad = k_tile * dk_to_end
@@ -340,8 +371,9 @@ if triton is not None:
                     dg_scalar += tl.sum(dg, axis=1)
             dk += dk_to_end
             _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
-        if GATE == 1:
-            tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
+        if not FUSE_SCORES:
+            if GATE == 1:
+                tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
 
         # A = (I + L)^-1  =>  dL = -A^T dA A^T, kept strictly lower.
         inverse = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
@@ -354,7 +386,32 @@ if triton is not None:
         dbeta += tl.sum(d_lower * kdot, axis=1)
         tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
                  dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
-        _store_rows(dkdot_ptr + square_offset, d_lower * beta[:, None], tokens, local, HV * BT, 1, valid, BT)
+        d_kdot = d_lower * beta[:, None]
+        if FUSE_SCORES:
+            if GATE == 1:
+                d_kdot *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
+            # dKdot is strictly lower, so dKdot + dKdot^T holds each of its elements once (no
+            # rounding added): one product per key tile gives dk both the row role (dKdot K) and
+            # the column role (dKdot^T K); dG's k (rows - columns) takes one more with the difference.
+            d_kdot_t = tl.trans(d_kdot)
+            d_kdot_both = (d_kdot + d_kdot_t).to(dot_dtype)
+            if GATE == 1:
+                d_kdot_rows_less_cols = (d_kdot - d_kdot_t).to(dot_dtype)
+            # Each thread reads back dk elements other threads of this program stored.
+            tl.debug_barrier()
+            for k0 in range(0, K, BK):
+                kc = k0 + tl.arange(0, BK)
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                dk = _load_rows(dk_ptr + key_offset, tokens, kc, HV * K, 1, valid, K)
+                dk += _dot(d_kdot_both, k_tile, dot_dtype, DOT_PRECISION)
+                _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
+                if GATE == 1:
+                    dk_rows_less_cols = _dot(d_kdot_rows_less_cols, k_tile, dot_dtype, DOT_PRECISION)
+                    dg_scalar += tl.sum(k_tile.to(tl.float32) * dk_rows_less_cols, axis=1)
+            if GATE == 1:
+                tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
+        else:
+            _store_rows(dkdot_ptr + square_offset, d_kdot, tokens, local, HV * BT, 1, valid, BT)
 
 
 # The options below were timed with benchmarks/tune_delta_rule.py (H100, Triton 3.6, B4 T4096 H16
