@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ..compat import concrete_shape
 from . import fx_match as M
+from .emit import EagerEmitter, Emitter, GraphEmitter
 from .fx_match import Refusal
 from .base import GraphPass, PassContext, register_pass
 
@@ -297,11 +298,11 @@ def _row_error(out: torch.Tensor, ref: torch.Tensor, batch: int, time: int) -> f
     return ((out64 - ref64).norm(dim=-1) / norms).max().item()
 
 
-def _adapt(op_out: Any, want_shape: tuple[int, ...], layout: str, emit) -> Any:
+def _adapt(op_out: Any, want_shape: tuple[int, ...], layout: str, em: Emitter) -> Any:
     """[B, T, H, V] -> the region output's layout: 'bthv' (reshape only) or 'bhtv'."""
     if layout == "bhtv":
-        op_out = emit("transpose", op_out, 1, 2)
-    return emit("reshape", op_out, list(want_shape))
+        op_out = em.method("transpose", op_out, 1, 2)
+    return em.method("reshape", op_out, list(want_shape))
 
 
 def _layouts(output_shape: tuple[int, ...], batch: int, time: int, heads: int, value_dim: int) -> list[str]:
@@ -357,7 +358,7 @@ def probe(inst: Instance, gm: fx.GraphModule, ctx: PassContext, orders, candidat
                 for inputs, region_out in probes:
                     with torch.no_grad():
                         ref = htree_attention_ref(inputs[q], inputs[k], inputs[v], **options)
-                    adapted = _adapt(ref, tuple(out_shape), layout, _eager_emit).to(region_out.dtype)
+                    adapted = _adapt(ref, tuple(out_shape), layout, EagerEmitter()).to(region_out.dtype)
                     worst = max(worst, _row_error(region_out, adapted, batch, time))
                     if worst > tolerance:
                         break
@@ -376,12 +377,6 @@ def _evaluate(gm: fx.GraphModule, output: fx.Node, overrides: dict[fx.Node, Any]
     return value
 
 
-def _eager_emit(what: str, x: Any, *args: Any) -> Any:
-    if what == "transpose":
-        return x.transpose(*args)
-    return x.reshape(args[0])
-
-
 def match(sort: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> tuple[Instance, set[fx.Node]]:
     output = _extend_through_layout(_find_output(sort, order))
     tainted = M.downstream(sort)
@@ -391,33 +386,20 @@ def match(sort: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> tuple
 
 
 def rewrite(inst: Instance, gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
-    from .. import lowering  # noqa: F401  (registers the ops)
     from ..lowering import htree as _htree_op  # noqa: F401  (registers hccompile::htree_attention)
 
     g = gm.graph
-    op = torch.ops.hccompile.htree_attention.default
     o = inst.options
     want = _tensor(inst.output)
-    stack_trace = inst.output.meta.get("stack_trace")
-
-    def emit(what: str, x: Any, *args: Any) -> fx.Node:
-        if what == "op":
-            node = g.call_function(op, (x, *args))
-        elif what == "getitem":
-            node = g.call_function(operator.getitem, (x, args[0]))
-        else:
-            node = g.call_method(what, (x, *args))
-        node.meta["stack_trace"] = stack_trace
-        node.meta["example_value"] = M.fake_value(node, ctx.fake_mode)
-        return node
-
+    em = GraphEmitter(g, ctx.fake_mode, meta={"stack_trace": inst.output.meta.get("stack_trace")})
     with g.inserting_before(inst.output):
-        result = emit("op", inst.q, inst.k, inst.v, o["compression_rate"], o["top_k"], o["max_top_nodes"],
-                      float(o["scale"]), float(o["rope_base"]), bool(o["causal"]), o["sort_mode"])
-        out = emit("getitem", result, 0)
-        out = _adapt(out, tuple(want.shape), inst.layout, emit)
+        result = em.op("htree_attention", inst.q, inst.k, inst.v, o["compression_rate"], o["top_k"],
+                       o["max_top_nodes"], float(o["scale"]), float(o["rope_base"]), bool(o["causal"]),
+                       o["sort_mode"])
+        out = em.getitem(result, 0)
+        out = _adapt(out, tuple(want.shape), inst.layout, em)
         if out.meta.get("example_value") is not None and out.meta["example_value"].dtype != want.dtype:
-            out = emit("to", out, want.dtype)
+            out = em.method("to", out, want.dtype)
     region = M.upstream(inst.output)
     inst.output.replace_all_uses_with(out)
     order = {n: i for i, n in enumerate(g.nodes)}

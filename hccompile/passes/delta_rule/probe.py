@@ -12,11 +12,12 @@ import torch.fx as fx
 
 from ...compat import concrete_shape
 from ..fx_match import Refusal
+from ..emit import EagerEmitter
 from .vocabulary import _Index, _example, _plain, _shape, _tensor_example
 from .loops import _Loop
 from .region import _Region
 from .roles import _Input, _Roles
-from .emit import _Eager, _out_from_op, _out_labels, _state_from_op, _state_to_op, _to_op
+from .emit import _out_from_op, _out_labels, _state_from_op, _state_to_op, _to_op
 from .evaluate import _Evaluator
 
 OP_CHUNK_SIZE = 64
@@ -103,7 +104,7 @@ def _reference(h: _Hypothesis, values: dict, start: int, stop: int | None, state
     1, final state in the op layout."""
     from ...kernels.delta_rule.reference import chunk_delta_rule_ref
 
-    r, E = h.roles, _Eager()
+    r, E = h.roles, EagerEmitter()
 
     def op_layout(i: _Input):
         x = _to_op(values[i.node], i.labels, r.nb, E).double()
@@ -150,7 +151,7 @@ def _token_recurrence(q, k, v, beta, g, h0, l2norm: bool) -> tuple[torch.Tensor,
 
 def _canonical_out(o_op: torch.Tensor, nb: int) -> tuple[torch.Tensor, list[str]]:
     labels = [f"b{i}" for i in range(nb)] + ["t", "e"]
-    return _out_from_op(o_op, labels, nb, _Eager()), labels
+    return _out_from_op(o_op, labels, nb, EagerEmitter()), labels
 
 
 def _relabel(x: torch.Tensor, src: list[str], dst: list[str]) -> torch.Tensor:
@@ -284,7 +285,7 @@ class _Probe:
         scale = float((got * exp).sum()) / den
         key_dim = _shape(r.k.node)[-1]
         h.scale = _snap_scale(scale, key_dim, max(self.tol, 1e-4), self.constants)
-        s_exp = _state_from_op(s_op, r.nb, h.transposed, _Eager())
+        s_exp = _state_from_op(s_op, r.nb, h.transposed, EagerEmitter())
         h.error = max(_rel(got, exp * h.scale), _rel(state, s_exp))
 
     # -- the rest: the last step from a random state, random values for the steps in between, the
@@ -295,7 +296,7 @@ class _Probe:
         after the first m (and for the state entering the last step), and compare what reaches the
         graph with the op's math: the first steps' outputs, the random values where they belong, the
         last step computed by the op from that state, and the final state."""
-        loop, r, E = self.loop, h.roles, _Eager()
+        loop, r, E = self.loop, h.roles, EagerEmitter()
         T = r.T
         can_labels = [f"b{i}" for i in range(r.nb)] + ["t", "e"]
         value_dim = _shape(r.v.node)[-1]

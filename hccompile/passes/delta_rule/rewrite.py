@@ -3,7 +3,6 @@ region erased. Kept apart so that every stage before it only reads the graph."""
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import torch
@@ -11,10 +10,11 @@ import torch.fx as fx
 
 from ...lowering.delta_rule import keeps_intermediates
 from ..fx_match import Refusal
+from ..emit import GraphEmitter
 from .vocabulary import _Index, _is_erased, _tensor_example
 from .loops import _Loop
 from .region import _Region
-from .emit import _Emitter, _out_from_op, _state_from_op, _state_to_op, _to_op
+from .emit import _out_from_op, _state_from_op, _state_to_op, _to_op
 from .probe import OP_CHUNK_SIZE, _Hypothesis
 
 
@@ -24,8 +24,6 @@ from .probe import OP_CHUNK_SIZE, _Hypothesis
 
 def _rewrite(gm: fx.GraphModule, idx: _Index, loop: _Loop, region: _Region, h: _Hypothesis,
              out_labels: list[str], fake_mode: Any) -> fx.Node:
-    from ... import lowering  # noqa: F401  (registers the op)
-
     graph = gm.graph
     r = h.roles
     last_leaf = max(region.leaves, key=lambda n: idx.pos[n]) if region.leaves else None
@@ -35,7 +33,7 @@ def _rewrite(gm: fx.GraphModule, idx: _Index, loop: _Loop, region: _Region, h: _
     first_use = min([idx.pos[u] for u in loop.out_users + loop.final_users], default=math.inf)
     if idx.pos[insert_after] >= first_use:
         raise Refusal("an input of the recurrence is defined after the loop's output is used")
-    E = _Emitter(graph, loop.anchor, fake_mode)
+    E = GraphEmitter(graph, fake_mode, {"stack_trace": loop.anchor.meta.get("stack_trace")})
     with graph.inserting_before(insert_after.next):
         q = _to_op(r.q.node, r.q.labels, r.nb, E)
         k = _to_op(r.k.node, r.k.labels, r.nb, E)
@@ -46,23 +44,23 @@ def _rewrite(gm: fx.GraphModule, idx: _Index, loop: _Loop, region: _Region, h: _
         if r.beta is not None:
             beta = _to_op(r.beta.node, r.beta.labels, r.nb, E)
         else:
-            first = E.call(operator.getitem, v, (Ellipsis, 0))
+            first = E.getitem(v, (Ellipsis, 0))
             beta = E.call(torch.ones_like, first)
         g = _to_op(r.g.node, r.g.labels, r.nb, E) if r.g is not None else None
         h0 = _state_to_op(r.h0, r.nb, h.transposed, E) if r.h0 is not None else None
         final_needed = bool(loop.final_users)
         # Keep the forward's intra-chunk matrices for the backward when the graph will be differentiated.
         keep = keeps_intermediates(*(_tensor_example(x) for x in (q, k, v, beta, g, h0) if x is not None))
-        result = E.call(torch.ops.hccompile.chunk_delta_rule.default, q, k, v, beta, g, h0, None, None, None,
-                        r.gate, float(h.scale), final_needed, bool(h.l2norm), None, OP_CHUNK_SIZE, keep)
-        o = E.call(operator.getitem, result, 0)
+        result = E.op("chunk_delta_rule", q, k, v, beta, g, h0, None, None, None,
+                      r.gate, float(h.scale), final_needed, bool(h.l2norm), None, OP_CHUNK_SIZE, keep)
+        o = E.getitem(result, 0)
         o = _out_from_op(o, out_labels, r.nb, E)
         want = _tensor_example(loop.out)
         if want is not None:
             o = E.cast(o, want.dtype)
         state = None
         if final_needed:
-            state = E.call(operator.getitem, result, 1)
+            state = E.getitem(result, 1)
             state = _state_from_op(state, r.nb, h.transposed, E)
             want_state = _tensor_example(loop.final)
             if want_state is None and loop.kind == "scan":

@@ -37,8 +37,8 @@ also where H_pre and H_res are applied in one product sliced into y and the mixe
 where the mapping values are [1, B, S, 1, n, ...] rather than [tokens, n].
 
 Modules, in the order data flows: views (index maps through view chains, shape helpers), layout
-(the stream layout), mapping, post and aggregate (each fusion planned and built), emit (the
-builders' eager and FX back ends), probe, rewrite; the pass itself is here.
+(the stream layout), mapping, post and aggregate (each fusion planned, and built against the shared
+emitter, passes/emit.py), probe, rewrite; the pass itself is here.
 """
 from __future__ import annotations
 

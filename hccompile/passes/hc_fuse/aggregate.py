@@ -8,10 +8,11 @@ import torch
 import torch.fx as fx
 
 from .. import fx_match as M
+from ..emit import Emitter
 from ..fx_match import Refusal
 from ..hc_detect import HCLayer
 from .views import _shape, _sym_shape
-from .layout import StreamLayout, _canonical_stream, _tokens2
+from .layout import StreamLayout, _canonical_stream, _tokens2, reshape_to
 
 
 # ----------------------------------------------------------------------------------------
@@ -35,9 +36,8 @@ def plan_aggregate(layer: HCLayer, layout: StreamLayout, h_pre: fx.Node) -> Aggr
     return AggregatePlan(layout, h_pre, y)
 
 
-def build_aggregate(plan: AggregatePlan, emit, x, h_pre):
+def build_aggregate(plan: AggregatePlan, em: Emitter, x, h_pre):
     lay = plan.layout
-    x4 = _canonical_stream(lay, emit, x)
-    y = emit("op:mhc_aggregate", x4, _tokens2(lay, emit, h_pre, plan.h_pre, (lay.sizes[2],)),
-             list(lay.order))
-    return emit("reshape_to", y, lay.sym_sizes[:2] + (lay.sizes[3],), _sym_shape(plan.node))
+    x4 = _canonical_stream(lay, em, x)
+    y = em.op("mhc_aggregate", x4, _tokens2(lay, em, h_pre, plan.h_pre, (lay.sizes[2],)), list(lay.order))
+    return reshape_to(em, y, lay.sym_sizes[:2] + (lay.sizes[3],), _sym_shape(plan.node), lay)

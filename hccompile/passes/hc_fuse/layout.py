@@ -1,7 +1,8 @@
 """How the stream tensor x holds [T1, T2, n, C] in memory, found once per layer and shared by the
 post and the aggregate: the fused ops read x through this strided view and write the new stream in
 x's own memory order, so the graph around them stays as it was. The conversions to the canonical
-view are here too, so that the post and the aggregate cannot disagree about them."""
+view are here too, builders against the shared emitter (passes/emit.py), so that the post and the
+aggregate cannot disagree about them."""
 from __future__ import annotations
 
 import itertools
@@ -11,11 +12,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ...compat import size_hint
 from .. import fx_match as M
+from ..emit import Emitter
 from ..fx_match import Refusal
 from ..hc_detect import HCLayer, is_view
-from .views import (_ravel, _same_shape, _sample_indices, _shape, _static, _sym_shape, map_index,
-                    view_chain)
+from .views import (_ravel, _same_shape, _same_size, _sample_indices, _shape, _static, _sym_shape,
+                    map_index, view_chain)
 
 
 # ----------------------------------------------------------------------------------------
@@ -141,21 +144,84 @@ def _inverse(order) -> list[int]:
 # the canonical views the post and aggregate builders start from
 
 
-def _canonical_stream(layout: StreamLayout, emit, x):
-    x = emit("reshape_to", x, _sym_shape(layout.x), layout.sym_mem_shape)
+def _canonical_stream(layout: StreamLayout, em: Emitter, x):
+    x = reshape_to(em, x, _sym_shape(layout.x), layout.sym_mem_shape, layout)
     if tuple(layout.order) != (0, 1, 2, 3):
-        x = emit("permute", x, tuple(_inverse(layout.order)))
+        x = em.method("permute", x, tuple(_inverse(layout.order)))
     return x
 
 
-def _tokens2(layout: StreamLayout, emit, t, node: fx.Node, tail: tuple[int, ...]):
+def _tokens2(layout: StreamLayout, em: Emitter, t, node: fx.Node, tail: tuple[int, ...]):
     """A mapping value [lead..., *tail] -> [T1, T2, *tail]. Any other shape holding the same
     values in token-major order (the `hyper-connections` package's H_pre is [1, B, S, 1, n, 1])
     is reshaped; the probe checks the order."""
     src = _sym_shape(node)
     if len(layout.lead) == 1 and _same_shape(src, tuple(layout.sym_sizes[1:2]) + tail):
-        return emit("unsqueeze", t, 0)
+        return em.method("unsqueeze", t, 0)
     want = tuple(layout.sym_sizes[:2]) + tail
     if _same_shape(src, want):
         return t
-    return emit("reshape_to", t, src, want)
+    return reshape_to(em, t, src, want, layout)
+
+
+def reshape_to(em: Emitter, x, src: tuple, dst: tuple, layout: StreamLayout):
+    """x, of shape `src`, as shape `dst` with the same element order."""
+    if _same_shape(src, dst):
+        return x
+    if em.eager:
+        # probe tensors have concrete sizes: one reshape. The graph's steps below exist to keep
+        # symbolic token sizes symbolic, which a reshape to the hints would pin.
+        return em.method("reshape", x, [size_hint(s) for s in dst])
+    d = 0
+    for sg, dg in _regroup(src, dst):
+        if len(sg) > 1:
+            x = em.method("flatten", x, d, d + len(sg) - 1)
+        if not sg:
+            for _ in dg:
+                x = em.method("unsqueeze", x, d)
+        elif not dg:
+            x = em.method("squeeze", x, d)
+            continue
+        elif len(dg) > 1:
+            sizes = [dst[k] for k in dg]
+            symbolic = [s for s in sizes if not _static(s)]
+            x = em.method("unflatten", x, d, tuple(_size_arg(em, layout, s, len(symbolic) == 1)
+                                                   for s in sizes))
+        d += len(dg)
+    return x
+
+
+def _regroup(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
+    """Consecutive groups of src and dst dims with equal products (by hints): the flatten /
+    unflatten steps that turn one shape into the other in the same element order."""
+    hs, hd = [size_hint(s) for s in src], [size_hint(s) for s in dst]
+    groups, i, j = [], 0, 0
+    while i < len(hs) or j < len(hd):
+        a, b, ps, pd = i, j, 1, 1
+        if i < len(hs):
+            ps, i = ps * hs[i], i + 1
+        if j < len(hd):
+            pd, j = pd * hd[j], j + 1
+        while ps != pd:
+            if ps < pd and i < len(hs):
+                ps, i = ps * hs[i], i + 1
+            elif pd < ps and j < len(hd):
+                pd, j = pd * hd[j], j + 1
+            else:
+                raise Refusal(f"cannot regroup shape {tuple(hs)} as {tuple(hd)}")
+        groups.append((list(range(a, i)), list(range(b, j))))
+    return groups
+
+
+def _size_arg(em: Emitter, layout: StreamLayout, size: Any, only_symbolic: bool) -> Any:
+    """An unflatten size: the int, -1 for the one symbolic size of a group, or a size node of the
+    projection (whose leading dims are the token dims)."""
+    if _static(size):
+        return int(size)
+    if only_symbolic:
+        return -1
+    if layout.proj is not None:
+        for k, s in enumerate(_sym_shape(layout.proj)[:-1]):
+            if _same_size(s, size):
+                return em.method("size", layout.proj, k)
+    raise Refusal(f"no source for the symbolic size {size}")

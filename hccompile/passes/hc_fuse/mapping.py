@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from .. import fx_match as M
+from ..emit import Emitter
 from ..fx_match import Refusal
 from ..hc_detect import HCLayer, is_view, norm_step_parts, normalize_l1_parts
 from .views import _same_shape, _shape, _sym_shape, _transform
@@ -396,17 +397,17 @@ def plan_mapping(layer: HCLayer, token_dependent: set[fx.Node]) -> MappingPlan:
     return MappingPlan(spec, proj, r, [p.alpha for p in parts], [p.bias for p in parts], values, lead)
 
 
-def build_mapping(plan: MappingPlan, emit, proj, r, alphas, biases):
+def build_mapping(plan: MappingPlan, em: Emitter, proj, r, alphas, biases):
     from ...lowering.mhc import spec_args
 
     spec = plan.spec
     n = spec.n
-    alphas = [a if a is not None else emit("new_ones", proj, ()) for a in alphas]
-    biases = [b if b is not None else emit("new_zeros", proj, (w,))
+    alphas = [a if a is not None else em.method("new_ones", proj, ()) for a in alphas]
+    biases = [b if b is not None else em.method("new_zeros", proj, (w,))
               for b, w in zip(biases, (n, n, n * n))]
     dtypes = [M.example(v).dtype for v in plan.values]
-    outs = emit("op:mhc_mapping", proj, r, *alphas, *biases, *spec_args(spec), *dtypes)
-    return [emit("getitem", outs, i) for i in range(3)]
+    outs = em.op("mhc_mapping", proj, r, *alphas, *biases, *spec_args(spec), *dtypes)
+    return [em.getitem(outs, i) for i in range(3)]
 
 
 # ----------------------------------------------------------------------------------------

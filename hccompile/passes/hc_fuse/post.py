@@ -12,10 +12,11 @@ import torch
 import torch.fx as fx
 
 from .. import fx_match as M
+from ..emit import Emitter
 from ..fx_match import Refusal
 from ..hc_detect import HCLayer, is_view
 from .views import _shape, _sym_shape, _transform, map_index, view_chain
-from .layout import StreamLayout, _canonical_stream, _tokens2
+from .layout import StreamLayout, _canonical_stream, _tokens2, reshape_to
 
 
 # ----------------------------------------------------------------------------------------
@@ -261,13 +262,13 @@ def _f_in_token_order(layer: HCLayer) -> fx.Node:
     return node
 
 
-def build_post(plan: PostPlan, emit, x, h_res, h_post, f):
+def build_post(plan: PostPlan, em: Emitter, x, h_res, h_post, f):
     lay = plan.layout
     n, C = lay.sizes[2], lay.sizes[3]
-    x4 = _canonical_stream(lay, emit, x)
-    h4, hp = _tokens2(lay, emit, h_res, plan.h_res, (n, n)), _tokens2(lay, emit, h_post, plan.h_post, (n,))
-    f3 = emit("reshape_to", f, _sym_shape(plan.f), lay.sym_sizes[:2] + (C,))
-    out = emit("op:mhc_post", x4, h4, hp, f3, plan.transpose_res, list(lay.order))
+    x4 = _canonical_stream(lay, em, x)
+    h4, hp = _tokens2(lay, em, h_res, plan.h_res, (n, n)), _tokens2(lay, em, h_post, plan.h_post, (n,))
+    f3 = reshape_to(em, f, _sym_shape(plan.f), lay.sym_sizes[:2] + (C,), lay)
+    out = em.op("mhc_post", x4, h4, hp, f3, plan.transpose_res, list(lay.order))
     if tuple(lay.order) != (0, 1, 2, 3):
-        out = emit("permute", out, tuple(lay.order))
-    return emit("reshape_to", out, lay.sym_mem_shape, _sym_shape(plan.x_out))
+        out = em.method("permute", out, tuple(lay.order))
+    return reshape_to(em, out, lay.sym_mem_shape, _sym_shape(plan.x_out), lay)

@@ -10,11 +10,11 @@ from ...compat import concrete_shape
 from .. import fx_match as M
 from ..fx_match import Refusal
 from ..base import PassContext
+from ..emit import EagerEmitter
 from .views import _SEED
 from .mapping import MappingPlan, build_mapping
 from .post import PostPlan, build_post
 from .aggregate import AggregatePlan, build_aggregate
-from .emit import eager_emit
 
 MAX_PROBE_NODES = 4096
 
@@ -70,7 +70,7 @@ def probe_mapping(plan: MappingPlan, gm: fx.GraphModule, ctx: PassContext) -> fl
             inputs[b] = rand(b, "normal")
     with torch.no_grad():
         want = M.evaluate(gm, plan.values, inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
-        got = build_mapping(plan, eager_emit, inputs[plan.proj], inputs[plan.r],
+        got = build_mapping(plan, EagerEmitter(), inputs[plan.proj], inputs[plan.r],
                             [inputs.get(a) for a in plan.alphas], [inputs.get(b) for b in plan.biases])
     return _compare(got, want, "mapping", M.probe_tolerance(M.example(plan.proj).dtype, ctx.config))
 
@@ -84,7 +84,7 @@ def probe_post(plan: PostPlan, gm: fx.GraphModule, ctx: PassContext) -> float:
         raise Refusal("x, f, H_res and H_post are not four distinct tensors")
     with torch.no_grad():
         want = M.evaluate(gm, [plan.x_out], inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
-        got = [build_post(plan, eager_emit, inputs[X], inputs[plan.h_res], inputs[plan.h_post],
+        got = [build_post(plan, EagerEmitter(), inputs[X], inputs[plan.h_res], inputs[plan.h_post],
                           inputs[plan.f])]
     return _compare(got, want, "post", M.probe_tolerance(M.example(X).dtype, ctx.config))
 
@@ -95,5 +95,5 @@ def probe_aggregate(plan: AggregatePlan, gm: fx.GraphModule, ctx: PassContext) -
     inputs = {X: rand(X, "normal"), plan.h_pre: rand(plan.h_pre, "positive")}
     with torch.no_grad():
         want = M.evaluate(gm, [plan.node], inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
-        got = [build_aggregate(plan, eager_emit, inputs[X], inputs[plan.h_pre])]
+        got = [build_aggregate(plan, EagerEmitter(), inputs[X], inputs[plan.h_pre])]
     return _compare(got, want, "aggregate", M.probe_tolerance(M.example(X).dtype, ctx.config))

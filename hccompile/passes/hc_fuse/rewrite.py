@@ -3,15 +3,17 @@ what only they used erased, and hc_detect's layer record pointed at the new node
 pass tags by it). Kept apart so that every stage before it only reads the graph."""
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from .. import fx_match as M
 from ..base import PassContext
+from ..emit import GraphEmitter
 from ..hc_detect import HCLayer, view_root
 from .mapping import MappingPlan, _earliest, _late_inputs, build_mapping
 from .post import PostPlan, build_post
 from .aggregate import AggregatePlan, build_aggregate
-from .emit import GraphEmitter
 
 
 # ----------------------------------------------------------------------------------------
@@ -43,16 +45,39 @@ def _tag(node: fx.Node, layer: int, role: str) -> None:
     node.meta["hc"] = {"layer": layer, "role": role}
 
 
+# what the new nodes take over from the node they are inserted at
+_INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def _emitter(gm: fx.GraphModule, ctx: PassContext, meta_from: fx.Node) -> GraphEmitter:
+    return GraphEmitter(gm.graph, ctx.fake_mode,
+                        {key: meta_from.meta[key] for key in _INHERITED_META if key in meta_from.meta})
+
+
+def _tag_created(em: GraphEmitter, layer: int) -> None:
+    """Every new node carries an `hc` role, which the recompute pass tags by: the op's name, the
+    mapping's three outputs by theirs, `size` or `view` for the rest."""
+    for node in em.created:
+        if node.op == "call_method":
+            role = "size" if node.target == "size" else "view"
+        elif node.target is operator.getitem:
+            role = ("h_pre", "h_post", "h_res")[node.args[1]]
+        else:
+            role = node.target.overloadpacket.__name__
+        _tag(node, layer, role)
+
+
 def rewrite_mapping(plan: MappingPlan, layer: HCLayer, gm: fx.GraphModule, ctx: PassContext
                     ) -> list[fx.Node]:
     g = gm.graph
     anchor = _earliest(g, plan.values)
     for node in _late_inputs(g, plan.alphas + plan.biases, anchor):
         anchor.prepend(node)  # graph order kept among them; they read parameters only
-    emit = GraphEmitter(gm, ctx, layer.index, anchor)
+    em = _emitter(gm, ctx, anchor)
     with g.inserting_before(anchor):
-        outs = build_mapping(plan, emit, plan.proj, plan.r, plan.alphas, plan.biases)
-    op = next(n for n in emit.nodes if n.meta["hc"]["role"] == "mhc_mapping")
+        outs = build_mapping(plan, em, plan.proj, plan.r, plan.alphas, plan.biases)
+    _tag_created(em, layer.index)
+    op = next(n for n in em.created if n.meta["hc"]["role"] == "mhc_mapping")
     _tag(op, layer.index, "mapping")
     for old, new in zip(plan.values, outs):
         old.replace_all_uses_with(new)
@@ -67,10 +92,11 @@ def rewrite_post(plan: PostPlan, layer: HCLayer, layers: list[HCLayer], gm: fx.G
                  ctx: PassContext) -> fx.Node:
     g = gm.graph
     old = plan.x_out
-    emit = GraphEmitter(gm, ctx, layer.index, old, plan.layout)
+    em = _emitter(gm, ctx, old)
     with g.inserting_before(old):
-        new = build_post(plan, emit, plan.layout.x, plan.h_res, plan.h_post, plan.f)
-    op = next(n for n in emit.nodes if n.meta["hc"]["role"] == "mhc_post")
+        new = build_post(plan, em, plan.layout.x, plan.h_res, plan.h_post, plan.f)
+    _tag_created(em, layer.index)
+    op = next(n for n in em.created if n.meta["hc"]["role"] == "mhc_post")
     _tag(op, layer.index, "post")
     _tag(new, layer.index, "x_out")
     old.replace_all_uses_with(new)
@@ -87,9 +113,10 @@ def rewrite_aggregate(plan: AggregatePlan, layer: HCLayer, gm: fx.GraphModule, c
                       ) -> fx.Node:
     g = gm.graph
     old = plan.node
-    emit = GraphEmitter(gm, ctx, layer.index, old, plan.layout)
+    em = _emitter(gm, ctx, old)
     with g.inserting_before(old):
-        new = build_aggregate(plan, emit, plan.layout.x, plan.h_pre)
+        new = build_aggregate(plan, em, plan.layout.x, plan.h_pre)
+    _tag_created(em, layer.index)
     _tag(new, layer.index, "aggregate")
     old.replace_all_uses_with(new)
     _dead_code(g, [old], {plan.layout.x, plan.h_pre, layer.mixed})

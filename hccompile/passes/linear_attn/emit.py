@@ -1,6 +1,7 @@
-"""The replacement (layout permutes, the decay vector, the op call), written once against a small
-emitter interface so that the probe (eager tensors) and the rewrite (FX nodes) cannot disagree about
-what replaces the region; and the kernels' limits a candidate must meet before either runs."""
+"""The replacement (layout permutes, the decay vector, the op call), written once as a builder against
+the shared emitter (passes/emit.py) so that the probe (eager tensors) and the rewrite (FX nodes)
+cannot disagree about what replaces the region; and the kernels' limits a candidate must meet before
+either runs."""
 from __future__ import annotations
 
 import math
@@ -8,78 +9,13 @@ import operator
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from .. import fx_match as M
+from ..emit import Emitter
 from ..fx_match import Refusal
-from ..base import PassContext
 from .forms import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from .vocabulary import _shape
-from .facts import _Facts
 from .quadratic import TABLE, Candidate, Operand
-
-
-# ---------------------------------------------------------------------------------------------
-# The replacement, written once for both uses: the eager emitter runs it on probe inputs, the FX
-# emitter inserts it into the graph.
-
-
-class _Eager:
-    def __init__(self, facts: _Facts):
-        self.facts = facts
-
-    def input(self, node: fx.Node) -> Any:
-        return self.facts.value(node)
-
-    def method(self, name: str, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(x, name)(*args, **kwargs)
-
-    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    def size(self, x: torch.Tensor, dim: int) -> int:
-        return x.shape[dim]
-
-    def attention(self, op_name: str, q: Any, k: Any, v: Any, scale: float, decay: Any) -> Any:
-        # the op itself, in fp32: O(T) memory, unlike a quadratic reference at long T
-        from ... import lowering  # noqa: F401  (registers the ops)
-
-        q, k, v = (t.float().contiguous() for t in (q, k, v))
-        if op_name == "causal_linear_attn":
-            return torch.ops.hccompile.causal_linear_attn(q, k, v, scale)
-        return torch.ops.hccompile.lightning_attn(q, k, v, decay.float().contiguous(), None, scale,
-                                                  False)[0]
-
-
-class _Fx:
-    def __init__(self, graph: fx.Graph, ctx: PassContext, stack_trace: Any):
-        self.graph, self.ctx, self.stack_trace = graph, ctx, stack_trace
-
-    def _node(self, node: fx.Node) -> fx.Node:
-        node.meta["stack_trace"] = self.stack_trace
-        node.meta["example_value"] = M.fake_value(node, self.ctx.fake_mode)
-        return node
-
-    def input(self, node: fx.Node) -> fx.Node:
-        return node
-
-    def method(self, name: str, x: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self._node(self.graph.call_method(name, (x, *args), kwargs))
-
-    def call(self, fn: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self._node(self.graph.call_function(fn, args, kwargs))
-
-    def size(self, x: fx.Node, dim: int) -> Any:
-        size = M.example(x).shape[dim]
-        return size if isinstance(size, int) else self.method("size", x, dim)
-
-    def attention(self, op_name: str, q: Any, k: Any, v: Any, scale: float, decay: Any) -> fx.Node:
-        from ... import lowering  # noqa: F401  (registers the ops)
-
-        if op_name == "causal_linear_attn":
-            return self.call(torch.ops.hccompile.causal_linear_attn.default, q, k, v, scale)
-        out = self.call(torch.ops.hccompile.lightning_attn.default, q, k, v, decay, None, scale, False)
-        return self.call(operator.getitem, out, 0)
 
 
 def _op_plan(cand: Candidate) -> tuple[str | None, str | None]:
@@ -94,7 +30,7 @@ def _op_plan(cand: Candidate) -> tuple[str | None, str | None]:
     return (others[0] if others else None), head
 
 
-def _to_op_layout(em: Any, x: Any, labels: list[str], feat: str, plan: tuple) -> Any:
+def _to_op_layout(em: Emitter, x: Any, labels: list[str], feat: str, plan: tuple) -> Any:
     """[source dims] -> [B, T, H, D] for the op."""
     time = "t" if "t" in labels else "s"
     order = [lab for lab in (plan[0], time, plan[1], feat) if lab is not None]
@@ -106,7 +42,7 @@ def _to_op_layout(em: Any, x: Any, labels: list[str], feat: str, plan: tuple) ->
     return x
 
 
-def _from_op_layout(em: Any, o: Any, out_labels: list[str], plan: tuple) -> Any:
+def _from_op_layout(em: Emitter, o: Any, out_labels: list[str], plan: tuple) -> Any:
     cur = [plan[0] or "<batch>", "t", plan[1] or "<head>", "e"]
     if plan[1] is None:
         o = em.method("squeeze", o, 2)
@@ -117,7 +53,7 @@ def _from_op_layout(em: Any, o: Any, out_labels: list[str], plan: tuple) -> Any:
     return em.method("permute", o, [cur.index(lab) for lab in out_labels])
 
 
-def _emit_decay(em: Any, cand: Candidate, q4: Any) -> Any:
+def _emit_decay(em: Emitter, cand: Candidate, q4: Any) -> Any:
     heads = em.size(q4, 2)
     decay = cand.decay
     if decay is None:  # a no-decay form routed to lightning_attn
@@ -144,14 +80,26 @@ def _emit_decay(em: Any, cand: Candidate, q4: Any) -> Any:
     return em.method("contiguous", em.method("expand", gamma, heads))
 
 
-def build(cand: Candidate, em: Any, q: Any, k: Any, v: Any) -> Any:
+def _attention(em: Emitter, op_name: str, q: Any, k: Any, v: Any, scale: float, decay: Any) -> Any:
+    if em.eager:
+        # the probe's side is the op itself in fp32: O(T) memory, unlike a quadratic reference at
+        # long T; the graph calls it in the inputs' dtype
+        q, k, v = (t.float().contiguous() for t in (q, k, v))
+        if decay is not None:
+            decay = decay.float().contiguous()
+    if op_name == "causal_linear_attn":
+        return em.op("causal_linear_attn", q, k, v, scale)
+    return em.getitem(em.op("lightning_attn", q, k, v, decay, None, scale, False), 0)
+
+
+def build(cand: Candidate, em: Emitter, q: Any, k: Any, v: Any) -> Any:
     plan = _op_plan(cand)
     q4 = _to_op_layout(em, q, cand.q.labels, "d", plan)
     k4 = _to_op_layout(em, k, cand.k.labels, "d", plan)
     v4 = _to_op_layout(em, v, cand.v.labels, "e", plan)
     op_name = cand.op
     decay = _emit_decay(em, cand, q4) if op_name == "lightning_attn" else None
-    o4 = em.attention(op_name, q4, k4, v4, cand.scale, decay)
+    o4 = _attention(em, op_name, q4, k4, v4, cand.scale, decay)
     for node, how in cand.scale_nodes:  # linear in the scores: the output carries the factor
         o4 = em.call(operator.mul if how == "mul" else operator.truediv, o4, em.input(node))
     return _from_op_layout(em, o4, cand.out_labels, plan)

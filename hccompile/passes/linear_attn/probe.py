@@ -10,9 +10,10 @@ import torch.fx as fx
 from ...compat import concrete_shape
 from .. import fx_match as M
 from ..fx_match import Refusal
+from ..emit import EagerEmitter
 from .facts import _Facts
 from .quadratic import Candidate, _einsum_roles
-from .emit import _Eager, build
+from .emit import build
 
 
 def probe(cand: Candidate, facts: _Facts) -> tuple[float, list[fx.Node]]:
@@ -36,7 +37,7 @@ def probe(cand: Candidate, facts: _Facts) -> tuple[float, list[fx.Node]]:
     with torch.no_grad():
         values, region = facts.evaluate(wanted, inputs)
         region_out = values[-1]
-        ref = build(cand, _Eager(facts), inputs[cand.q.node], inputs[cand.k.node],
+        ref = build(cand, EagerEmitter(facts.value), inputs[cand.q.node], inputs[cand.k.node],
                     inputs[cand.v.node])
     if tuple(region_out.shape) != tuple(ref.shape):
         raise Refusal(f"probe: region output shape {tuple(region_out.shape)} differs from the "

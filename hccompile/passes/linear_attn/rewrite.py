@@ -10,22 +10,23 @@ import torch.fx as fx
 
 from .. import fx_match as M
 from ..base import PassContext
+from ..emit import GraphEmitter
 from .vocabulary import (_CREATION_FNS, _CREATION_METHODS, _OPERATORS, _alive, _impurity, _is_fresh,
                          _kind, _mutation_target)
 from .facts import _Facts
 from .quadratic import Candidate
-from .emit import _Fx, build
+from .emit import build
 
 
 def rewrite(cand: Candidate, gm: fx.GraphModule, ctx: PassContext, facts: _Facts,
             region: list[fx.Node]) -> fx.Node:
     g = gm.graph
-    em = _Fx(g, ctx, cand.anchor.meta.get("stack_trace"))
+    em = GraphEmitter(g, ctx.fake_mode, {"stack_trace": cand.anchor.meta.get("stack_trace")})
     with g.inserting_before(cand.insert_before or cand.anchor):
         out = build(cand, em, cand.q.node, cand.k.node, cand.v.node)
         want = M.example(cand.anchor)
-        if isinstance(want, torch.Tensor) and want.dtype != M.example(out).dtype:
-            out = em.method("to", out, want.dtype)
+        if isinstance(want, torch.Tensor):
+            out = em.cast(out, want.dtype)
     if cand.mutations:  # an output buffer written block by block: its later readers read `out`
         writes = set(cand.mutations)
         for user in list(cand.anchor.users):
