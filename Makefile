@@ -20,15 +20,17 @@ demo: $(STAMP)
 # CPU suite: Triton kernels run in Triton's interpreter; tests marked `gpu` are skipped. One pytest
 # process kept one of CI's two cores busy (the interpreter and Inductor's C++ compiles are single
 # threaded): 40 min in one process at 71f34a6, CI 3095 s in all. tests/parallel.py runs CPU_WORKERS
-# processes over chunks of CPU_CHUNK tests, each with one intra-op thread. TESTS: the paths to run;
-# PYTEST_ARGS: options for every pytest process.
+# processes over chunks of CPU_CHUNK tests, each with one intra-op thread, the slowest files first
+# (tests/cpu_durations.json, seconds per test, from .cpu-suite/durations.json of an earlier run): at
+# 280e64d 1906 s on this 2-core machine (3621 worker-seconds; a 170 s tail without the ordering).
+# TESTS: the paths to run; PYTEST_ARGS: options for every pytest process.
 CPU_WORKERS ?= 2
 CPU_CHUNK ?= 40
 TESTS ?= tests
 test: $(STAMP)
 	rm -rf .cpu-suite  # a crashed chunk must not find an earlier run's report
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV)/bin/python tests/parallel.py -n $(CPU_WORKERS) \
-		--chunk $(CPU_CHUNK) --log-dir .cpu-suite $(TESTS) -- -m "not gpu" $(PYTEST_ARGS) \
+		--chunk $(CPU_CHUNK) --log-dir .cpu-suite --durations tests/cpu_durations.json $(TESTS) -- -m "not gpu" $(PYTEST_ARGS) \
 		|| { tail -n 300 .cpu-suite/worker*.log; exit 1; }  # the failures' tracebacks
 
 # The kernel and gloo tests in the interpreter of the oldest supported Triton (3.6, the GPU machine's),
@@ -47,7 +49,8 @@ $(VENV_OLDEST)/.installed-stamp: pyproject.toml
 test-triton-oldest: $(VENV_OLDEST)/.installed-stamp
 	rm -rf .cpu-suite-oldest
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV_OLDEST)/bin/python tests/parallel.py -n $(CPU_WORKERS) \
-		--chunk $(CPU_CHUNK) --log-dir .cpu-suite-oldest tests/kernels tests/distributed -- -m "not gpu" $(PYTEST_ARGS) \
+		--chunk $(CPU_CHUNK) --log-dir .cpu-suite-oldest --durations tests/cpu_durations.json tests/kernels tests/distributed \
+		-- -m "not gpu" $(PYTEST_ARGS) \
 		|| { tail -n 300 .cpu-suite-oldest/worker*.log; exit 1; }
 
 # The whole suite on a CUDA machine (the device's command; not part of CI). Uses the machine's own
