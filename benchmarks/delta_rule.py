@@ -202,8 +202,11 @@ def kernel_rows(args, meta) -> list[dict]:
 
     rows = []
     dtype = getattr(torch, args.dtype)
-    bf16_default, sweep_default = kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS
-    keep_default, fused_default = lowering_delta_rule.KEEP_STATES, kernel_plan.FUSED_SCORES_BACKWARD
+    # The one switch each variant of ours turns, set for its row only and restored after it.
+    switches = {OURS_FP32: (kernel_plan, "BF16_INTERMEDIATES", False),
+                OURS_WIDE: (kernel_plan, "SWEEP_MIN_PROGRAMS", 0),
+                OURS_RECOMPUTE: (lowering_delta_rule, "KEEP_STATES", False),
+                OURS_TWO_KERNELS: (kernel_plan, "FUSED_SCORES_BACKWARD", False)}
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -250,10 +253,10 @@ def kernel_rows(args, meta) -> list[dict]:
                        "fla": fla_version, "note": note}
                 if gate == "raw":
                     row["gate_in_kernel"] = True
-                kernel_plan.BF16_INTERMEDIATES = name != OURS_FP32
-                kernel_plan.SWEEP_MIN_PROGRAMS = 0 if name == OURS_WIDE else sweep_default
-                lowering_delta_rule.KEEP_STATES = name != OURS_RECOMPUTE
-                kernel_plan.FUSED_SCORES_BACKWARD = name != OURS_TWO_KERNELS and fused_default
+                module, switch, value = switches.get(name, (None, None, None))
+                default = getattr(module, switch, None)
+                if module is not None:
+                    setattr(module, switch, value)
                 try:
                     if name == "FLA" and gate == "scalar":
                         locked = unlock_fla_gdn_backward()
@@ -271,9 +274,9 @@ def kernel_rows(args, meta) -> list[dict]:
                     row.update(run_variant(fn, inputs))
                 except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-                kernel_plan.BF16_INTERMEDIATES, kernel_plan.SWEEP_MIN_PROGRAMS = bf16_default, sweep_default
-                lowering_delta_rule.KEEP_STATES = keep_default
-                kernel_plan.FUSED_SCORES_BACKWARD = fused_default
+                finally:
+                    if module is not None:
+                        setattr(module, switch, default)
                 emit(rows, row, args.out)
                 torch.cuda.empty_cache()
     return rows
