@@ -254,8 +254,8 @@ def kernel_rows(args, meta) -> list[dict]:
                 if gate == "raw":
                     row["gate_in_kernel"] = True
                 module, switch, value = switches.get(name, (None, None, None))
-                default = getattr(module, switch, None)
                 if module is not None:
+                    default = getattr(module, switch)
                     setattr(module, switch, value)
                 try:
                     if name == "FLA" and gate == "scalar":
