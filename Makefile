@@ -94,15 +94,17 @@ gpu-wheels:
 # Compile caches between device sessions: the suite's time is mostly compiling (Triton kernels and
 # Inductor's graphs, ~14000 worker-seconds on 14 workers at 5a0f717) on a machine that starts cold
 # each session. The suite compiles into GPU_CACHE_DIR (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR),
-# seeded from GPU_CACHE/cache.tgz.* when present (gitignored; carry it like .whl), and packs it
-# afterwards into GPU_CACHE_OUT (15 MiB parts, when under GPU_CACHE_PACK_MAX_MIB unpacked); test-gpu-wait returns the parts under $$OUT when they
-# fit GPU_CACHE_MAX_MIB (a call returns at most 8 files, 64 MiB). Both caches key an entry by its
-# source and the compiler's versions: a changed kernel or graph compiles again.
+# seeded from GPU_CACHE/cache-*.tgz.* when present (gitignored; carry it like .whl), and packs it
+# afterwards into GPU_CACHE_OUT: Triton's cache first (most of the compile time), then Inductor's,
+# each archive in 15 MiB parts, each packed only while the parts so far stay within
+# GPU_CACHE_MAX_MIB compressed (gzip stops at the limit, so an oversized cache costs seconds, not
+# minutes of device time); test-gpu-wait returns the parts under $$OUT (a call returns at most 8
+# files, 64 MiB). Both caches key an entry by its source and the compiler's versions: a changed
+# kernel or graph compiles again.
 GPU_CACHE ?= .gpu-cache
 GPU_CACHE_DIR ?= /tmp/hccompile-gpu-cache
 GPU_CACHE_OUT ?= .gpu-cache-out
 GPU_CACHE_MAX_MIB ?= 45
-GPU_CACHE_PACK_MAX_MIB ?= 1500
 
 test-gpu:
 	@test -n "$(COMMIT)" || { echo "make test-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
@@ -112,8 +114,9 @@ test-gpu:
 		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	rm -rf $(GPU_CACHE_DIR) && mkdir -p $(GPU_CACHE_DIR)
-	@if ls $(GPU_CACHE)/cache.tgz.* >/dev/null 2>&1; then cat $(GPU_CACHE)/cache.tgz.* | tar xzf - -C $(GPU_CACHE_DIR) \
-		&& echo "compile caches from $(GPU_CACHE): $$(du -sh $(GPU_CACHE_DIR) | cut -f1)"; fi
+	@for archive in $$(ls $(GPU_CACHE)/cache-*.tgz.* 2>/dev/null | sed 's/\.[0-9]*$$//' | sort -u); do \
+		cat $$archive.* | tar xzf - -C $(GPU_CACHE_DIR) && echo "compile cache $$archive unpacked"; done; \
+		echo "compile caches seeded: $$(du -sh $(GPU_CACHE_DIR) | cut -f1)"
 	PYTHONPATH=$(GPU_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
 	TRITON_CACHE_DIR=$(GPU_CACHE_DIR)/triton TORCHINDUCTOR_CACHE_DIR=$(GPU_CACHE_DIR)/inductor \
 	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpu-memory-gib $(GPU_MEMORY_GIB) \
@@ -121,9 +124,14 @@ test-gpu:
 		--durations tests/gpu_durations.json \
 		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS); status=$$?; \
 	rm -rf $(GPU_CACHE_OUT) && mkdir -p $(GPU_CACHE_OUT) && du -sh $(GPU_CACHE_DIR)/* > $(GPU_CACHE_OUT)/sizes.txt; \
-	if test "$$(du -sm $(GPU_CACHE_DIR) | cut -f1)" -le $(GPU_CACHE_PACK_MAX_MIB); then \
-		tar czf - -C $(GPU_CACHE_DIR) . | split -b 15m -d - $(GPU_CACHE_OUT)/cache.tgz.; \
-	else echo "not packed: over $(GPU_CACHE_PACK_MAX_MIB) MiB" >> $(GPU_CACHE_OUT)/sizes.txt; fi; \
+	budget=$$(( $(GPU_CACHE_MAX_MIB) * 1048576 )); \
+	for part in triton inductor; do test -d $(GPU_CACHE_DIR)/$$part || continue; \
+		tar czf - -C $(GPU_CACHE_DIR) $$part 2>/dev/null | head -c $$(( budget + 1 )) > $(GPU_CACHE_OUT)/pack.tgz; \
+		size=$$(stat -c %s $(GPU_CACHE_OUT)/pack.tgz); \
+		if test $$size -gt $$budget; then echo "$$part: not packed (over the $$(( budget / 1048576 )) MiB left)" \
+			>> $(GPU_CACHE_OUT)/sizes.txt; \
+		else budget=$$(( budget - size )); split -b 15m -d $(GPU_CACHE_OUT)/pack.tgz $(GPU_CACHE_OUT)/cache-$$part.tgz.; fi; \
+		rm -f $(GPU_CACHE_OUT)/pack.tgz; done; \
 	du -sh $(GPU_CACHE_OUT) >> $(GPU_CACHE_OUT)/sizes.txt; cat $(GPU_CACHE_OUT)/sizes.txt; exit $$status
 
 # The GPU suite over more than one device call (a call may run 10 minutes; the suite takes ~14 on the
@@ -163,12 +171,11 @@ test-gpu-wait:
 		if test -n "$$OUT"; then cp $(GPU_COPY)/gpu-suite.txt $(GPU_COPY)/suite.log "$$OUT"/; \
 			tar czf "$$OUT"/gpu-suite-logs.tar.gz -C $(GPU_COPY) .gpu-suite 2>/dev/null || true; \
 			parts=$(GPU_COPY)/$(GPU_CACHE_OUT); cat $$parts/sizes.txt 2>/dev/null; \
-			if test -n "$$(ls $$parts/cache.tgz.* 2>/dev/null)" && \
-				test "$$(du -cm $$parts/cache.tgz.* | tail -1 | cut -f1)" -le $(GPU_CACHE_MAX_MIB) && \
-				test "$$(ls $$parts/cache.tgz.* | wc -l)" -le 5; then \
-				mkdir -p "$$OUT"/gpu-cache && cp $$parts/cache.tgz.* "$$OUT"/gpu-cache/ && \
+			if test -n "$$(ls $$parts/cache-*.tgz.* 2>/dev/null)" && \
+				test "$$(ls $$parts/cache-*.tgz.* | wc -l)" -le 5; then \
+				mkdir -p "$$OUT"/gpu-cache && cp $$parts/cache-*.tgz.* "$$OUT"/gpu-cache/ && \
 				echo "compile caches returned under \$$OUT/gpu-cache"; \
-			else echo "compile caches not returned (over $(GPU_CACHE_MAX_MIB) MiB or 5 parts)"; fi; fi; \
+			else echo "compile caches not returned (none packed, or over 5 parts)"; fi; fi; \
 		echo "report written"; \
 	else echo "still running: call make test-gpu-wait again"; exit 3; fi
 

@@ -386,8 +386,6 @@ def match(sort: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> tuple
 
 
 def rewrite(inst: Instance, gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
-    from ..lowering import htree as _htree_op  # noqa: F401  (registers hccompile::htree_attention)
-
     g = gm.graph
     o = inst.options
     want = _tensor(inst.output)

@@ -424,11 +424,8 @@ def chunk_delta_rule_bwd(
     dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
     dh = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
     du = buffer(batch, time, value_heads, value_dim, dtype=plan.intermediate_dtype)
-    # wy_backward's dKdot and dP, for decayed_scores_backward: none when wy_backward takes their products itself
     fused_scores = plan.fused_scores_backward
-    dkdot = dscores = plan.dummy
-    if not fused_scores:
-        dkdot, dscores = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk)
+    dkdot, dscores = plan.score_gradients(fused_scores, batch, time, value_heads, buffer)
     cum_arg = fwd.cum if fwd.cum is not None else plan.dummy
     table, seqlens = plan.chunk_args()
     group, nt = problem.group_size, plan.chunks_per_row

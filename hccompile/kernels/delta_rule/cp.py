@@ -897,10 +897,8 @@ class CPBackward(CPForward):
             else local.kplan.dummy
         # Decided once for all of this backward's _chunk_backward launches (the flag is read at call time).
         self.fused_scores = local.kplan.fused_scores_backward
-        self.dkdot = self.dscores = local.kplan.dummy
-        if not self.fused_scores:
-            self.dkdot = _empty(1, time, value_heads, local.kplan.chunk_size, device=device)
-            self.dscores = _empty(1, time, value_heads, local.kplan.chunk_size, device=device)
+        self.dkdot, self.dscores = local.kplan.score_gradients(self.fused_scores, 1, time, value_heads,
+                                                               lambda *shape: _empty(*shape, device=device))
         self.dv = torch.empty_like(local.v, memory_format=torch.contiguous_format)
         self.dbeta = torch.empty_like(local.beta, memory_format=torch.contiguous_format)
         if POISON:

@@ -204,6 +204,15 @@ class Plan:
         default, would cost about three digits), tf32 for half inputs."""
         return "ieee" if self.input_dtype == torch.float32 else "tf32"
 
+    def score_gradients(self, fused: bool, batch, time, value_heads, empty: Callable):
+        """wy_backward's dKdot and dP ([B, T, HV, BT] fp32, allocated by `empty(*shape)`) for
+        decayed_scores_backward; the dummy for both when wy_backward takes their products itself
+        (`fused`: fused_scores_backward, read once by the caller for all its launches)."""
+        if fused:
+            return self.dummy, self.dummy
+        shape = (batch, time, value_heads, self.chunk_size)
+        return empty(*shape), empty(*shape)
+
     def chunk_args(self):
         table = self.chunk_table if self.chunk_table is not None else self.dummy
         seqlens = self.cu_seqlens if self.cu_seqlens is not None else self.dummy

@@ -389,6 +389,8 @@ if triton is not None:
         d_kdot = d_lower * beta[:, None]
         if FUSE_SCORES:
             if GATE == 1:
+                # Formed again (BT gate loads, BT^2 exps), not kept from dP's: one [BT, BT] fp32 tile
+                # fewer live through the key loop of a kernel already at 255 registers.
                 d_kdot *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
             # dKdot is strictly lower, so dKdot + dKdot^T holds each of its elements once (no
             # rounding added): one product per key tile gives dk both the row role (dKdot K) and

@@ -14,10 +14,6 @@ def _permute(E: Emitter, x, perm) -> Any:
     return x if list(perm) == list(range(len(perm))) else E.method("permute", x, *perm)
 
 
-def _transpose(E: Emitter, x) -> Any:
-    return E.method("transpose", x, -1, -2)
-
-
 _OP_ORDER = ("b0", "t", "b1", "d")
 
 
@@ -34,7 +30,7 @@ def _to_op(x, labels: list[str], nb: int, E: Emitter) -> Any:
 
 def _state_to_op(x, nb: int, transposed: bool, E: Emitter) -> Any:
     if transposed:
-        x = _transpose(E, x)
+        x = E.method("transpose", x, -1, -2)
     for _ in range(2 - nb):
         x = E.method("unsqueeze", x, 0)
     return x
@@ -43,7 +39,7 @@ def _state_to_op(x, nb: int, transposed: bool, E: Emitter) -> Any:
 def _state_from_op(x, nb: int, transposed: bool, E: Emitter) -> Any:
     for _ in range(2 - nb):
         x = E.method("squeeze", x, 0)
-    return _transpose(E, x) if transposed else x
+    return E.method("transpose", x, -1, -2) if transposed else x
 
 
 def _out_from_op(o, labels: list[str], nb: int, E: Emitter) -> Any:
