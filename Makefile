@@ -61,7 +61,10 @@ test-triton-oldest: $(VENV_OLDEST)/.installed-stamp
 # per test, per file, from an earlier run; refresh it from .gpu-suite/durations.json) starts the
 # slowest chunks first.
 GPU_PYTHON ?= python3
-GPU_WORKERS ?= 14
+# Every GPU of the machine takes 14 workers (worker i sees only GPU i mod GPU_COUNT): on two cards the
+# suite compiles on twice the cores, which is most of its time.
+GPU_COUNT ?= $(or $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU' | grep -v '^0$$'),1)
+GPU_WORKERS ?= $(shell echo $$(( 14 * $(GPU_COUNT) )))
 GPU_MEMORY_GIB ?= 4.75
 GPU_REPORT ?= benchmarks/results/gpu-suite.txt
 GPU_TESTS ?= tests
@@ -119,7 +122,7 @@ test-gpu:
 		echo "compile caches seeded: $$(du -sh $(GPU_CACHE_DIR) | cut -f1)"
 	PYTHONPATH=$(GPU_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
 	TRITON_CACHE_DIR=$(GPU_CACHE_DIR)/triton TORCHINDUCTOR_CACHE_DIR=$(GPU_CACHE_DIR)/inductor \
-	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpu-memory-gib $(GPU_MEMORY_GIB) \
+	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpus $(GPU_COUNT) --gpu-memory-gib $(GPU_MEMORY_GIB) \
 		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
 		--durations tests/gpu_durations.json \
 		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS); status=$$?; \

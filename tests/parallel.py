@@ -10,6 +10,7 @@ costs only its chunk: its unreported tests count as errors. Usage, from the repo
     python tests/parallel.py -n 8 tests/kernels/test_delta_rule_chunk.py tests/test_delta_rule_ops.py
     python tests/parallel.py -n 4 tests/kernels -- -m gpu        # after --: options for every worker
     python tests/parallel.py -n 12 --gpu-memory-gib 5.5 --report suite.txt --commit SHA tests
+    python tests/parallel.py -n 28 --gpus 2 tests                # worker i sees only GPU i mod 2
 
 With --gpu-memory-gib each worker's CUDA caching allocator is capped at that many GiB
 (HCCOMPILE_TEST_GPU_MEMORY_GIB, read by tests/conftest.py): the stated bound every test must fit.
@@ -119,8 +120,17 @@ class Run:
         return {f: round(self.file_seconds[f] / self.file_tests[f], 2) for f in sorted(self.file_seconds)}
 
 
+def worker_env(env: dict[str, str], slot: int, gpus: int) -> dict[str, str]:
+    """Worker `slot`'s environment: with several GPUs, only GPU slot mod gpus is visible to it, so the
+    workers (each a whole suite's worth of CUDA contexts and compiles) spread evenly over the cards and
+    every test still runs on its process's cuda:0."""
+    if gpus <= 1:
+        return env
+    return {**env, "CUDA_VISIBLE_DEVICES": str(slot % gpus)}
+
+
 def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir: Path, env: dict[str, str],
-               chunk_timeout: float, total: int) -> Run:
+               chunk_timeout: float, total: int, gpus: int = 1) -> Run:
     work: queue.Queue = queue.Queue()
     for index, group in enumerate(chunks):
         work.put((index, group))
@@ -128,6 +138,7 @@ def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir:
     start = time.monotonic()
 
     def worker(slot: int) -> None:
+        slot_env = worker_env(env, slot, gpus)
         with open(log_dir / f"worker{slot}.log", "a") as log:
             while True:
                 try:
@@ -142,7 +153,7 @@ def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir:
                            f"--junitxml={xml}", *extra, *group]
                 began = time.monotonic()
                 try:
-                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=slot_env,
                                           timeout=chunk_timeout).returncode
                     why = f"worker exited with code {code} before reporting this test (see worker{slot}.log)"
                 except subprocess.TimeoutExpired:
@@ -206,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-timeout", type=float, default=1800, help="seconds before a chunk is killed")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
                         help="cap each worker's CUDA allocator at this many GiB")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="GPUs to spread the workers over: worker i sees only GPU i mod N (default 1: "
+                             "CUDA_VISIBLE_DEVICES as inherited)")
     parser.add_argument("--report", default=None, help="write the suite report to this file")
     parser.add_argument("--commit", default=None, help="the commit the tree holds (required with --report)")
     parser.add_argument("--durations", default=None,
@@ -216,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.workers < 1:
         parser.error(f"--workers must be >= 1, got {options.workers}")
+    if options.gpus < 1:
+        parser.error(f"--gpus must be >= 1, got {options.gpus}")
     if options.chunk < 1:
         parser.error(f"--chunk must be >= 1, got {options.chunk}")
     if options.report and not options.commit:
@@ -239,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if options.gpu_memory_gib:
         env["HCCOMPILE_TEST_GPU_MEMORY_GIB"] = str(options.gpu_memory_gib)
-    run = run_chunks(chunks, workers, extra, log_dir, env, options.chunk_timeout, len(ids))
+    run = run_chunks(chunks, workers, extra, log_dir, env, options.chunk_timeout, len(ids), options.gpus)
     outcomes = [run.outcomes[i] for i in ids]
     seconds = time.monotonic() - start
     (log_dir / "durations.json").write_text(json.dumps(run.seconds_per_test(), indent=1) + "\n")

@@ -1,5 +1,6 @@
 """tests/parallel.py, the multi-process pytest runner used on the GPU machine."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,9 @@ def test_chunks_keep_one_file_and_a_size_limit():
     assert longest_first(groups, {}) == [groups[2], groups[1], groups[0], groups[3]]
 
 
-def run_runner(tmp_path, *args):
+def run_runner(tmp_path, *args, env=None):
     return subprocess.run([sys.executable, str(RUNNER), *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, **(env or {})})
 
 
 def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
@@ -71,3 +72,23 @@ def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
     result = run_runner(tmp_path, "-n", "2", "test_sample.py", "--", "-x")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 tests in 1 chunks over 1 workers" in result.stdout and "1 passed" in result.stdout
+
+
+def test_workers_spread_over_the_gpus(tmp_path):
+    """--gpus N: worker i sees only GPU i mod N (each test then runs on its process's cuda:0);
+    without it the inherited CUDA_VISIBLE_DEVICES stays."""
+    (tmp_path / "test_gpus.py").write_text(
+        "import os, pytest\n"
+        "@pytest.mark.parametrize('i', range(8))\n"
+        "def test_which(i):\n"
+        "    with open(os.environ['SEEN'], 'a') as f:\n"
+        "        f.write(os.environ.get('CUDA_VISIBLE_DEVICES', '-') + '\\n')\n")
+    seen = tmp_path / "seen.txt"
+    env_patch = {"SEEN": str(seen), "CUDA_VISIBLE_DEVICES": "inherited"}
+    result = run_runner(tmp_path, "-n", "4", "--chunk", "1", "--gpus", "2", "test_gpus.py", env=env_patch)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(set(seen.read_text().split())) == ["0", "1"]
+    seen.unlink()
+    result = run_runner(tmp_path, "-n", "4", "--chunk", "1", "test_gpus.py", env=env_patch)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert set(seen.read_text().split()) == {"inherited"}
