@@ -72,9 +72,12 @@ def _inputs(B=2, H=3, T=21, K=16, V=12, dtype=torch.float32, seed=0):
     return [torch.randn(B, H, T, d, generator=g, dtype=dtype) for d in (K, K, V)]
 
 
+@pytest.mark.parametrize("normalized", [True, False], ids=["normalized", "as written"])
 @pytest.mark.parametrize("fn", LOWERED, ids=lambda f: f.__name__)
-def test_form_is_lowered_and_matches_eager(fn):
-    be = Collect(compiler="aot_eager")
+def test_form_is_lowered_and_matches_eager(fn, normalized):
+    """With the normalising pre-pass (one spelling per op) and without it (the matcher reads every
+    spelling itself): both lower every form."""
+    be = Collect(compiler="aot_eager", disable_passes=() if normalized else ("normalize",))
     compiled = torch.compile(fn, backend=be, fullgraph=True)
     q, k, v = _inputs()
     out, grads = fwd_bwd(compiled, q, k, v)

@@ -13,6 +13,7 @@ from .base import GraphPass, PassContext, register_pass, registered_passes
 PIPELINE: dict[str, tuple[str, ...]] = {
     "dynamo": (
         "substitutes",     # reports what Dynamo already traced as our ops, before anything rewrites
+        "normalize",       # one spelling per operation (products, transposes, permutes, casts) for every matcher
         "hc_detect",       # finds the hyper-connection layers ...
         "hc_fuse",         # ... and fuses their ops, before recompute plans around the fused ones
         "delta_rule",      # before linear_attn: a chunked delta rule holds masked products it would try
