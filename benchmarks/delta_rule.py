@@ -248,9 +248,13 @@ def kernel_rows(args, meta) -> list[dict]:
                 wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
             variants = [v for v in variants if kinds.get(v[0], v[0].replace(" ", "-")) in wanted]
             reference = None  # the first variant's output: ours unless --impls leaves it out
-            for name, fn, note in variants:
+            # --rounds N times the variants N times in turn (ours, FLA, ours, FLA, ...): a difference that
+            # follows the order rather than the variant shows up as a round-to-round change.
+            for round_index, (name, fn, note) in enumerate(variants * args.rounds):
                 row = {**meta, "bench": "kernel", "op": op, "impl": name, "shape": label, "dtype": args.dtype,
                        "fla": fla_version, "note": note}
+                if args.rounds > 1:
+                    row["round"] = round_index // len(variants)
                 if gate == "raw":
                     row["gate_in_kernel"] = True
                 module, switch, value = switches.get(name, (None, None, None))
@@ -354,6 +358,7 @@ def main() -> None:
                    help="shapes at which the plain forms (eager, Inductor, hc) also run; '' for none")
     p.add_argument("--ops", default="gdn,kda", help="comma-separated: gdn, kda (precomputed gate), kda-gate "
                    "(KDA's gate activation in the kernel)")
+    p.add_argument("--rounds", type=int, default=1, help="time the variants this many times in turn")
     p.add_argument("--impls", default="ours,fp32,wide,fla,plain",
                    help="kernel rows to run: ours, recompute (w, u, h recomputed in the backward, not kept), "
                         "unfused (GDN: decayed_scores_backward apart from wy_backward), fp32 (fp32 intermediates "
