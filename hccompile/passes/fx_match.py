@@ -5,7 +5,8 @@ rel_rms_error, evaluate)."""
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Iterable
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -151,42 +152,58 @@ def permutation_of(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
     return None
 
 
-def _closure(node: fx.Node, step) -> set[fx.Node]:
-    seen, todo = {node}, [node]
+def walk(start: fx.Node | Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], *,
+         skip: Callable[[fx.Node], bool] | None = None, stop: Callable[[fx.Node], bool] | None = None,
+         max_depth: int | None = None, depth_first: bool = False) -> Iterator[fx.Node]:
+    """Each node reachable from `start` (a node or several) by `step`, once, in the order reached:
+    breadth-first (nearest first), or with `depth_first` as a stack takes them (the last pushed).
+
+    Every pass walks the graph to find a region, a producer or a reader; written once, each walk's
+    bounds read as arguments rather than as one more copy of the loop to be checked by eye.
+    step(node): the nodes one step on (`inputs`, `users`, or a filter of them).
+    skip(node) true: the walk neither yields the node nor goes past it (outside the region).
+    stop(node) true: the walk yields the node but goes no further (a border node, e.g. an input).
+    max_depth: the most steps from a start (breadth-first, so a node's fewest)."""
+    if depth_first and max_depth is not None:
+        raise ValueError("max_depth counts the fewest steps, which only a breadth-first walk knows")
+    todo = deque([(start, 0)] if isinstance(start, fx.Node) else [(n, 0) for n in start])
+    take = todo.pop if depth_first else todo.popleft
+    seen: set[fx.Node] = set()
     while todo:
-        for nxt in step(todo.pop()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
+        node, depth = take()
+        if node in seen or (max_depth is not None and depth > max_depth) or (skip is not None and skip(node)):
+            continue
+        seen.add(node)
+        yield node
+        if stop is None or not stop(node):
+            todo.extend((nxt, depth + 1) for nxt in step(node))
+
+
+def inputs(node: fx.Node) -> list[fx.Node]:
+    """walk()'s step towards the graph's inputs."""
+    return node.all_input_nodes
+
+
+def users(node: fx.Node) -> Iterable[fx.Node]:
+    """walk()'s step towards the graph's output."""
+    return node.users
 
 
 def downstream(node: fx.Node) -> set[fx.Node]:
     """`node` and every node that uses its value, transitively."""
-    return _closure(node, lambda n: n.users)
+    return set(walk(node, users))
 
 
 def upstream(node: fx.Node) -> set[fx.Node]:
     """`node` and every node its value depends on, transitively (ancestors(), unordered and
     without stops)."""
-    return _closure(node, lambda n: n.all_input_nodes)
+    return set(walk(node, inputs))
 
 
 def ancestors(node: fx.Node, stop: Iterable[fx.Node] = ()) -> list[fx.Node]:
     """Nodes `node` depends on, stopping at (and excluding the inputs of) `stop`, in graph order."""
-    stop = set(stop)
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n in stop:
-            continue
-        todo.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
+    return sorted(walk(node, inputs, stop=set(stop).__contains__), key=order.__getitem__)
 
 
 def is_impure(node: fx.Node) -> str | None:

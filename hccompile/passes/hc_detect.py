@@ -215,21 +215,13 @@ def projection_input(proj: fx.Node) -> fx.Node:
     return acts[0] if len(acts) == 1 else ops[0]
 
 
-def _projection_of(start: fx.Node, depth: int = 16) -> fx.Node | None:
+def _projection_of(start: fx.Node, max_depth: int = 15) -> fx.Node | None:
     """Nearest ancestor that is a linear/matmul/einsum with a parameter operand: the v·φ
     projection."""
-    frontier, seen = [start], set()
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            if n in seen:
-                continue
-            seen.add(n)
-            if _is_projection(n):
-                return n
-            nxt.extend(a for a in n.all_input_nodes if not _is_param(a))
-        frontier = nxt
-    return None
+    def activations(n: fx.Node) -> list[fx.Node]:
+        return [a for a in n.all_input_nodes if not _is_param(a)]
+
+    return next((n for n in M.walk(start, activations, max_depth=max_depth) if _is_projection(n)), None)
 
 
 _STREAM_NORMS = {torch.rms_norm, torch.nn.functional.rms_norm, torch.layer_norm,
@@ -276,26 +268,12 @@ def sibling_projections(proj: fx.Node) -> list[fx.Node]:
     """proj and every other projection of the same input (through casts/views), e.g. H_post's
     own `normed @ w` beside the einsum that gives H_pre and H_res."""
     root = view_root(projection_input(proj))
-    found, frontier, seen = [proj], [root], set()
-    while frontier:
-        n = frontier.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if is_view(u):
-                frontier.append(u)
-            elif u is not proj and _is_projection(u) and view_root(projection_input(u)) is root:
-                found.append(u)
+    found = [proj]
+    # depth-first: the order found is the order of the σ mappings, which a refusal names
+    for n in M.walk(root, lambda n: [u for u in n.users if is_view(u)], depth_first=True):
+        found += [u for u in n.users if not is_view(u) and u is not proj and _is_projection(u)
+                  and view_root(projection_input(u)) is root]
     return list(dict.fromkeys(found))
-
-
-def _descendants(node: fx.Node, depth: int) -> list[fx.Node]:
-    out, frontier = [], [node]
-    for _ in range(depth):
-        frontier = [u for n in frontier for u in n.users]
-        out.extend(frontier)
-    return out
 
 
 def _derives_from(node: Any, root: fx.Node, depth: int = 6) -> bool:
@@ -403,24 +381,19 @@ def _split_combined(product: fx.Node, n: int) -> tuple[fx.Node, fx.Node]:
     return agg, mixed
 
 
-def _residual_add(mixed: fx.Node, post: fx.Node, depth: int = 12) -> fx.Node | None:
+def _residual_add(mixed: fx.Node, post: fx.Node, max_depth: int = 11) -> fx.Node | None:
     """The add of a view of `mixed` and a view of `post`, searched forward through views."""
-    frontier, seen = [mixed], set()
-    for _ in range(depth):
-        nxt = []
-        for node in frontier:
-            if node in seen:
-                continue
-            seen.add(node)
-            for u in node.users:
-                if _is_add(u):
-                    args = [a for a in u.args if isinstance(a, fx.Node)]
-                    if any(view_root(a) is mixed for a in args) and \
-                            any(_derives_from(a, post) or a is post for a in args):
-                        return u
-                elif is_view(u):
-                    nxt.append(u)
-        frontier = nxt
+    def adds_post(u: fx.Node) -> bool:
+        args = [a for a in u.args if isinstance(a, fx.Node)]
+        return any(view_root(a) is mixed for a in args) and any(_derives_from(a, post) or a is post for a in args)
+
+    def views(n: fx.Node) -> list[fx.Node]:
+        return [u for u in n.users if is_view(u) and not _is_add(u)]
+
+    for node in M.walk(mixed, views, max_depth=max_depth):
+        for u in node.users:
+            if _is_add(u) and adds_post(u):
+                return u
     return None
 
 
@@ -436,8 +409,9 @@ def _match_layer(chain: list[fx.Node], index: int) -> HCLayer:
     x = view_root(v)
 
     def sigmoids_of(projs: list[fx.Node]) -> list[fx.Node]:
-        found = [n for p in projs for n in _descendants(p, 6) if n.op == "call_function" and n.target in
-                 (torch.sigmoid, torch.nn.functional.sigmoid) or (n.op == "call_method" and n.target == "sigmoid")]
+        found = [n for p in projs for n in M.walk(p, M.users, max_depth=6) if n is not p and
+                 (n.op == "call_function" and n.target in (torch.sigmoid, torch.nn.functional.sigmoid) or
+                  (n.op == "call_method" and n.target == "sigmoid"))]
         return list(dict.fromkeys(found))
 
     projs = [proj]

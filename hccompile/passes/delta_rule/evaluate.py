@@ -42,21 +42,15 @@ class _Evaluator:
     def run(self, wanted: list[fx.Node], read_pos: float | None = None) -> list[Any]:
         """Values of `wanted` as read at `read_pos` (default: right after each node), i.e. with the
         in-place writes to their storage that happen before that point."""
-        needed: set = set()
-        todo = list(wanted)
-        for w in wanted:
-            todo += self.idx.mutators_before(w, self.idx.pos[w] + 0.5 if read_pos is None else read_pos)
-        while todo:
-            n = todo.pop()
-            if n in needed or n in self.env:
-                continue
-            needed.add(n)
-            if n not in self.region.nodes:
-                continue
+        def reads(n: fx.Node) -> list[fx.Node]:
             ins = list(n.all_input_nodes)
-            for a in list(ins):
-                ins += self.idx.mutators_before(a, self.idx.pos[n])
-            todo += ins
+            return ins + [m for a in ins for m in self.idx.mutators_before(a, self.idx.pos[n])]
+
+        starts = list(wanted)
+        for w in wanted:
+            starts += self.idx.mutators_before(w, self.idx.pos[w] + 0.5 if read_pos is None else read_pos)
+        # Values already known are not recomputed; nodes outside the region are stood in for, not entered.
+        needed = set(M.walk(starts, reads, skip=self.env.__contains__, stop=lambda n: n not in self.region.nodes))
         for n in sorted(needed, key=lambda x: self.idx.pos[x]):
             if n in self.env:
                 continue

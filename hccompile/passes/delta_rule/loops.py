@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..fx_match import Refusal
+from ..fx_match import Refusal, walk
 from .vocabulary import _Index, _POSITIONAL, _POST, _describe, _example, _mutated_operand, _name, _shape
 
 # Nodes an iteration may compute for the next one before reading its slices (S = S.clone() ...).
@@ -483,12 +483,10 @@ def _find_output(loop: _Loop, idx: _Index) -> None:
     if mode == "buffer":
         loop.buffer = buffer
         # The buffer and its views made before the loop (o = torch.zeros(...).to(v)) all read it.
-        aliases, todo = {buffer}, [buffer]
-        while todo:
-            for u in todo.pop().users:
-                if u not in aliases and idx.pos.get(u, math.inf) < start and idx.base_of(u) is buffer:
-                    aliases.add(u)
-                    todo.append(u)
+        def views_before(a: fx.Node) -> list[fx.Node]:
+            return [u for u in a.users if idx.pos.get(u, math.inf) < start and idx.base_of(u) is buffer]
+
+        aliases = set(walk(buffer, views_before))
         readers = [u for a in aliases for u in a.users if u not in own and idx.pos.get(u, -1) > loop.end]
         if len(readers) > 1:
             raise Refusal(f"the output buffer {_describe(buffer)} is read {len(readers)} times after the loop")

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from ...compat import concrete_shape
-from ..fx_match import Refusal
+from ..fx_match import Refusal, walk
 from .vocabulary import (_ABSORB, _CREATE, _Index, _RANDOM, _data_operands, _describe, _example, _mutated_operand,
                          _plain, _tensor_example)
 from .loops import _Loop
@@ -127,23 +127,16 @@ def _build_region(loop: _Loop, idx: _Index, state_shape: tuple[int, ...]) -> _Re
 
     region: set = set()
     leaves: list[fx.Node] = []
-    todo = list(loop.externals)
-    seen: set = set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        st = status[n]
-        if st == _BAD:
+    # depth-first: the first input refused is the one the message names
+    for n in walk(loop.externals, operands.__getitem__, stop=lambda n: status[n] == _LEAF, depth_first=True):
+        if status[n] == _BAD:
             raise Refusal(f"the recurrence reads {_describe(n)}, which is neither a per-token input "
                           f"(the state's batch axes plus time) nor the initial state; e.g. a constant "
                           f"per-head decay or a parameter used inside the loop")
-        if st == _LEAF:
+        if status[n] == _LEAF:
             leaves.append(n)
-            continue
-        region.add(n)
-        todo.extend(operands[n])
+        else:
+            region.add(n)
     region |= loop.nodes
     replaced_users = set(loop.out_users) | set(loop.final_users)
     for n in region:

@@ -9,7 +9,7 @@ from itertools import permutations
 
 import torch.fx as fx
 
-from ..fx_match import Refusal
+from ..fx_match import Refusal, walk
 from .vocabulary import _EXP, _GATE_PATH, _Index, _data_operands, _describe, _is_scan, _name, _plain, _shape
 from .loops import _Loop
 from .region import _Region, _TokenLayout, _token_layouts
@@ -105,20 +105,13 @@ def _reaches_state(leaf: fx.Node, region: _Region, loop: _Loop, idx: _Index) -> 
 
 def _depends_on(node: fx.Node, source: fx.Node, within: set, idx: _Index | None) -> bool:
     """Is `source` an ancestor of `node` through nodes of `within` (mutations included)?"""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n is source:
-            return True
-        if n in seen or n not in within:
-            continue
-        seen.add(n)
+    def reads(n: fx.Node) -> list[fx.Node]:
         inputs = _data_operands(n) if n.op in ("call_function", "call_method") else []
-        todo.extend(inputs)
-        if idx is not None:
-            for a in inputs:
-                todo.extend(idx.mutators_before(a, idx.pos.get(n, math.inf)))
-    return False
+        if idx is None:
+            return inputs
+        return inputs + [m for a in inputs for m in idx.mutators_before(a, idx.pos.get(n, math.inf))]
+
+    return any(n is source for n in walk(node, reads, stop=lambda n: n not in within))
 
 
 def _scan_input_reaches_exp(loop: _Loop, xs_node: fx.Node) -> bool:

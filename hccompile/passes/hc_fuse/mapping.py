@@ -38,19 +38,9 @@ def _norm_source(node: fx.Node) -> fx.Node:
     return node
 
 
-def _reaches(node: Any, target: fx.Node, depth: int = 24) -> bool:
-    frontier, seen = [node], set()
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            if n is target:
-                return True
-            if not isinstance(n, fx.Node) or n in seen or n.op == "placeholder":
-                continue
-            seen.add(n)
-            nxt.extend(n.all_input_nodes)
-        frontier = nxt
-    return False
+def _reaches(node: Any, target: fx.Node, max_depth: int = 23) -> bool:
+    return isinstance(node, fx.Node) and any(
+        n is target for n in M.walk(node, M.inputs, stop=lambda n: n.op == "placeholder", max_depth=max_depth))
 
 
 def _is_add(node: Any) -> bool:
@@ -425,15 +415,15 @@ def _late_inputs(g: fx.Graph, nodes: list[Any], anchor: fx.Node) -> list[fx.Node
     `hc_scale[2]`, an α read where the code first needs it, after H_pre is already computed.
     Refused unless each is a pure function of parameters (placeholders, get_attr)."""
     order = {n: i for i, n in enumerate(g.nodes)}
-    late: set[fx.Node] = set()
-    todo = [n for n in nodes if isinstance(n, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n in late or order[n] < order[anchor] or n.op in ("placeholder", "get_attr"):
-            continue
+
+    def early(n: fx.Node) -> bool:
+        return order[n] < order[anchor] or n.op in ("placeholder", "get_attr")
+
+    late = []
+    # depth-first: the first node refused is the one the message names
+    for n in M.walk([n for n in nodes if isinstance(n, fx.Node)], M.inputs, skip=early, depth_first=True):
         if n.op not in ("call_function", "call_method") or M.is_impure(n):
             raise Refusal(f"{n.name}: an α or bias computed after the mapping starts, not from "
                           f"parameters alone")
-        late.add(n)
-        todo.extend(n.all_input_nodes)
+        late.append(n)
     return sorted(late, key=order.__getitem__)

@@ -22,16 +22,10 @@ from .aggregate import AggregatePlan, build_aggregate
 
 def _dead_code(g: fx.Graph, old: list[fx.Node], keep: set[fx.Node]) -> int:
     """Erase the replaced nodes and whatever only they used, up to `keep`."""
-    region: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-    todo = list(old)
-    while todo:
-        node = todo.pop()
-        if node in seen or node in keep or node.op in ("placeholder", "output", "get_attr"):
-            continue
-        seen.add(node)
-        region.append(node)
-        todo.extend(node.all_input_nodes)
+    def kept(node: fx.Node) -> bool:
+        return node in keep or node.op in ("placeholder", "output", "get_attr")
+
+    region = set(M.walk(old, M.inputs, skip=kept))
     order = {n: i for i, n in enumerate(g.nodes)}
     erased = 0
     for node in sorted((n for n in region if n in order), key=order.__getitem__, reverse=True):

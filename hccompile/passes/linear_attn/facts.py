@@ -102,16 +102,7 @@ class _Facts:
 
     def inputs_read(self, wanted: list[fx.Node], stop: set[fx.Node]) -> list[str]:
         """Names of the forward inputs whose values reach `wanted` other than through `stop`."""
-        seen, found, stack = set(), [], list(wanted)
-        while stack:
-            n = stack.pop()
-            if n in seen or n in stop:
-                continue
-            seen.add(n)
-            if n in self.data_bits:
-                found.append(n.name)
-            stack.extend(_value_inputs(n))
-        return sorted(found)
+        return sorted(n.name for n in M.walk(wanted, _value_inputs, skip=stop.__contains__) if n in self.data_bits)
 
     def input_names(self, bits: int) -> list[str]:
         return [n.name for n, b in self.data_bits.items() if bits & b]
@@ -127,18 +118,7 @@ class _Facts:
 
     def region(self, wanted: list[fx.Node], stop: set[fx.Node]) -> list[fx.Node]:
         """The nodes `wanted` depends on, not looking past `stop`, in graph order."""
-        needed: list[fx.Node] = []
-        seen: set[fx.Node] = set()
-        stack = list(wanted)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in stop:
-                continue
-            needed.append(n)
-            stack.extend(n.all_input_nodes)
+        needed = list(M.walk(wanted, M.inputs, skip=stop.__contains__))
         if any(n not in self.order for n in needed):
             self.refresh_order()
         needed.sort(key=self.order.__getitem__)

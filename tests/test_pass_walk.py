@@ -1,0 +1,95 @@
+"""The passes' one graph walk (hccompile/passes/fx_match.py: walk): order, depth, skip and stop, on
+small hand-built graphs whose answers can be read off the picture."""
+import operator
+
+import pytest
+import torch.fx as fx
+
+from hccompile.passes import fx_match as M
+
+
+def _diamond():
+    """x -> a -> c -> out, x -> b -> c; a also feeds d, a dead end; y feeds b."""
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    a = g.call_function(operator.neg, (x,))
+    b = g.call_function(operator.add, (x, y))
+    c = g.call_function(operator.mul, (a, b))
+    d = g.call_function(operator.abs, (a,))
+    out = g.call_function(operator.neg, (c,))
+    output = g.output((out, d))
+    return g, dict(x=x, y=y, a=a, b=b, c=c, d=d, out=out, output=output)
+
+
+def _chain(length):
+    g = fx.Graph()
+    node = g.placeholder("x")
+    chain = [node]
+    for _ in range(length):
+        node = g.call_function(operator.neg, (node,))
+        chain.append(node)
+    g.output(node)
+    return chain
+
+
+def _letters(nodes, named):
+    letter = {node: name for name, node in named.items()}
+    return [letter[n] for n in nodes]
+
+
+def test_breadth_first_yields_each_node_once_nearest_first_in_either_direction():
+    _, n = _diamond()
+    assert _letters(M.walk(n["x"], M.users), n) == ["x", "a", "b", "c", "d", "out", "output"]
+    assert _letters(M.walk(n["out"], M.inputs), n) == ["out", "c", "a", "b", "x", "y"]
+
+
+def test_depth_first_takes_the_last_node_pushed():
+    _, n = _diamond()
+    # c's inputs are [a, b]: the stack takes b first, and its inputs [x, y] y first
+    assert _letters(M.walk(n["c"], M.inputs, depth_first=True), n) == ["c", "b", "y", "x", "a"]
+
+
+def test_several_starts_and_a_node_reached_twice_is_yielded_once():
+    _, n = _diamond()
+    walked = list(M.walk([n["a"], n["b"]], M.users))
+    assert _letters(walked, n) == ["a", "b", "c", "d", "out", "output"]
+    assert len(walked) == len(set(walked))
+
+
+def test_max_depth_counts_the_fewest_steps_from_a_start():
+    chain = _chain(5)
+    assert list(M.walk(chain[0], M.users, max_depth=0)) == chain[:1]
+    assert list(M.walk(chain[0], M.users, max_depth=3)) == chain[:4]
+    _, n = _diamond()
+    # c is two steps from x by either path; out is three
+    assert n["c"] in set(M.walk(n["x"], M.users, max_depth=2))
+    assert n["out"] not in set(M.walk(n["x"], M.users, max_depth=2))
+
+
+def test_max_depth_needs_breadth_first():
+    with pytest.raises(ValueError):
+        list(M.walk(_chain(2)[0], M.users, max_depth=1, depth_first=True))
+
+
+def test_stop_yields_the_node_but_goes_no_further():
+    _, n = _diamond()
+    walked = set(M.walk(n["out"], M.inputs, stop=lambda node: node is n["b"]))
+    assert n["b"] in walked
+    assert n["y"] not in walked
+    assert n["x"] in walked  # still reached through a
+
+
+def test_skip_neither_yields_the_node_nor_goes_past_it():
+    _, n = _diamond()
+    walked = set(M.walk(n["out"], M.inputs, skip=lambda node: node is n["a"]))
+    assert n["a"] not in walked
+    assert {n["b"], n["x"], n["y"]} <= walked  # x still reached through b
+    assert list(M.walk(n["out"], M.inputs, skip=lambda node: node is n["out"])) == []
+
+
+def test_the_closures_and_ancestors_are_walks():
+    _, n = _diamond()
+    assert M.downstream(n["a"]) == {n["a"], n["c"], n["d"], n["out"], n["output"]}
+    assert M.upstream(n["c"]) == {n["c"], n["a"], n["b"], n["x"], n["y"]}
+    # stopping at b keeps b but not y; the order is the graph's
+    assert M.ancestors(n["c"], stop=[n["b"]]) == [n["x"], n["a"], n["b"], n["c"]]
