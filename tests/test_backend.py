@@ -120,12 +120,12 @@ def test_mode_and_inductor_options_accepted():
 
 def test_registry_has_stages():
     assert {"hc_detect", "recompute", "linear_attn", "op_inventory"} <= set(all_pass_names())
-    # substitutes reports what Dynamo traced as our ops; detection annotates next; depthwise_conv
-    # rewrites after the attention passes looked; recompute tags blocks on the final graph;
-    # saved_views tags what is left
-    assert [p.name for p in passes_for_stage("dynamo")] == ["substitutes", "hc_detect", "hc_fuse", "delta_rule",
-                                                               "htree", "linear_attn", "depthwise_conv", "recompute",
-                                                               "saved_views"]
+    # substitutes reports what Dynamo traced as our ops; normalize gives every op one spelling before
+    # any matcher reads the graph; detection annotates next; depthwise_conv rewrites after the
+    # attention passes looked; recompute tags blocks on the final graph; saved_views tags what is left
+    assert [p.name for p in passes_for_stage("dynamo")] == ["substitutes", "normalize", "hc_detect", "hc_fuse",
+                                                               "delta_rule", "htree", "linear_attn", "depthwise_conv",
+                                                               "recompute", "saved_views"]
     assert [p.name for p in passes_for_stage("post_grad")] == ["op_inventory"]
 
 
