@@ -225,7 +225,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             DOT_PRECISION=plan.dot_precision, **state_launch_options(block_k_full, k.dtype), **common,
         )
     if o is not None and plan.num_chunks:
-        plan.launch(_output_kernel)[(plan.num_chunks, value_heads, triton.cdiv(value_dim, block_v))](
+        plan.launch(_output_kernel)[(plan.num_chunks * triton.cdiv(value_dim, block_v), value_heads)](
             q, cum_arg, h, local.scores, u, o, *q.stride(), *o.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,

@@ -664,7 +664,7 @@ def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int) -> None:
     if last == first:
         return
     block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
-    _output_kernel[(last - first, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
+    _output_kernel[((last - first) * triton.cdiv(problem.value_dim, block_v), problem.value_heads)](
         intra.q, intra.cum if intra.cum is not None else kplan.dummy, h[first:], intra.scores, u, o,
         *intra.q.stride(), *o.stride(), geometry.chunk_table[first:], geometry.cu_seqlens,
         problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,

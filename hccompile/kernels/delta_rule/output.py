@@ -25,12 +25,17 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile."""
+        """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile; grid (chunks x value
+        tiles, value heads)."""
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
-        pid_chunk = tl.program_id(0)
+        # The value tiles of one chunk are neighbouring programs (the grid's fastest axis), so the
+        # second reads the chunk's q and P from L2 rather than DRAM: with the value tile as a grid axis
+        # of its own, all chunks of one tile ran before any of the next (2 x 64 tiles at V = 128).
+        value_tiles = (V + BV - 1) // BV
+        pid_chunk = tl.program_id(0) // value_tiles
+        pid_v = tl.program_id(0) % value_tiles
         head = tl.program_id(1).to(tl.int64)
-        pid_v = tl.program_id(2)
         if IS_VARLEN:
             batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
         else:
