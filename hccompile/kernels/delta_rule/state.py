@@ -244,6 +244,10 @@ def state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int
     for sm_90 (Triton 3.8), two stages at K = 128 took 148-173 KiB for half inputs and up to
     217 KiB for fp32, three stages over 227 KiB (an H100's limit), so deeper ones are avoided.
     """
-    num_warps = 4 if block_k_full <= 64 else 8
     two_stages = block_k_full <= 64 or (block_k_full == 128 and dtype != torch.float32)
+    # Timed on the H100 (Triton 3.6, GDN B1 T32768 H16 K128 bf16, fwd+bwd, both sweeps at once, two
+    # rounds, session 21): 4 warps with two stages 6.20-6.22 ms against 8 warps' 6.42-6.47; one stage
+    # 7.6-7.8 either way. A sweep is a chain of dependent [BT, K] x [K, BV] steps whose per-step latency,
+    # not its spills, sets the time. fp32 (one stage) and K > 128 keep 8 warps (untimed).
+    num_warps = 4 if block_k_full <= 64 or (block_k_full == 128 and two_stages) else 8
     return {"num_warps": num_warps, "num_stages": 2 if two_stages else 1}
