@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
-from .plan import (DEFAULT_CHUNK_SIZE, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
+from .plan import (DEFAULT_CHUNK_SIZE, GATE_CODES, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
                    intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
@@ -222,7 +222,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BKF=block_k_full, BV=block_v_state,
             HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-            DOT_PRECISION=plan.dot_precision, **state_launch_options(block_k_full, k.dtype), **common,
+            DOT_PRECISION=plan.dot_precision, **_sweep_options(plan, block_k_full, k.dtype), **common,
         )
     if o is not None and plan.num_chunks:
         plan.launch(_output_kernel)[(plan.num_chunks * triton.cdiv(value_dim, block_v), value_heads)](
@@ -231,6 +231,11 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,
         )
     return _Forward(**vars(local), u=u, h=h)
+
+
+def _sweep_options(plan: Plan, block_k_full: int, k_dtype: torch.dtype) -> dict[str, int]:
+    """The two state sweeps' launch options; without per-channel gates, the ones timed for GDN."""
+    return state_launch_options(block_k_full, k_dtype, timed_sweep=plan.gate_code != GATE_CODES["channel"])
 
 
 def plan_kept_state_rows(plan: Plan):
@@ -446,7 +451,7 @@ def chunk_delta_rule_bwd(
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             BKF=block_k_full, BV=block_v_state,
             HAS_FINAL_STATE_GRAD=dht is not None, STORE_INITIAL_STATE_GRAD=dh0 is not None,
-            **state_launch_options(block_k_full, fwd.k.dtype), **common,
+            **_sweep_options(plan, block_k_full, fwd.k.dtype), **common,
         )
     if plan.num_chunks:
         plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](

@@ -235,7 +235,7 @@ def state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device
     return narrow_for_occupancy(widest, walks, value_dim, device, floor=MIN_BACKWARD_SWEEP_TILE)
 
 
-def state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int]:
+def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: bool = False) -> dict[str, int]:
     """num_warps and num_stages of the sequential state kernels; `dtype` is the one of the k they read
     (the input's, or the intermediates' after the in-kernel l2norm).
 
@@ -245,9 +245,10 @@ def state_launch_options(block_k_full: int, dtype: torch.dtype) -> dict[str, int
     217 KiB for fp32, three stages over 227 KiB (an H100's limit), so deeper ones are avoided.
     """
     two_stages = block_k_full <= 64 or (block_k_full == 128 and dtype != torch.float32)
-    # Timed on the H100 (Triton 3.6, GDN B1 T32768 H16 K128 bf16, fwd+bwd, both sweeps at once, two
-    # rounds, session 21): 4 warps with two stages 6.20-6.22 ms against 8 warps' 6.42-6.47; one stage
-    # 7.6-7.8 either way. A sweep is a chain of dependent [BT, K] x [K, BV] steps whose per-step latency,
-    # not its spills, sets the time. fp32 (one stage) and K > 128 keep 8 warps (untimed).
-    num_warps = 4 if block_k_full <= 64 or (block_k_full == 128 and two_stages) else 8
+    # `timed_sweep`: chunk.py's two sweeps without per-channel gates, timed on the H100 (Triton 3.6, GDN
+    # B1 T32768 H16 K128 bf16, fwd+bwd, both sweeps at once, two rounds, session 21): 4 warps with two
+    # stages 6.20-6.22 ms against 8 warps' 6.42-6.47; one stage 7.6-7.8 either way. A sweep is a chain
+    # of dependent [BT, K] x [K, BV] steps whose per-step latency, not its spills, sets the time. KDA's
+    # sweeps, CP's summary kernels, fp32 (one stage) and K > 128 keep 8 warps until timed.
+    num_warps = 4 if block_k_full <= 64 or (timed_sweep and block_k_full == 128 and two_stages) else 8
     return {"num_warps": num_warps, "num_stages": 2 if two_stages else 1}
