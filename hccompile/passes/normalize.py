@@ -127,6 +127,8 @@ def _spelling(node: fx.Node) -> str:
     attribute = view_attribute(node)
     if attribute is not None:
         return f".{attribute}"
+    if node.target is operator.matmul:
+        return "@"  # operator.matmul's own name would read as torch.matmul
     return getattr(node.target, "__name__", str(node.target))
 
 
