@@ -32,6 +32,7 @@ import torch
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (DEFAULT_CHUNK_SIZE, GATE_CODES, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
                    intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
+from .output import output_grid
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
@@ -225,7 +226,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             DOT_PRECISION=plan.dot_precision, **_sweep_options(plan, block_k_full, k.dtype), **common,
         )
     if o is not None and plan.num_chunks:
-        plan.launch(_output_kernel)[(plan.num_chunks * triton.cdiv(value_dim, block_v), value_heads)](
+        plan.launch(_output_kernel)[output_grid(plan.num_chunks, value_heads, value_dim, block_v)](
             q, cum_arg, h, local.scores, u, o, *q.stride(), *o.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,

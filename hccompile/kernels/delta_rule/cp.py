@@ -63,7 +63,7 @@ from .state import (MIN_BACKWARD_SWEEP_TILE, STATE_TILE_ELEMENTS, state_backward
 from .wy import WY_BACKWARD_OPTIONS
 
 if triton is not None:
-    from .output import _output_kernel
+    from .output import _output_kernel, output_grid
     from .state import _state_backward_kernel, _state_forward_kernel
     from .tiles import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows, _varlen_chunk_coords
     from .wy import _wy_backward_kernel
@@ -664,7 +664,7 @@ def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int) -> None:
     if last == first:
         return
     block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
-    _output_kernel[((last - first) * triton.cdiv(problem.value_dim, block_v), problem.value_heads)](
+    _output_kernel[output_grid(last - first, problem.value_heads, problem.value_dim, block_v)](
         intra.q, intra.cum if intra.cum is not None else kplan.dummy, h[first:], intra.scores, u, o,
         *intra.q.stride(), *o.stride(), geometry.chunk_table[first:], geometry.cu_seqlens,
         problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from .._triton import tl, triton
 
+def output_grid(num_chunks, value_heads: int, value_dim: int, block_v: int) -> tuple:
+    """_output_kernel's grid: (chunks x value tiles, value heads), the value tiles of one chunk
+    neighbouring programs (the kernel decodes its first program id so)."""
+    return (num_chunks * triton.cdiv(value_dim, block_v), value_heads)
+
+
 if triton is not None:
     from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _row_chunk_coords, _store_rows,
                         _varlen_chunk_coords)
