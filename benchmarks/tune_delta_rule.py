@@ -29,13 +29,16 @@ from profile_ops import parse_shape  # noqa: E402
 # options are the baseline. An upper-case name is a module constant the launchers read, set to each
 # value in turn.
 VARIANTS = {
-    "_wy_solve_kernel": (chunk, [dict(num_warps=2), dict(num_warps=8), dict(num_stages=1)]),
+    "_wy_solve_kernel": (chunk, [dict(num_warps=1), dict(num_warps=2), dict(num_warps=8), dict(num_stages=1),
+                                 dict(num_stages=3)]),
     "_wy_backward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
     "_decayed_scores_kernel": (scores, [dict(num_warps=4), dict(num_warps=8)]),
-    "_decayed_scores_backward_kernel": (scores, [dict(num_warps=4)]),
-    "_state_forward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
-    "_state_backward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
-    "_output_kernel": (chunk, [dict(num_warps=8), dict(num_stages=1)]),
+    "_decayed_scores_backward_kernel": (scores, [dict(num_warps=4), dict(num_warps=8), dict(num_stages=1),
+                                                dict(num_stages=3)]),
+    "_state_forward_kernel": (chunk, [dict(num_warps=4), dict(num_warps=8), dict(num_stages=1), dict(num_stages=3),
+                                      dict(num_stages=4)]),
+    "_state_backward_kernel": (chunk, [dict(num_warps=4), dict(num_warps=8), dict(num_stages=1), dict(num_stages=3)]),
+    "_output_kernel": (chunk, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=2), dict(num_stages=4)]),
     # Module constants the launchers read at call time: the values tried.
     "L2NORM_BLOCK_ROWS": (qk_l2norm, [32, 64]),
     "L2NORM_WARPS": (qk_l2norm, [1, 2, 8]),

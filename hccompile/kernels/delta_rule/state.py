@@ -235,25 +235,33 @@ def state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device
     return narrow_for_occupancy(widest, walks, value_dim, device, floor=MIN_BACKWARD_SWEEP_TILE)
 
 
-def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: bool = False) -> dict[str, int]:
+def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: tuple[bool, str] | None = None
+                         ) -> dict[str, int]:
     """num_warps and num_stages of the sequential state kernels; `dtype` is the one of the k they read
-    (the input's, or the intermediates' after the in-kernel l2norm).
+    (the input's, or the intermediates' after the in-kernel l2norm). `timed_sweep` = (per-channel gate,
+    "forward" or "backward") for chunk.py's two sweeps, whose options at K = 128 with half inputs were
+    timed on the H100; CP's summary kernels, fp32 and K > 128 take the untimed rule.
 
     They hold [chunk, K] tiles of the whole key dim: more warps mean fewer spills. Each
     software-pipelining stage keeps another copy of those tiles in shared memory; compiled
     for sm_90 (Triton 3.8), two stages at K = 128 took 148-173 KiB for half inputs and up to
-    217 KiB for fp32, three stages over 227 KiB (an H100's limit), so deeper ones are avoided.
+    217 KiB for fp32, three stages over 227 KiB (an H100's limit), so deeper ones are avoided
+    where untimed.
     """
     two_stages = block_k_full <= 64 or (block_k_full == 128 and dtype != torch.float32)
-    # `timed_sweep`: chunk.py's two sweeps without per-channel gates, timed on the H100 (Triton 3.6, GDN
-    # B1 T32768 H16 K128 bf16, fwd+bwd, both sweeps at once, two rounds, session 21): 4 warps with two
-    # stages 6.20-6.22 ms against 8 warps' 6.42-6.47; one stage 7.6-7.8 either way. A sweep is a chain
-    # of dependent [BT, K] x [K, BV] steps whose per-step latency, not its spills, sets the time. KDA's
-    # sweeps, CP's summary kernels, fp32 (one stage) and K > 128 keep 8 warps until timed.
-    # Three stages, same sweeps, timed on the H100 (Triton 3.6, session 22, two rounds, outputs and gradients
-    # bitwise equal to two stages): GDN B1 T32768 5.47 ms against 5.82 (forward sweep alone 5.56, backward
-    # alone 5.71), B4 T4096 2.47 against 2.57-2.65. Shared memory at three stages (sm_90, Triton 3.6 and
-    # 3.9 alike): forward 109-140 KiB, backward 206 KiB of 227; four stages took 276 KiB for the backward.
-    timed = timed_sweep and block_k_full == 128 and two_stages
-    num_warps = 4 if block_k_full <= 64 or timed else 8
-    return {"num_warps": num_warps, "num_stages": 3 if timed else (2 if two_stages else 1)}
+    untimed = {"num_warps": 4 if block_k_full <= 64 else 8, "num_stages": 2 if two_stages else 1}
+    if timed_sweep is None or block_k_full != 128 or not two_stages:
+        return untimed
+    channel, direction = timed_sweep
+    # A sweep is a chain of dependent [BT, K] x [K, BV] steps whose per-step latency, not its spills, sets
+    # the time. Timed on the H100 (Triton 3.6, B1 T32768 H16 K128 bf16, fwd+bwd, do_bench):
+    # - no per-channel gate (GDN): 4 warps, two stages 6.20-6.22 ms against 8 warps' 6.42-6.47 (one stage
+    #   7.6-7.8; session 21); then three stages 5.47 against 5.82 (forward sweep alone 5.56, backward alone
+    #   5.71; B4 T4096 2.47 against 2.57-2.65; o and every gradient bitwise equal; session 22).
+    # - per-channel gate (KDA, session 22): 4 warps 12.95 ms against 8 warps' 11.60; the forward sweep
+    #   at three stages 11.39 against 11.62, the backward at three 11.99 (slower).
+    # Shared memory at three stages (sm_90, Triton 3.6 and 3.9 alike): GDN forward 139 KiB, backward
+    # 204-208 KiB of 227 (four stages took 276 KiB for the backward).
+    if not channel:
+        return {"num_warps": 4, "num_stages": 3}
+    return {"num_warps": 8, "num_stages": 3 if direction == "forward" else 2}
