@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import Plan
+from .plan import GATE_CODES, Plan
 
 from .._triton import tl, triton
 
@@ -436,4 +436,9 @@ def wy_solve_options(plan: Plan) -> dict[str, int]:
     """wy_solve's substitution is a chain of [16, 16] steps: with half inputs 2 warps took 1-5 % less
     than 4 (8 warps 1 % more), although they spill 8-96 bytes per thread at sm_90. fp32 inputs' exact
     (ieee) products spilled 10 KiB per thread at 2 warps, 5.5 KiB at 4 and 232-272 bytes at 8."""
-    return {"num_warps": 8 if plan.input_dtype == torch.float32 else 2}
+    if plan.input_dtype == torch.float32:
+        return {"num_warps": 8}
+    # Per-channel gates (KDA): one stage took 11.23-11.46 ms against 11.37-11.62 for Triton's default three
+    # (B1 T32768 H16 D128 fwd+bwd, H100, Triton 3.6, tune_delta_rule twice, session 22); GDN showed no change.
+    channel = plan.gate_code == GATE_CODES["channel"]
+    return {"num_warps": 2, "num_stages": 1} if channel else {"num_warps": 2}
