@@ -56,6 +56,26 @@ def bthd_einsum(q, k, v):
     return torch.einsum("bhts,bshd->bthd", s.masked_fill(~_mask(T, q.device), 0), v)
 
 
+def bhtd_einsum_multiplied_mask(q, k, v):
+    # normalize rewrites both einsums into torch.matmul (kᵀ a torch.transpose): the matmul spelling
+    T = q.shape[-2]
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * _mask(T, q.device)
+    return torch.einsum("bhij,bhjd->bhid", s, v)
+
+
+def bhtd_matmul_multiplied_mask(q, k, v):
+    T = q.shape[-2]
+    return (q @ k.transpose(-2, -1) * _mask(T, q.device)) @ v
+
+
+def bthd_matmul_permuted(q, k, v):
+    # bthd_einsum in matmul spelling
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    T = q.shape[1]
+    s = (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)) * 0.25
+    return (s.masked_fill(~_mask(T, q.device), 0) @ v.transpose(1, 2)).transpose(1, 2)
+
+
 def bthd_matmul_transposed(q, k, v):
     q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # real [B,T,H,D] tensors
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -64,7 +84,7 @@ def bthd_matmul_transposed(q, k, v):
 
 LOWERED = [bhtd_matmul_tril, bhtd_method_tril_scaled_scores, bhtd_scale_on_q_where,
            bhtd_multiplied_mask, bhtd_masked_fill_triu, flat_bmm, bthd_einsum,
-           bthd_matmul_transposed]
+           bthd_matmul_transposed, bhtd_einsum_multiplied_mask]
 
 
 def _inputs(B=2, H=3, T=21, K=16, V=12, dtype=torch.float32, seed=0):
@@ -88,6 +108,33 @@ def test_form_is_lowered_and_matches_eager(fn, normalized):
     assert rel_err(out, ref) < 1e-5
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("einsum_fn, matmul_fn, anchor", [
+    (bhtd_einsum_multiplied_mask, bhtd_matmul_multiplied_mask, "einsum_1"),  # the value einsum, now a matmul
+    (bthd_einsum, bthd_matmul_permuted, "matmul"),  # before einsum_1, now the transpose into [B, T, H, D]
+], ids=["bhtd", "bthd"])
+def test_einsum_attention_is_matched_as_its_matmul_spelling(einsum_fn, matmul_fn, anchor):
+    """The normalising pre-pass rewrites einsum attention into torch.matmul (and transposes or
+    permutes): the pass matches it as it matches the matmul spelling, with the same form, op, layout
+    and scale, at the value product."""
+    q, k, v = _inputs()
+    found = {}
+    for fn in (einsum_fn, matmul_fn):
+        be = Collect(compiler="aot_eager")
+        out, grads = fwd_bwd(torch.compile(fn, backend=be, fullgraph=True), q, k, v)
+        ref, ref_grads = fwd_bwd(fn, q, k, v)
+        assert rel_err(out, ref) < 1e-5 and all(rel_err(g, r) < 1e-5 for g, r in zip(grads, ref_grads))
+        (match,) = be.matches
+        found[fn] = {key: match[key] for key in ("pattern", "form", "op", "layout", "scale")}
+        found[fn, "node"] = match["node"]
+        (record,) = [p for r in be.reports for p in r.passes if p.name == "normalize"]
+        found[fn, "normalize"] = record.notes
+    assert found[einsum_fn] == found[matmul_fn]
+    assert found[einsum_fn, "node"] == anchor
+    assert found[einsum_fn]["pattern"] == "causal_linear_attn"
+    (note,) = [n for n in found[einsum_fn, "normalize"] if n.startswith("matrix product:")]
+    assert note.count("einsum(") == 2, note
 
 
 @pytest.mark.parametrize("fn", [bhtd_matmul_tril, bthd_einsum], ids=lambda f: f.__name__)
