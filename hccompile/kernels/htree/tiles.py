@@ -248,7 +248,13 @@ if triton is not None:
         k_mask = (tl.arange(0, BLOCK_C)[:, None] >= 0) & (cols_k[None, :] < KH)
         cos_k = tl.load(cos_ptr + k_rows, mask=k_mask, other=0.0)
         sin_k = tl.load(sin_ptr + k_rows, mask=k_mask, other=0.0)
-        q_row = (n - 1 - p0) * KH + cols_k
+        # Clamped at 0: Triton's software pipeliner runs this tile for iterations past the loop's end
+        # (p0 >= n) with only the loop-invariant column mask below (an scf.if it speculates takes its
+        # condition ANDed with the stage predicate, so this branch runs in every layer), and an unclamped
+        # row went up to 1 KiB below the cos/sin tables: the intermittent illegal memory access of the
+        # forward on the H100 (read from the sm_90 TTGIR/PTX of Triton 3.6 and 3.9, session 22). Real
+        # iterations have p0 <= n - 1, so this changes nothing there.
+        q_row = tl.maximum(n - 1 - p0, 0) * KH + cols_k
         cos_q = tl.load(cos_ptr + q_row, mask=cols_k < KH, other=0.0)[None, :]
         sin_q = tl.load(sin_ptr + q_row, mask=cols_k < KH, other=0.0)[None, :]
         qr1 = (q1 * cos_q - q2 * sin_q).to(DOT_DTYPE)
@@ -390,11 +396,9 @@ if triton is not None:
                      record_ptr, RECORD, SELECT_PAD, RANK_SELECT)
         # The flags and the next parents are read next by other threads: the merge of this layer
         # reads the flags, and the layer below (the token layer has no select_layer, hence no
-        # leading barrier) reads the parents. Without this barrier a thread could read the
-        # previous item's rows, or at a program's first item uninitialised scratch, as node
-        # indices: the illegal memory accesses seen on the H100 (compute-sanitizer: out-of-bounds
-        # reads in _htree_forward_kernel under opcheck).
-        tl.debug_barrier()
+        # leading barrier) reads the parents. (fd8f791 doubled this barrier against the forward's
+        # out-of-bounds reads; Triton merges two adjacent barriers into one, and the reads were the
+        # pipeliner's speculative RoPE rows, see candidate_tile.)
         tl.debug_barrier()
 
 else:
