@@ -51,6 +51,19 @@ _SPELLINGS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "expand": ((), ("expand", "expand_as")),
 }
 
+# A view attribute (getattr(x, "mT"), on torch 2.15 aten.mT(x)) by kind: x.T is read as x.mT.
+_ATTRIBUTE_SPELLINGS: dict[str, tuple[str, ...]] = {"mT": ("mT", "T")}
+
+# Python's in-place operators (`a += b`, ...) -> the operator they update with. Each writes its
+# first operand (mutated_operand); kind() knows only iadd, as an add.
+_INPLACE_OPERATORS: dict[Any, Any] = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+    operator.ipow: operator.pow, operator.imatmul: operator.matmul, operator.iand: operator.and_,
+    operator.ior: operator.or_, operator.ixor: operator.xor, operator.ilshift: operator.lshift,
+    operator.irshift: operator.rshift,
+}
+
 _FN_TO_KIND: dict[Any, str] = {}
 _METHOD_TO_KIND: dict[str, str] = {}
 for _kind, (_fns, _methods) in _SPELLINGS.items():
@@ -80,12 +93,92 @@ def kind(node: Any) -> str | None:
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_function":
-        if view_attribute(node) in ("mT", "T"):  # getattr(x, "mT") or, on torch 2.15, aten.mT(x)
+        if view_attribute(node) in _ATTRIBUTE_SPELLINGS["mT"]:  # getattr(x, "mT") or, on torch 2.15, aten.mT(x)
             return "mT"
         return _FN_TO_KIND.get(node.target)
     if node.op == "call_method":
         return _METHOD_TO_KIND.get(node.target)
     return None
+
+
+def spelling(node: fx.Node) -> str:
+    """The name `node`'s op is written with, where kind() would merge spellings a pass tells apart:
+    a method by its name as called (`masked_fill_` stays in-place, `view_as` stays apart from
+    `view`); a function by its `__name__` (`bmm`, `true_divide`); a Python operator by its kind
+    (`a / b` is `div`, `a & b` is `and`), an in-place one with an `i` before it (`a += b` is
+    `iadd`, `a /= b` is `idiv`); an attribute as `getattr.<name>` (`getattr.mT`, `getattr.shape`);
+    a higher-order scan as `scan`; any other node by its op (`placeholder`, `output`...)."""
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return node.op
+    attr = view_attribute(node)  # getattr(x, "mT") or, on torch 2.15, aten.mT(x)
+    if attr is not None:
+        return f"getattr.{attr}"
+    if node.target is getattr:
+        return f"getattr.{node.args[1]}" if len(node.args) > 1 else "getattr"
+    if is_scan(node):
+        return "scan"
+    return _function_spelling(node.target)
+
+
+def _function_spelling(target: Any) -> str:
+    if getattr(target, "__module__", None) == "_operator":  # operator.add, operator.iadd, ...
+        if target in _INPLACE_OPERATORS:
+            return "i" + _function_spelling(_INPLACE_OPERATORS[target])
+        if target in _FN_TO_KIND:
+            return _FN_TO_KIND[target]
+        return target.__name__.rstrip("_")  # and_ -> and: Python's keyword, not an in-place op
+    if target is getattr:
+        return "getattr"
+    return getattr(target, "__name__", str(target))
+
+
+def spellings(*kinds: str) -> frozenset[str]:
+    """Every spelling() of the ops of these kinds (`spellings("transpose")`: transpose, swapaxes,
+    swapdims), for a pass that decides by spelling: named by kind, its op classes learn a spelling
+    taught to the table above."""
+    out: set[str] = set()
+    for k in kinds:
+        if k in _ATTRIBUTE_SPELLINGS:
+            out.update(f"getattr.{a}" for a in _ATTRIBUTE_SPELLINGS[k])
+            continue
+        fns, methods = _SPELLINGS[k]
+        out.update(_function_spelling(f) for f in fns)
+        out.update(methods)
+    return frozenset(out)
+
+
+def plain(name: str) -> str:
+    """A spelling's out-of-place form (masked_fill_ -> masked_fill); Python's in-place operators
+    keep theirs (iadd)."""
+    return name[:-1] if name.endswith("_") and not name.startswith("_") else name
+
+
+def mutated_operand(node: fx.Node) -> fx.Node | None:
+    """The node an in-place op writes (`x[i] = v`, `x += y`, `x.masked_fill_(...)`), or None."""
+    if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
+        inplace = node.target is operator.setitem or node.target in _INPLACE_OPERATORS
+    elif node.op == "call_function" and node.target is getattr:
+        inplace = False  # reading x.add_ calls nothing
+    elif node.op in ("call_function", "call_method"):
+        name = spelling(node)
+        inplace = name.endswith("_") and not name.startswith("_")
+    else:
+        return None
+    if inplace and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
+def is_scan(node: fx.Node) -> bool:
+    """A call of torch's higher-order scan."""
+    return node.op == "call_function" and type(node.target).__name__ == "ScanOp"
+
+
+def random_spellings() -> frozenset[str]:
+    """spelling() of the random functions is_impure() refuses."""
+    return frozenset(_function_spelling(f) for f in _RANDOM_TARGETS)
 
 
 def describe(node: Any) -> str:

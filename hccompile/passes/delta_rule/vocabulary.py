@@ -1,113 +1,63 @@
-"""What each node does, in the words every later stage uses: one name per op whatever its spelling
-(operator, function, method, in-place), the op classes the walks decide by, and one index of graph
-order and storage aliasing built per run. Kept apart so that the loop finder, the region walk and
-the evaluator read the graph the same way."""
+"""What each node does, in the words every later stage uses: fx_match's spelling() of each node
+(one name per op as written, in-place kept apart: `masked_fill_`, `iadd`, `getattr.mT`), the op
+classes the walks decide by, named by fx_match's kinds where a kind's every spelling belongs to the
+class (so a spelling taught to fx_match reaches them) and by spelling where the class tells apart
+what a kind merges, and one index of graph order and storage aliasing built per run. Kept apart so
+that the loop finder, the region walk and the evaluator read the graph the same way."""
 from __future__ import annotations
 
 import math
-import operator
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ...compat import concrete_shape, view_attribute
+from ...compat import concrete_shape
+from .. import fx_match as M
 
 
 # ----------------------------------------------------------------------------------------------
 # What each node does
 
-
-_OPERATOR_NAMES = {
-    operator.getitem: "getitem", operator.setitem: "setitem", operator.add: "add", operator.sub: "sub",
-    operator.mul: "mul", operator.truediv: "div", operator.floordiv: "floordiv", operator.neg: "neg",
-    operator.pos: "pos", operator.matmul: "matmul", operator.pow: "pow", operator.invert: "invert",
-    operator.and_: "and", operator.or_: "or", operator.xor: "xor", operator.lt: "lt", operator.le: "le",
-    operator.gt: "gt", operator.ge: "ge", operator.eq: "eq", operator.ne: "ne", operator.mod: "mod",
-    operator.iadd: "iadd", operator.isub: "isub", operator.imul: "imul", operator.itruediv: "idiv",
-    getattr: "getattr",
-}
-_INPLACE_OPERATORS = {"setitem", "iadd", "isub", "imul", "idiv"}
+_name = M.spelling
+_plain = M.plain
+_is_scan = M.is_scan
+_mutated_operand = M.mutated_operand
 
 # Ops whose result may share storage with their first operand (for mutation tracking).
-_ALIASING = {"getitem", "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand",
-             "expand_as", "select", "narrow", "contiguous", "flatten", "unflatten", "view_as", "reshape_as",
-             "movedim", "moveaxis", "swapaxes", "swapdims", "unbind", "split", "chunk", "detach", "t",
-             "getattr.mT", "getattr.T", "as_strided", "to", "float", "double", "half", "bfloat16", "type",
-             "type_as"}
-_LAYOUT = _ALIASING | {"clone", "repeat_interleave", "pad", "stack", "cat"}
-_ARITH = {"add", "sub", "mul", "div", "true_divide", "neg", "exp", "exp2", "log", "sqrt", "rsqrt", "pow",
-          "square", "reciprocal", "abs", "sum", "mean", "cumsum", "clamp", "clamp_min", "clamp_max", "where",
-          "masked_fill", "tril", "triu", "matmul", "bmm", "einsum", "normalize", "norm", "vector_norm", "outer",
-          "invert", "logical_not", "and", "or", "lt", "le", "gt", "ge", "eq", "ne", "bool", "maximum",
-          "minimum", "rsub", "diagonal", "diag_embed", "tensordot", "linalg_solve_triangular",
-          "solve_triangular", "inverse", "linalg_inv", "copy", "zero", "fill", "iadd", "isub", "imul", "idiv",
-          "setitem", "floordiv"}
+_ALIASING = M.spellings("getitem", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "narrow",
+                        "contiguous", "split", "cast", "mT") | {
+    "select", "flatten", "unflatten", "movedim", "moveaxis", "unbind", "chunk", "detach", "t", "as_strided"}
+_LAYOUT = _ALIASING | M.spellings("cat") | {"clone", "repeat_interleave", "pad", "stack"}
+_ARITH = M.spellings("add", "sub", "mul", "div", "neg", "exp", "pow", "sum", "cumsum", "where", "masked_fill",
+                     "tril", "triu", "matmul", "einsum", "setitem") | {
+    "exp2", "log", "sqrt", "rsqrt", "square", "reciprocal", "abs", "mean", "clamp", "clamp_min", "clamp_max",
+    "normalize", "norm", "vector_norm", "outer", "invert", "logical_not", "and", "or", "lt", "le", "gt", "ge",
+    "eq", "ne", "bool", "maximum", "minimum", "rsub", "diagonal", "diag_embed", "tensordot",
+    "linalg_solve_triangular", "solve_triangular", "inverse", "linalg_inv", "copy", "zero", "fill", "isub",
+    "imul", "idiv", "floordiv"}
 _ABSORB = _LAYOUT | _ARITH
 _CREATE = {"zeros", "ones", "empty", "full", "eye", "arange", "tensor", "as_tensor", "scalar_tensor",
            "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
            "new_full", "new_tensor", "linspace", "tril_indices", "triu_indices"}
-_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "dropout",
-           "multinomial", "normal", "uniform", "random", "exponential", "native_dropout", "feature_dropout",
-           "alpha_dropout"}
-# Ops whose operands after the first are read for dtype/shape/device only.
+_RANDOM = M.random_spellings() | {"randint_like", "uniform", "random", "exponential", "native_dropout",
+                                  "feature_dropout", "alpha_dropout"}
+# Ops whose operands after the first are read for dtype/shape/device only (by spelling: `view`'s
+# sizes are operands, `view_as`'s tensor is not).
 _META_AFTER_FIRST = {"to", "type_as", "expand_as", "view_as", "reshape_as"}
 # Ops that keep a value "a log-gate" on its way to the exp (gate classification).
-_GATE_PATH = (_LAYOUT | {"cumsum", "sub", "add", "neg", "rsub", "tril", "triu", "masked_fill", "where", "iadd",
-                         "isub"}) - {"stack", "cat"}
-_EXP = {"exp", "exp2"}
-# Ops allowed between the loop's output and the value the rest of the graph uses.
-_POST = {"getitem", "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "contiguous", "flatten",
-         "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "getattr.mT", "to", "float", "double",
-         "half", "bfloat16", "type", "type_as", "clone"}
+_GATE_PATH = (_LAYOUT | M.spellings("cumsum", "sub", "add", "neg", "tril", "triu", "masked_fill", "where")
+              | {"rsub", "isub"}) - M.spellings("cat") - {"stack"}
+_EXP = M.spellings("exp") | {"exp2"}
+# Ops allowed between the loop's output and the value the rest of the graph uses (by spelling where
+# a kind holds more: `view_as`/`reshape_as` read a second tensor, `x.T` is no mT beyond 2 dims).
+_POST = M.spellings("getitem", "transpose", "permute", "unsqueeze", "squeeze", "contiguous", "cast") | {
+    "view", "reshape", "flatten", "unflatten", "movedim", "moveaxis", "getattr.mT", "clone"}
 
 
 # Ops whose integer arguments are positions (the loop variable may appear in them).
 _POSITIONAL = {"lt", "le", "gt", "ge", "eq", "ne", "narrow", "select", "arange", "roll"}
-
-
-def _name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        attr = view_attribute(node)  # getattr(x, "mT") or, on torch 2.15, aten.mT(x)
-        if attr is not None:
-            return f"getattr.{attr}"
-        target = node.target
-        try:
-            name = _OPERATOR_NAMES.get(target)
-        except TypeError:
-            name = None
-        if name == "getattr":
-            return f"getattr.{node.args[1]}" if len(node.args) > 1 else "getattr"
-        if name is not None:
-            return name
-        if _is_scan(node):
-            return "scan"
-        return getattr(target, "__name__", str(target))
-    return node.op
-
-
-def _is_scan(node: fx.Node) -> bool:
-    return node.op == "call_function" and type(node.target).__name__ == "ScanOp"
-
-
-def _plain(name: str) -> str:
-    """In-place spelling -> out-of-place spelling (masked_fill_ -> masked_fill)."""
-    return name[:-1] if name.endswith("_") and not name.startswith("_") else name
-
-
-def _mutated_operand(node: fx.Node) -> fx.Node | None:
-    """The node an in-place op writes (setitem, +=, x.masked_fill_(...)), or None."""
-    if node.op not in ("call_function", "call_method"):
-        return None
-    name = _name(node)
-    inplace = name in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("_")
-                                             and name not in ("and_", "or_"))
-    if inplace and node.args and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    return None
 
 
 def _example(node: Any) -> Any:

@@ -20,21 +20,9 @@ _CREATION_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tens
 _SHAPE_ONLY_METHODS = {"size", "dim", "numel", "new_zeros", "new_ones", "new_empty", "new_full",
                        "new_tensor"}
 _SHAPE_ONLY_FNS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
-_INPLACE_FNS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
-
 
 _kind = M.kind  # one vocabulary for every pass (fx_match's spellings)
-
-
-def _mutation_target(node: fx.Node) -> Any:
-    """The tensor an in-place node writes into, or None."""
-    if node.op == "call_function" and node.target not in _OPERATORS:
-        name = getattr(node.target, "__name__", "")
-        if node.target in _INPLACE_FNS or (name.endswith("_") and not name.startswith("_")):
-            return node.args[0] if node.args else None
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
-        return node.args[0]
-    return None
+_mutation_target = M.mutated_operand  # the tensor an in-place node writes into, or None
 
 
 def _alive(node: Any, g: fx.Graph) -> bool:
