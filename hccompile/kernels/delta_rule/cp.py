@@ -230,7 +230,7 @@ if triton is not None:
                                  stride_dhtv, kc < K, value_width)
         num_chunks = tl.cdiv(eos - bos, BT)
         for step in range(0, num_chunks):
-            start = bos + (num_chunks - 1 - step) * BT
+            start = bos + tl.maximum(num_chunks - 1 - step, 0) * BT  # clamped as in state.py's backward sweep
             length = tl.minimum(eos - start, BT)
             tokens = start + local
             valid = local < length
@@ -326,8 +326,10 @@ if triton is not None:
         first = tl.load(chain_h_ptr + chain * MAX_CHAIN).to(tl.int64)
         state = _load_rows(h_ptr + first * stride_hs + head * stride_hh, kc, vc, stride_hk, stride_hv, kc < K, V)
         for j in range(1, length):
-            source = tl.load(chain_h_ptr + chain * MAX_CHAIN + j).to(tl.int64)
-            matrix = tl.load(chain_m_ptr + chain * MAX_CHAIN + j).to(tl.int64)
+            # j clamped: a pipelined loop may load the index of an iteration past its end (see state.py).
+            entry = chain * MAX_CHAIN + tl.minimum(j, length - 1)
+            source = tl.load(chain_h_ptr + entry).to(tl.int64)
+            matrix = tl.load(chain_m_ptr + entry).to(tl.int64)
             folded = _load_rows(h_ptr + source * stride_hs + head * stride_hh, kc, vc, stride_hk, stride_hv,
                                 kc < K, V)
             m_base = m_ptr + matrix * stride_ms + head * stride_mh

@@ -181,7 +181,10 @@ if triton is not None:
             dstate = tl.zeros([BKF, BV], dtype=tl.float32)
         num_chunks = tl.cdiv(eos - bos, BT)
         for step in range(0, num_chunks):
-            chunk = num_chunks - 1 - step
+            # Clamped: Triton's pipeliner may issue a later iteration's loads before the loop ends, where
+            # an unclamped chunk -1 or -2 would put every row of the tile before the sequence (see
+            # htree's candidate_tile). Real iterations have chunk >= 0.
+            chunk = tl.maximum(num_chunks - 1 - step, 0)
             start = bos + chunk * BT
             length = tl.minimum(eos - start, BT)
             tokens = start + local

@@ -134,7 +134,7 @@ if triton is not None:
             whole = tl.exp(g_last)
         else:
             g = tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0)
-            g_last = tl.load(cum_ptr + last_token * HV)
+            g_last = tl.load(cum_ptr + tl.maximum(last_token, 0) * HV)  # in bounds in speculated iterations too
             to_end = tl.exp(tl.where(valid, g_last - g, 0.0))[:, None]
             whole = tl.exp(g_last + tl.zeros([1], dtype=tl.float32))
         return to_end, whole
