@@ -103,15 +103,19 @@ def make_inputs(shape: dict, gate: str, dtype: torch.dtype, seed: int = 0) -> di
     return dict(q=q, k=k, v=v, g=g, beta=beta)
 
 
-def run_variant(fn, inputs: dict) -> dict:
-    """Forward and forward+backward medians; gradients w.r.t. q, k, v, g, beta."""
+def run_variant(fn, inputs: dict) -> tuple[dict, dict]:
+    """Forward and forward+backward medians, and the first backward's gradients w.r.t. every input
+    for one seeded output gradient (the same for every variant of a shape: a wrong backward shows
+    in the row's bwd_rel_err_vs_ours, not only a wrong forward)."""
     with torch.no_grad():
         fn(**inputs)
         fwd = bench(lambda: fn(**inputs))
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
     out = fn(**leaves)
-    do = torch.randn_like(out)
+    do = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(1), device=out.device,
+                     dtype=out.dtype)
     out.backward(do)  # compiles the backward of compiled variants
+    grads = {k: v.grad.detach().clone() for k, v in leaves.items() if v.grad is not None}
 
     def step():
         fn(**leaves).backward(do)
@@ -125,7 +129,7 @@ def run_variant(fn, inputs: dict) -> dict:
     step()
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - held) / 2**20
-    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "fwd_bwd_peak_mib": peak_mib}
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "fwd_bwd_peak_mib": peak_mib}, grads
 
 
 def ours(gate: str):
@@ -247,7 +251,7 @@ def kernel_rows(args, meta) -> list[dict]:
             if "plain" in wanted:
                 wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
             variants = [v for v in variants if kinds.get(v[0], v[0].replace(" ", "-")) in wanted]
-            reference = None  # the first variant's output: ours unless --impls leaves it out
+            reference = reference_grads = None  # the first variant's: ours unless --impls leaves it out
             # --rounds N times the variants N times in turn (ours, FLA, ours, FLA, ...): a difference that
             # follows the order rather than the variant shows up as a round-to-round change.
             for round_index, (name, fn, note) in enumerate(variants * args.rounds):
@@ -275,7 +279,14 @@ def kernel_rows(args, meta) -> list[dict]:
                         reference = out
                     else:
                         row["fwd_rel_err_vs_ours"] = rel_err(out, reference)
-                    row.update(run_variant(fn, inputs))
+                    timings, grads = run_variant(fn, inputs)
+                    row.update(timings)
+                    if reference_grads is None:
+                        reference_grads = grads
+                    elif grads.keys() == reference_grads.keys():
+                        # the worst input's gradient error against the first variant's
+                        row["bwd_rel_err_vs_ours"] = max(rel_err(grads[n], reference_grads[n]) for n in grads)
+                    del grads
                 except Exception as e:  # noqa: BLE001 - a failing variant is a row with its error
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 finally:
@@ -331,14 +342,16 @@ def markdown(rows: list[dict]) -> str:
     out = []
     kernel = [r for r in rows if r["bench"] == "kernel"]
     if kernel:
-        out += ["| op | shape | impl | fwd ms | fwd+bwd ms | fwd+bwd peak MiB | fwd rel err vs ours | note |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["| op | shape | impl | fwd ms | fwd+bwd ms | fwd+bwd peak MiB | fwd rel err vs ours | "
+                "worst grad rel err vs ours | note |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in kernel:
             fmt = (lambda x: f"{x:.3f}" if isinstance(x, float) else "—")
-            err = r.get("fwd_rel_err_vs_ours")
+            err, grad_err = r.get("fwd_rel_err_vs_ours"), r.get("bwd_rel_err_vs_ours")
             note = r.get("error") or r.get("note", "")
             out.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {fmt(r.get('fwd_ms'))} | "
-                       f"{fmt(r.get('fwd_bwd_ms'))} | {fmt(r.get('fwd_bwd_peak_mib'))} | {'' if err is None else f'{err:.1e}'} | {note} |")
+                       f"{fmt(r.get('fwd_bwd_ms'))} | {fmt(r.get('fwd_bwd_peak_mib'))} | {'' if err is None else f'{err:.1e}'} | "
+                       f"{'' if grad_err is None else f'{grad_err:.1e}'} | {note} |")
     comp = [r for r in rows if r["bench"] == "compile"]
     if comp:
         out += ["", "| model | backend | T | compile s | warm fwd+bwd ms |", "|---|---|---|---|---|"]
