@@ -108,7 +108,8 @@ class GraphEmitter(Emitter):
         return self._inserted(self.graph.call_method(name, (x, *args), kwargs))
 
     def _inserted(self, node: fx.Node) -> fx.Node:
+        # listed before its value is computed: a caller undoing a failed build erases `created`
+        self.created.append(node)
         node.meta.update(self.meta)
         node.meta["example_value"] = M.fake_value(node, self.fake_mode)
-        self.created.append(node)
         return node

@@ -458,6 +458,8 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
     """Example value for a node a pass created, computed in the fake mode of its own inputs (Dynamo
     graphs can hold values of more than one fake mode, e.g. for lifted parameters; not
     detect_fake_mode(), which prefers the tracing context's mode); `fake_mode` when no input has one.
+    Where the inputs' example values are real tensors and Python ints (a graph recorded by running
+    it, as tests and tools build them), on those tensors, without autograd; None where neither.
     The Python dispatcher is on, as while Dynamo traces: without it some ops' C++ meta functions
     read symbolic sizes as ints and pin them (constant_pad_nd guarded T == 21). Saved-tensor hooks of
     our own (detaching, storing nothing) shadow any the user has active around the compile: an op with autograd saves its fake
@@ -467,11 +469,19 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
     flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     mode = next((a.fake_mode for a in flat if hasattr(a, "fake_mode")), None) or fake_mode
     if mode is None:
-        return None
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        if not flat or not all(isinstance(v, (torch.Tensor, int)) for v in leaves):
+            return None
+        with torch.no_grad():
+            return _call(node, args, kwargs)
     from torch._dispatch.python import enable_python_dispatcher
 
     with mode, enable_python_dispatcher(), torch.autograd.graph.saved_tensors_hooks(_detached, _same):
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        self_arg, *rest = args
-        return getattr(self_arg, node.target)(*rest, **kwargs)
+        return _call(node, args, kwargs)
+
+
+def _call(node: fx.Node, args: Any, kwargs: Any) -> Any:
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    self_arg, *rest = args
+    return getattr(self_arg, node.target)(*rest, **kwargs)

@@ -55,7 +55,8 @@ import torch.fx as fx
 
 from ..compat import view_attribute
 from .base import GraphPass, PassContext, register_pass
-from .fx_match import fake_value as _fake_value
+from . import fx_match as M
+from .emit import GraphEmitter
 
 
 class Canonical(NamedTuple):
@@ -260,57 +261,37 @@ def _permute_call(perm: list[int]) -> tuple[Any, tuple]:
 _VALUE_META = ("example_value", "val", "tensor_meta")
 
 
-def fake_value(target: Any, args: tuple) -> Any:
-    """The example value of target(*args) for nodes' args: in the fake mode of the operands' example
-    values (fx_match.fake_value), or on the real tensors where the example values are real."""
-    call = SimpleNamespace(op="call_function", target=target, args=args, kwargs={})
-    value = _fake_value(call)
-    if value is None:
-        values = fx.node.map_arg(args, lambda n: n.meta.get("example_value"))
-        if all(isinstance(v, (torch.Tensor, int)) for v in torch.utils._pytree.tree_leaves(values)):
-            with torch.no_grad():
-                value = target(*values)
-    return value
-
-
 def _rewrite_einsum(gm: fx.GraphModule, node: fx.Node, product: EinsumProduct) -> bool:
     """Rewrites einsum `node` as `product` in place (see the module's docstring); False, with the
     graph as it was, where the new nodes' example values cannot be computed or do not have the
     einsum's shape and dtype."""
     g = gm.graph
-    inherited = {k: v for k, v in node.meta.items() if k not in _VALUE_META}
-    created: list[fx.Node] = []
-
-    def insert(target: Any, args: tuple) -> fx.Node:
-        with g.inserting_before(node):
-            new = g.call_function(target, args)
-        created.append(new)
-        new.meta.update(inherited)
-        new.meta["example_value"] = fake_value(target, args)
-        return new
+    emit = GraphEmitter(g, None, {k: v for k, v in node.meta.items() if k not in _VALUE_META})
 
     def permuted(x: fx.Node, perm: list[int] | None) -> fx.Node:
         if perm is None:
             return x
         target, dims = _permute_call(perm)
-        return insert(target, (x, *dims))
+        return emit.call(target, x, *dims)
 
     old = node.meta.get("example_value")
     try:
-        a, b = permuted(product.a, product.perm_a), permuted(product.b, product.perm_b)
-        if product.perm_out is None:
-            form = Canonical("call_function", torch.matmul, (a, b))
-        else:
-            target, dims = _permute_call(product.perm_out)
-            form = Canonical("call_function", target, (insert(torch.matmul, (a, b)), *dims))
-        value = fake_value(form.target, form.args)
-        ok = (all(isinstance(n.meta["example_value"], torch.Tensor) for n in created)
+        with g.inserting_before(node):
+            a, b = permuted(product.a, product.perm_a), permuted(product.b, product.perm_b)
+            if product.perm_out is None:
+                form = Canonical("call_function", torch.matmul, (a, b))
+            else:
+                target, dims = _permute_call(product.perm_out)
+                form = Canonical("call_function", target, (emit.call(torch.matmul, a, b), *dims))
+        # the einsum node itself becomes `form`: its value, computed as for a created node
+        value = M.fake_value(SimpleNamespace(op=form.op, target=form.target, args=form.args, kwargs={}))
+        ok = (all(isinstance(n.meta["example_value"], torch.Tensor) for n in emit.created)
               and isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and value.dtype == old.dtype
               and value.dim() == old.dim() and all(_same_size(x, y) for x, y in zip(value.shape, old.shape)))
     except Exception:  # an example value that cannot be computed: the einsum stays as written
         ok = False
     if not ok:
-        for new in reversed(created):
+        for new in reversed(emit.created):
             g.erase_node(new)
         return False
     node.op, node.target, node.args, node.kwargs = form.op, form.target, form.args, {}
