@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from _fla import FLA_GDN_TIMING_ONLY, unlock_fla_gdn_backward  # this script's directory
+
 SEVERAL = [8192, 20000, 3000, 12000, 16000, 6344]  # 65536 tokens; the 4th sequence crosses the CP2 boundary
 
 
@@ -115,24 +117,6 @@ def hc_function(op: str):
         return o
 
     return run
-
-
-# FLA 0.6.0 refuses its gated chunk backward on Hopper with Triton >= 3.4, < 3.7.1 (fla #640: wrong
-# gradients), which is this machine's Triton 3.6: its GDN rows bypass the refusal, as
-# benchmarks/delta_rule.py does, and say so. Their times stand; their errors do not.
-FLA_GDN_TIMING_ONLY = ("timing only: FLA refuses this backward on Hopper with Triton >=3.4,<3.7.1 (fla #640); "
-                       "refusal bypassed (fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1=True)")
-
-
-def unlock_fla_gdn_backward() -> bool:
-    """Bypass FLA's refusal of the gated chunk backward (a module-level flag read at call time);
-    whether a refusal was in force."""
-    import fla.ops.common.chunk_o as chunk_o
-
-    locked = bool(getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
-                  and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True))
-    chunk_o.TRITON_ABOVE_3_7_1 = True
-    return locked
 
 
 def fla_function(op: str, cp_context=None):

@@ -29,10 +29,10 @@ import torch  # noqa: E402
 # must win over this checkout's.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _fla import FLA_GDN_TIMING_ONLY as FLA_TIMING_ONLY, unlock_fla_gdn_backward  # noqa: E402  (this script's dir)
+
 DEFAULT_SHAPES = "B4T4096H16D128,B1T32768H16D128,B2T2048H8D128"
 DEFAULT_PLAIN_SHAPES = "B2T2048H8D128"
-FLA_TIMING_ONLY = ("timing only: FLA refuses this backward on Hopper with Triton >=3.4,<3.7.1 (fla #640, wrong "
-                   "gradients); refusal bypassed via fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1=True")
 
 
 OURS_FP32 = "ours, fp32 intermediates"
@@ -155,17 +155,6 @@ def fla_op(gate: str):
                                                           use_gate_in_kernel=True, A_log=A_log,
                                                           dt_bias=dt_bias)[0]
     return lambda q, k, v, g, beta: f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
-
-
-def unlock_fla_gdn_backward() -> bool:
-    """Bypass FLA's refusal of the gated chunk backward (a module-level version flag read at call
-    time). Returns whether a refusal was in force."""
-    import fla.ops.common.chunk_o as chunk_o
-
-    locked = bool(getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
-                  and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True))
-    chunk_o.TRITON_ABOVE_3_7_1 = True
-    return locked
 
 
 def plain(gate: str, how: str):

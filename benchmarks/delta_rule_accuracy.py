@@ -101,7 +101,7 @@ def main() -> None:
                         return f(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
                 else:
                     if gate == "scalar":
-                        from delta_rule import unlock_fla_gdn_backward
+                        from _fla import unlock_fla_gdn_backward
                         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
 
                         unlock_fla_gdn_backward()
