@@ -45,6 +45,9 @@ RECOMPUTE_NOTE = ("lowering.delta_rule.KEEP_STATES=False (HCCOMPILE_DELTA_RULE_K
 OURS_TWO_KERNELS = "ours, scores backward apart"
 TWO_KERNELS_NOTE = ("plan.FUSED_SCORES_BACKWARD=False (HCCOMPILE_DELTA_RULE_FUSED_SCORES_BACKWARD=0): "
                     "decayed_scores_backward takes the gradients through Kdot and P, as before wy_backward did")
+OURS_SINGLE_WY = "ours, single wy_backward"
+SINGLE_WY_NOTE = ("plan.SPLIT_WY_BACKWARD=False (HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD=0): wy.py's single "
+                  "wy_backward kernel instead of dqkw.py + wy_bwd.py")
 OURS_WIDE = "ours, widest sweep tiles"
 WIDE_NOTE = ("plan.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
              "fills at most half the SMs (the default narrows them)")
@@ -199,7 +202,8 @@ def kernel_rows(args, meta) -> list[dict]:
     switches = {OURS_FP32: (kernel_plan, "BF16_INTERMEDIATES", False),
                 OURS_WIDE: (kernel_plan, "SWEEP_MIN_PROGRAMS", 0),
                 OURS_RECOMPUTE: (lowering_delta_rule, "KEEP_STATES", False),
-                OURS_TWO_KERNELS: (kernel_plan, "FUSED_SCORES_BACKWARD", False)}
+                OURS_TWO_KERNELS: (kernel_plan, "FUSED_SCORES_BACKWARD", False),
+                OURS_SINGLE_WY: (kernel_plan, "SPLIT_WY_BACKWARD", False)}
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -222,6 +226,7 @@ def kernel_rows(args, meta) -> list[dict]:
             variants.append((OURS_RECOMPUTE, ours(gate), RECOMPUTE_NOTE))
             if gate == "scalar":  # KDA's per-channel gates always take the two kernels
                 variants.append((OURS_TWO_KERNELS, ours(gate), TWO_KERNELS_NOTE))
+                variants.append((OURS_SINGLE_WY, ours(gate), SINGLE_WY_NOTE))
             if dtype == torch.bfloat16:
                 variants.append((OURS_FP32, ours(gate), FP32_NOTE))
             if 2 * shape["B"] * shape["H"] * -(-shape["D"] // 32) <= torch.cuda.get_device_properties(0).multi_processor_count:
@@ -234,8 +239,8 @@ def kernel_rows(args, meta) -> list[dict]:
             if shape_text in plain_shapes:
                 for how in ("eager", "inductor", "hc"):
                     variants.append((f"plain {how}", plain(gate, how), ""))
-            kinds = {"ours": "ours", OURS_RECOMPUTE: "recompute", OURS_TWO_KERNELS: "unfused", OURS_FP32: "fp32",
-                     OURS_WIDE: "wide", "FLA": "fla"}
+            kinds = {"ours": "ours", OURS_RECOMPUTE: "recompute", OURS_TWO_KERNELS: "unfused",
+                     OURS_SINGLE_WY: "single-wy", OURS_FP32: "fp32", OURS_WIDE: "wide", "FLA": "fla"}
             wanted = set(args.impls.split(","))
             if "plain" in wanted:
                 wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
@@ -363,7 +368,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="time the variants this many times in turn")
     p.add_argument("--impls", default="ours,fp32,wide,fla,plain",
                    help="kernel rows to run: ours, recompute (w, u, h recomputed in the backward, not kept), "
-                        "unfused (GDN: decayed_scores_backward apart from wy_backward), fp32 (fp32 intermediates "
+                        "unfused (GDN: decayed_scores_backward apart from wy_backward), single-wy (GDN: wy.py's single "
+                        "wy_backward instead of the split dqkw + wy_bwd), fp32 (fp32 intermediates "
                         "for bf16 inputs), wide (widest sweep "
                         "tiles, where ours narrows them), fla, plain (eager, Inductor and hc, at --plain-shapes) "
                         "or one of plain-eager, plain-inductor, plain-hc")

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hccompile.kernels.delta_rule import chunk, qk_l2norm, scores  # noqa: E402
+from hccompile.kernels.delta_rule import chunk, dqkw, qk_l2norm, scores, wy_bwd  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 from profile_ops import parse_shape  # noqa: E402
 
@@ -32,6 +32,9 @@ VARIANTS = {
     "_wy_solve_kernel": (chunk, [dict(num_warps=1), dict(num_warps=2), dict(num_warps=8), dict(num_stages=1),
                                  dict(num_stages=3)]),
     "_wy_backward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
+    # GDN's split wy_backward (plan.SPLIT_WY_BACKWARD)
+    "_dqkw_kernel": (dqkw, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=3)]),
+    "_wy_bwd_kernel": (wy_bwd, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=3)]),
     "_decayed_scores_kernel": (scores, [dict(num_warps=4), dict(num_warps=8)]),
     "_decayed_scores_backward_kernel": (scores, [dict(num_warps=4), dict(num_warps=8), dict(num_stages=1),
                                                 dict(num_stages=3)]),
@@ -44,6 +47,11 @@ VARIANTS = {
     "L2NORM_WARPS": (qk_l2norm, [1, 2, 8]),
     # GDN: decayed_scores_backward apart from wy_backward (KDA takes it either way)
     "FUSED_SCORES_BACKWARD": (kernel_plan, [False]),
+    # GDN: wy.py's single wy_backward instead of the split
+    "SPLIT_WY_BACKWARD": (kernel_plan, [False]),
+    # the split's key tiles (64 spills at 4 warps: combine with num_warps=8 by hand)
+    "DQKW_BLOCK_K": (dqkw, [16, 64]),
+    "WY_BWD_BLOCK_K": (wy_bwd, [16, 64]),
 }
 
 

@@ -436,15 +436,19 @@ def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
     (o, final_state), code = inductor_step(compiled, list(leaves.values()), (do, dht))
     from hccompile.kernels.delta_rule import plan as kernel_plan
 
-    kernels = ["_output_kernel", "_wy_solve_kernel", "_state_forward_kernel", "_wy_backward_kernel",
-               "_state_backward_kernel"]
-    # Without per-channel gates wy_backward does decayed_scores_backward's work (plan.FUSED_SCORES_BACKWARD).
+    kernels = ["_output_kernel", "_wy_solve_kernel", "_state_forward_kernel", "_state_backward_kernel"]
+    # Without per-channel gates wy_backward does decayed_scores_backward's work (plan.FUSED_SCORES_BACKWARD),
+    # split in dqkw and wy_bwd while plan.SPLIT_WY_BACKWARD is on.
     fused = kernel_plan.FUSED_SCORES_BACKWARD and gate != "channel"
+    split = fused and kernel_plan.SPLIT_WY_BACKWARD
     (kernels if not fused else []).append("_decayed_scores_backward_kernel")
+    kernels += ["_dqkw_kernel", "_wy_bwd_kernel"] if split else ["_wy_backward_kernel"]
     for kernel in kernels:
         assert kernel in code, kernel
     if fused:
         assert "_decayed_scores_backward_kernel" not in code
+    if split:
+        assert "_wy_backward_kernel" not in code
     assert not calls_through_hccompile_ops(code), calls_through_hccompile_ops(code)[:5]
     assert be.ops("forward") == ["hccompile.chunk_delta_rule.default"], be.ops("forward")
     assert be.ops("backward") == ["hccompile.chunk_delta_rule_backward.default"], be.ops("backward")

@@ -65,7 +65,10 @@ from ..kernels.delta_rule.chunk import GRADIENT_NAMES, Kept
 from ..kernels.delta_rule.output import _output_kernel
 from ..kernels.delta_rule.plan import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES, intermediate_dtype_for,
                                        kept_state_rows, normed_qk_dtype_for)
+from ..kernels.delta_rule.dqkw import _dqkw_kernel
+from ..kernels.delta_rule.state import _state_backward_kernel
 from ..kernels.delta_rule.wy import _wy_backward_kernel
+from ..kernels.delta_rule.wy_bwd import _wy_bwd_kernel
 from ..kernels.delta_rule.reference import GATE_KINDS
 from ..kernels.value_checks import checks_on_gpu, values_checked
 from ._launch import HEADS, kernel_op, runtime_check, wrap_triton
@@ -649,7 +652,11 @@ chunk_delta_rule_op = kernel_op("chunk_delta_rule", _chunk_delta_rule_host, _chu
                                 traceable=_traceable, fixed_dims=_FIXED_DIMS)
 chunk_delta_rule_backward_op = kernel_op("chunk_delta_rule_backward", _chunk_delta_rule_backward_host,
                                          _chunk_delta_rule_backward_fake, _chunk_delta_rule_backward_traced,
-                                         SUPPORTED_DTYPES, kernels=(_wy_backward_kernel,), traceable=_traceable,
+                                         SUPPORTED_DTYPES,
+                                         # the sweep first: launched once per call whether wy_backward is
+                                         # split (plan.SPLIT_WY_BACKWARD) or not
+                                         kernels=(_state_backward_kernel, _wy_backward_kernel, _dqkw_kernel,
+                                                  _wy_bwd_kernel), traceable=_traceable,
                                          fixed_dims=_FIXED_DIMS)
 
 

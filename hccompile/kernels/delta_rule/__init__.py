@@ -1,7 +1,8 @@
 """The (gated) delta rule: plain, GDN (scalar gate) and KDA (per-channel gate).
 
 Triton kernels (chunk.py's forward and backward, which run the step files gate_cumsum.py, scores.py,
-wy.py, state.py and output.py; cp.py for context parallelism) beside their plain-PyTorch references
+wy.py, state.py, output.py, and dqkw.py and wy_bwd.py for the split wy_backward; cp.py for context
+parallelism) beside their plain-PyTorch references
 (reference.py).
 """
 

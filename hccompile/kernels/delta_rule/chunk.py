@@ -10,9 +10,10 @@ reference.chunk_delta_rule_ref for the math they implement):
   5. output          O = scale ((Q*e^G) h + P U)                                         output.py
 
 The backward pass recomputes them (or takes the forward's kept Kdot, P and A), then runs
-state_backward (state.py; sequential, reverse), wy_backward (wy.py), decayed_scores_backward
-(scores.py; per-channel gates only while plan.FUSED_SCORES_BACKWARD is on: without them wy_backward
-does its work) and gate_cumsum in reverse; a small kernel does the optional l2norm of q and k both
+state_backward (state.py; sequential, reverse), wy_backward (wy.py; without per-channel gates split
+in dqkw.py and wy_bwd.py while plan.SPLIT_WY_BACKWARD is on), decayed_scores_backward (scores.py;
+per-channel gates only while plan.FUSED_SCORES_BACKWARD is on: without them wy_backward does its
+work) and gate_cumsum in reverse; a small kernel does the optional l2norm of q and k both
 ways (qk_l2norm.py). A forward asked for its intermediates (return_intermediates) also hands over the
 l2-normed q and k, so that the backward's recomputation starts from them.
 
@@ -37,7 +38,9 @@ from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
 from .state import state_backward_block_v, state_forward_block_v, state_launch_options
+from .dqkw import launch_dqkw
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
+from .wy_bwd import launch_wy_bwd
 
 from .._triton import direct, require_triton, scratch_rows, triton
 
@@ -53,6 +56,7 @@ __all__ = [
     "chunk_delta_rule_bwd",
     "chunk_delta_rule_fwd",
     "chunk_local_steps",
+    "launch_split_wy_backward",
     "sum_key_groups",
 ]
 
@@ -356,6 +360,18 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
     return kept
 
 
+def launch_split_wy_backward(plan: Plan, q, k, v, beta, do, cum, inverse, u, du, h, dh, dv, dbeta, dq_heads,
+                             dk_heads, dcum, num_chunks, table, seqlens, scale: float) -> None:
+    """wy_backward split in two (plan.split_wy_backward): dqkw.py's kernel writes dq complete and dk,
+    dG partial with dW; wy_bwd.py's completes dk and dG and writes dv and dbeta. `h` and `dh` start at
+    the first of the `num_chunks` chunks that `table` (varlen) lists; cp.py launches it per segment run."""
+    problem = plan.problem
+    dw = torch.empty(problem.batch, problem.time, problem.value_heads, problem.key_dim,
+                     dtype=plan.intermediate_dtype, device=q.device)
+    launch_dqkw(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens, scale)
+    launch_wy_bwd(plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table, seqlens)
+
+
 def sum_key_groups(heads: torch.Tensor, key_heads: int, group: int) -> torch.Tensor:
     """Value heads sharing a key head add their key gradients: [B, T, HV, K] -> [B, T, H, K].
     Without GVA there is nothing to add, and no pass over the fp32 gradients is spent on it."""
@@ -459,7 +475,10 @@ def chunk_delta_rule_bwd(
             HAS_FINAL_STATE_GRAD=dht is not None, STORE_INITIAL_STATE_GRAD=dh0 is not None,
             **_sweep_options(plan, block_k_full, fwd.k.dtype, "backward"), **common,
         )
-    if plan.num_chunks:
+    if plan.num_chunks and plan.split_wy_backward:
+        launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,
+                                 dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale))
+    elif plan.num_chunks:
         plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](
             fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot, fwd.u, du, fwd.h, dh,
             dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from .._triton import require_triton, scratch_rows, tl, triton
-from .chunk import ChunkLocal, chunk_local_steps, sum_key_groups
+from .chunk import ChunkLocal, chunk_local_steps, launch_split_wy_backward, sum_key_groups
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, Plan, block_size, check_kernel_inputs,
                    narrow_for_occupancy)
@@ -899,6 +899,7 @@ class CPBackward(CPForward):
             else local.kplan.dummy
         # Decided once for all of this backward's _chunk_backward launches (the flag is read at call time).
         self.fused_scores = local.kplan.fused_scores_backward
+        self.split_wy = local.kplan.split_wy_backward
         self.dkdot, self.dscores = local.kplan.score_gradients(self.fused_scores, 1, time, value_heads,
                                                                lambda *shape: _empty(*shape, device=device))
         self.dv = torch.empty_like(local.v, memory_format=torch.contiguous_format)
@@ -908,8 +909,8 @@ class CPBackward(CPForward):
             self.dbeta.fill_(float("nan"))
 
     def _chunk_backward(self, lo: int, hi: int) -> None:
-        """wy_backward (wy.py) and, unless wy_backward takes its work, decayed_scores_backward (scores.py) on
-        the chunks of segments [lo, hi)."""
+        """wy_backward (wy.py, or split in dqkw.py and wy_bwd.py: kplan.split_wy_backward) and, unless
+        wy_backward takes its work, decayed_scores_backward (scores.py) on the chunks of segments [lo, hi)."""
         local, intra, kplan, problem, geometry = self.local, self.intra, self.local.kplan, self.local.problem, \
             self.local.geometry
         first, last = geometry.chunk_starts[lo], geometry.chunk_starts[hi]
@@ -920,6 +921,12 @@ class CPBackward(CPForward):
         block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
         common = dict(GATE=kplan.gate_code, BT=chunk, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision)
         table = geometry.chunk_table[first:]
+        if self.split_wy:
+            launch_split_wy_backward(kplan, intra.q, intra.k, local.v, local.beta, self.do, cum, intra.inverse,
+                                     self.u, self.du, self.h[first:], self.dh[first:], self.dv, self.dbeta,
+                                     self.dq_heads, self.dk_heads, self.dcum, last - first, table,
+                                     geometry.cu_seqlens, local.scale)
+            return
         _wy_backward_kernel[(last - first, problem.value_heads)](
             intra.q, intra.k, local.v, local.beta, self.do, cum, intra.inverse, intra.kdot, self.u, self.du,
             self.h[first:], self.dh[first:], self.dv, self.dbeta, self.dq_heads, self.dk_heads, self.dcum,

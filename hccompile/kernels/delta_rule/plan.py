@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -66,6 +66,14 @@ SWEEP_MIN_PROGRAMS: int | None = None
 # when the backward's launches are made (traced ones: when traced), so benchmarks time both in one
 # process and tests set it.
 FUSED_SCORES_BACKWARD = os.environ.get("HCCOMPILE_DELTA_RULE_FUSED_SCORES_BACKWARD", "1") != "0"
+# Where wy_backward takes the score gradients itself (Plan.fused_scores_backward: no gate or a scalar
+# one), the backward splits it in two kernels along FLA's dqkwg / prepare_wy_repr_bwd line (R1 of
+# benchmarks/analysis/gdn_traffic_2026-11-26.md): dqkw.py (one pass over the value tiles: dq final,
+# dk's score and end-state terms, dW) and wy_bwd.py (dA, dv, dbeta, dL = -A^T dA A^T and its terms),
+# small tiles and few warps each instead of one program holding everything (wy.py). Off: wy.py's
+# single kernel. HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD=0 (read at import) turns it off; the
+# attribute is read when a Plan is made, so benchmarks time both in one process and tests set it.
+SPLIT_WY_BACKWARD = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD", "1") != "0"
 GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
 
 
@@ -154,6 +162,8 @@ class Plan:
     input_dtype: torch.dtype  # q's (and k's, v's)
     dummy: torch.Tensor  # stands in for absent optional tensors
     launch: Callable = direct  # wraps a kernel before its launch (see make_plan)
+    # SPLIT_WY_BACKWARD when the plan was made (see split_wy_backward)
+    split_wy_switch: bool = field(default_factory=lambda: SPLIT_WY_BACKWARD)
 
     @property
     def varlen(self) -> bool:
@@ -197,6 +207,14 @@ class Plan:
         """Whether wy_backward takes decayed_scores_backward's work (FUSED_SCORES_BACKWARD; never
         with per-channel gates, whose decays take sub-chunk programs)."""
         return FUSED_SCORES_BACKWARD and self.gate_code != GATE_CODES["channel"]
+
+    @property
+    def split_wy_backward(self) -> bool:
+        """Whether the backward runs dqkw.py's and wy_bwd.py's kernels instead of wy.py's
+        wy_backward: SPLIT_WY_BACKWARD (as it was when the plan was made) on the fused-scores path
+        (no gate or a scalar one, FUSED_SCORES_BACKWARD on); per-channel gates and the unfused
+        path keep wy_backward."""
+        return self.split_wy_switch and self.fused_scores_backward
 
     @property
     def dot_precision(self) -> str:

@@ -380,3 +380,86 @@ def chunk_delta_rule_ref(
         outputs.append(torch.cat(pieces) if pieces else v_acc.new_zeros(0, problem.value_heads, problem.value_dim))
         states.append(state)
     return _stack_outputs(problem, outputs, v), (torch.stack(states) if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------
+# The split wy_backward's two kernels (dqkw.py, wy_bwd.py), per chunk in float64: what each kernel
+# computes from its inputs, for tests that run one kernel at a time. `chunks` lists (batch row, first
+# token, valid rows) per global chunk (h[i], dh[i] are chunk i's start state and its gradient);
+# `cum` is the chunk-local cumulative scalar log-gate [B, T, HV, 1] or None; q, k are [B, T, H, K]
+# and value head hv reads key head hv // (HV / H). The score gradient through Kdot is taken the
+# classic way, dbeta += rowsum(dL o Kdot), not wy_bwd.py's way without Kdot.
+
+
+def _chunk_decays(cum, b, start, length, hv, dtype):
+    """(G [L], e^(G_t - G_s) for s <= t else 0 [L, L]) of one chunk."""
+    if cum is None:
+        g = torch.zeros(length, dtype=dtype)
+    else:
+        g = cum[b, start:start + length, hv, 0].to(dtype)
+    rows = torch.arange(length)
+    visible = rows[:, None] >= rows[None, :]
+    return g, (g[:, None] - g[None, :]).masked_fill(~visible, float("-inf")).exp()
+
+
+def dqkw_ref(q, k, do, cum, u, du, h, dh, chunks, scale):
+    """(dq, dk partial, dW [B, T, HV, K], dG partial [B, T, HV] or None) of dqkw.py, in float64."""
+    f64 = torch.float64
+    batch, time, value_heads, _ = do.shape
+    key_dim = q.shape[3]
+    group = value_heads // q.shape[2]
+    dq = torch.zeros(batch, time, value_heads, key_dim, dtype=f64)
+    dk, dw = torch.zeros_like(dq), torch.zeros_like(dq)
+    dg = torch.zeros(batch, time, value_heads, dtype=f64)
+    for index, (b, start, length) in enumerate(chunks):
+        span = slice(start, start + length)
+        for hv in range(value_heads):
+            q_c, k_c = (x[b, span, hv // group].to(f64) for x in (q, k))
+            do_c, u_c, du_c = (x[b, span, hv].to(f64) for x in (do, u, du))
+            h_c, dh_c = h[index, hv].to(f64), dh[index, hv].to(f64)
+            g, decays = _chunk_decays(cum, b, start, length, hv, f64)
+            d_scores = scale * (do_c @ u_c.T) * decays
+            dq_c = scale * g.exp()[:, None] * (do_c @ h_c.T) + d_scores @ k_c
+            dk_scores = d_scores.T @ q_c
+            dk_end = (u_c @ dh_c.T) * (g[-1] - g).exp()[:, None]
+            dq[b, span, hv] = dq_c
+            dk[b, span, hv] = dk_scores + dk_end
+            dw[b, span, hv] = -du_c @ h_c.T
+            dg_c = (q_c * dq_c - k_c * dk_scores - k_c * dk_end).sum(1)
+            dg_c[-1] += (k_c * dk_end).sum() + g[-1].exp() * (h_c * dh_c).sum()
+            dg[b, span, hv] = dg_c
+    return dq, dk, dw, (dg if cum is not None else None)
+
+
+def wy_bwd_ref(k, v, beta, cum, inverse, du, dw, dk_partial, dg_partial, chunks):
+    """(dv [B, T, HV, V], dbeta [B, T, HV], dk [B, T, HV, K], dG [B, T, HV] or None) of wy_bwd.py, in
+    float64, given A (`inverse` [B, T, HV, BT]) and dqkw.py's dW, dk and dG partial sums."""
+    f64 = torch.float64
+    batch, time, value_heads, value_dim = v.shape
+    group = value_heads // k.shape[2]
+    dv = torch.zeros(batch, time, value_heads, value_dim, dtype=f64)
+    dbeta = torch.zeros(batch, time, value_heads, dtype=f64)
+    dk = dk_partial.to(f64).clone()
+    dg = dg_partial.to(f64).clone() if cum is not None else None
+    for b, start, length in chunks:
+        span = slice(start, start + length)
+        for hv in range(value_heads):
+            k_c = k[b, span, hv // group].to(f64)
+            v_c, du_c, dw_c = (x[b, span, hv].to(f64) for x in (v, du, dw))
+            beta_c = beta[b, span, hv].to(f64)
+            a = inverse[b, span, hv, :length].to(f64).tril()
+            g, decays = _chunk_decays(cum, b, start, length, hv, f64)
+            gamma = g.exp()[:, None]
+            d_inverse = du_c @ (v_c * beta_c[:, None]).T + dw_c @ (k_c * gamma * beta_c[:, None]).T
+            a_t_du, a_t_dw = a.T @ du_c, a.T @ dw_c
+            dv[b, span, hv] = a_t_du * beta_c[:, None]
+            strict = torch.ones(length, length, dtype=torch.bool).tril(-1)
+            d_lower = (-(a.T @ d_inverse @ a.T)).masked_fill(~strict, 0.0)
+            kdot = (k_c @ k_c.T) * decays.masked_fill(~strict, 0.0)
+            dbeta[b, span, hv] = (v_c * a_t_du).sum(1) + (k_c * gamma * a_t_dw).sum(1) + (d_lower * kdot).sum(1)
+            d_kdot = beta_c[:, None] * d_lower * decays
+            dk_w = a_t_dw * gamma * beta_c[:, None]
+            dk[b, span, hv] += dk_w + d_kdot @ k_c + d_kdot.T @ k_c
+            if dg is not None:
+                dg[b, span, hv] += (k_c * dk_w).sum(1) + (k_c * (d_kdot @ k_c - d_kdot.T @ k_c)).sum(1)
+    return dv, dbeta, dk, dg

@@ -12,7 +12,9 @@ forms W and U~.
 wy_backward, given dU and the chunk-start state gradients, returns dv and dbeta complete, the parts of
 dq, dk and dG that do not go through the pairwise decays, and dKdot and dP for decayed_scores_backward
 (scores.py). Without per-channel gates (plan.FUSED_SCORES_BACKWARD) it takes the gradients through
-Kdot and P itself: dq, dk and dG complete, and dKdot and dP never leave the program.
+Kdot and P itself: dq, dk and dG complete, and dKdot and dP never leave the program. There, while
+plan.SPLIT_WY_BACKWARD is on, dqkw.py and wy_bwd.py do its work in two kernels instead; per-channel
+gates (and FUSED_SCORES_BACKWARD off) always take this one.
 """
 
 from __future__ import annotations

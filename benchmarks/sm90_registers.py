@@ -1,0 +1,91 @@
+"""Registers, spills and shared memory of the delta-rule backward's chunk-parallel kernels compiled for
+sm_90, on the CPU: no GPU needed (Triton's bundled ptxas and cuobjdump). Each launch is specialized as
+at B1 T32768 H16 D128 bf16 (unit strides and GROUP = 1 constant, 16-divisible sizes and pointers).
+
+    python benchmarks/sm90_registers.py --kernels dqkw,wy_bwd,wy_backward --configs 32,64,4,2 64,64,4,2
+
+A config is BK,BV,num_warps,num_stages. TRITON_INTERPRET must be unset (it is cleared here).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hccompile.kernels.delta_rule import dqkw, wy, wy_bwd  # noqa: E402
+
+T, H, D = 32768, 16, 128
+VALUES = dict(T=T, NT=T // 64, HV=H, GROUP=1, K=D, V=D)
+for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("b", 1), ("db", 1)):
+    last = {"q": "k", "k": "k", "v": "v", "do": "v", "dv": "v", "b": "h", "db": "h"}[prefix]
+    VALUES.update({f"stride_{prefix}b": T * H * width, f"stride_{prefix}t": H * width,
+                   f"stride_{prefix}{last}": 1})
+    if width > 1:
+        VALUES[f"stride_{prefix}h"] = width
+BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_ptr", "h_ptr", "dh_ptr", "dw_ptr",
+                 "dv_ptr", "dbeta_ptr"}
+KERNELS = {"dqkw": (dqkw._dqkw_kernel, {}), "wy_bwd": (wy_bwd._wy_bwd_kernel, {}),
+           "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True})}
+
+
+def specialize(kernel, constexprs):
+    """(signature, constexprs, attrs) of a launch at VALUES."""
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*bf16" if name in BF16_POINTERS else "*fp32"
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name == "scale":
+            signature[name] = "fp32"
+        elif VALUES[name] == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if VALUES[name] % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constants, attrs
+
+
+def resource_usage(kernel, constexprs, warps: int, stages: int) -> str:
+    signature, constants, attrs = specialize(kernel, constexprs)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    usage = next(line for line in out.stdout.splitlines() if "REG:" in line).split()
+    fields = dict(item.split(":", 1) for item in usage if ":" in item)
+    return f"registers {fields['REG']} spill stack {fields['STACK']} B, shared {compiled.metadata.shared} B"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernels", default="dqkw,wy_bwd,wy_backward")
+    p.add_argument("--gate", type=int, default=1, help="0 none, 1 scalar")
+    p.add_argument("--configs", nargs="+", default=["32,64,4,2", "64,64,4,2", "64,64,8,1"],
+                   help="BK,BV,num_warps,num_stages")
+    args = p.parse_args()
+    for name in args.kernels.split(","):
+        kernel, extra = KERNELS[name]
+        for config in args.configs:
+            bk, bv, warps, stages = (int(x) for x in config.split(","))
+            constexprs = dict(GATE=args.gate, BT=64, BK=bk, BV=bv, IS_VARLEN=False, DOT_PRECISION="tf32", **extra)
+            print(f"{name:12s} BK {bk:3d} BV {bv:3d} warps {warps} stages {stages}: "
+                  f"{resource_usage(kernel, constexprs, warps, stages)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

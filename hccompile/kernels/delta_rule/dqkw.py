@@ -1,0 +1,191 @@
+"""The first half of the split wy_backward (plan.SPLIT_WY_BACKWARD; no gate or a scalar one): the
+gradients that go through the chunk states and the pairwise-decayed scores, FLA's chunk_bwd_kernel_dqkwg.
+
+Per chunk and value head, a pass over the value tiles forms dS = scale dO U^T ([BT, BT], held in
+the products' dtype), then one pass per key tile accumulates together
+
+    dQ_state = dO h^T,   dK_end = U dh^T,   dW = -dU h^T
+
+(dS in a pass of its own rather than beside the first key tile's: four accumulators at once spilled
+at 4 warps, see the launch options below). Then, with D[t, s] = e^(G_t - G_s) (s <= t) and gamma = e^G,
+
+    dq = scale gamma dQ_state + (dS o D) K                          complete
+    dk = (dS o D)^T Q + dK_end e^(G_last - G)                       the part wy_bwd.py completes
+    dG = rowsum(q dq - k (dS o D)^T Q - k dK_end e^(G_last - G))
+         + on the last row: sum(k dK_end e^(G_last - G)) + e^G_last sum(h o dh)
+
+dW leaves in the products' dtype (wy_backward's dW only ever fed products, rounded to it), dk and dG
+as fp32 partial sums that wy_bwd.py reads, adds its terms to and stores complete (no atomics, no
+separate add). The reference is reference.dqkw_ref.
+"""
+
+from __future__ import annotations
+
+from .plan import Plan, block_size
+
+from .._triton import tl, triton
+
+if triton is not None:
+    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _pair_decays,
+                        _row_chunk_coords, _store_rows, _varlen_chunk_coords)
+
+    @triton.jit
+    def _dqkw_value_pass(do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
+                         dot_dtype, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+        """One pass over the value tiles for key tile `kc`: (dO h^T, U dh^T, -dU h^T, and with a gate
+        rowsum(h o dh) [BK] for e^G_last's share of dG, else zeros)."""
+        dq_state = tl.zeros([BT, BK], dtype=tl.float32)
+        dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
+        dw = tl.zeros([BT, BK], dtype=tl.float32)
+        dg_whole = tl.zeros([BK], dtype=tl.float32)
+        key_valid = kc < K
+        for v0 in range(0, V, BV):
+            vc = v0 + tl.arange(0, BV)
+            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            u = _load_stored_rows(u_ptr, tokens, vc, HV * V, 1, valid, V)
+            du = _load_stored_rows(du_ptr, tokens, vc, HV * V, 1, valid, V)
+            state = _load_stored_rows(h_ptr, kc, vc, V, 1, key_valid, V)
+            dstate = _load_stored_rows(dh_ptr, kc, vc, V, 1, key_valid, V)
+            dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)
+            dk_to_end += _dot(u, tl.trans(dstate), dot_dtype, DOT_PRECISION)
+            dw -= _dot(du, tl.trans(state), dot_dtype, DOT_PRECISION)
+            if GATE != 0:
+                dg_whole += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=1)
+        return dq_state, dk_to_end, dw, dg_whole
+
+    @triton.jit
+    def _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, dq_state, dk_to_end, dw,
+                          dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk, stride_kt, stride_kk, HV,
+                          K, scale, dot_dtype, BT: tl.constexpr, GATE: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+        """Key tile `kc`'s dq (complete), dk (partial) and dW stores; returns its share of dG's rows."""
+        local = tl.arange(0, BT)
+        _store_rows(dw_ptr, dw, tokens, kc, HV * K, 1, valid, K)
+        k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+        if GATE == 1:
+            q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+            dq = scale * gamma * dq_state
+        else:
+            q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+            dq = scale * dq_state
+        # P's row role (dq_t += sum_s dS[t,s] k_s) and column role (dk_s += sum_t dS[t,s] q_t)
+        dq += _dot(d_scores, k_tile, dot_dtype, DOT_PRECISION)
+        _store_rows(dq_ptr, dq, tokens, kc, HV * K, 1, valid, K)
+        dk_scores = _dot(tl.trans(d_scores), q_tile, dot_dtype, DOT_PRECISION)
+        dg_rows = tl.zeros([BT], dtype=tl.float32)
+        if GATE != 0:
+            # Through S_end = e^G_last S + (K e^(G_last - G))^T U: dk_t's end-state term depends on
+            # G through G_last - G_t; its G_last part and e^G_last S's land on the chunk's last row.
+            to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
+            dk_to_end *= to_end
+            k_to_end_grad = k_tile * dk_to_end
+            dg_last = tl.sum(tl.sum(k_to_end_grad, axis=1), axis=0) + tl.sum(whole * dg_whole, axis=0)
+            dg_rows = tl.sum(q_tile * dq - k_tile * dk_scores - k_to_end_grad, axis=1)
+            dg_rows += tl.where(local == length - 1, dg_last, 0.0)
+        _store_rows(dk_ptr, dk_scores + dk_to_end, tokens, kc, HV * K, 1, valid, K)
+        return dg_rows
+
+    @triton.jit
+    def _dqkw_kernel(
+        q_ptr, k_ptr, do_ptr, cum_ptr, u_ptr, du_ptr, h_ptr, dh_ptr,
+        dq_ptr, dk_ptr, dw_ptr, dg_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qk,
+        stride_kb, stride_kt, stride_kh, stride_kk,
+        stride_dob, stride_dot, stride_doh, stride_dov,
+        chunk_table_ptr, cu_seqlens_ptr,
+        T, NT, HV, GROUP, K, V, scale,
+        GATE: tl.constexpr,
+        BT: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        IS_VARLEN: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One program per (chunk, value head): see the module docstring. dq, dk (partial) and dW
+        are [B, T, HV, K] (dq, dk fp32, dW the intermediates' dtype), dG's partial fp32 [B, T, HV, 1]."""
+        tl.static_assert(GATE != 2, "per-channel gates take wy.py's wy_backward and scores.py's backward")
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_chunk = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        if IS_VARLEN:
+            batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        do_ptr += batch * stride_dob + head * stride_doh
+        gate_offset = _gate_offset(batch, head, T, HV, K, GATE)
+        cum_ptr += gate_offset
+        dg_ptr += gate_offset
+        value_offset = (batch * T) * HV * V + head * V
+        key_offset = (batch * T) * HV * K + head * K
+        u_ptr += value_offset
+        du_ptr += value_offset
+        dq_ptr += key_offset
+        dk_ptr += key_offset
+        dw_ptr += key_offset
+        h_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+        dh_ptr += (pid_chunk.to(tl.int64) * HV + head) * K * V
+
+        local = tl.arange(0, BT)
+        valid = local < length
+        tokens = start + local
+        last = start + length - 1
+        dot_dtype = h_ptr.dtype.element_ty
+
+        # dS first, in a pass of its own: held in the products' dtype through the key loop, it is not
+        # accumulated beside the key loop's three [BT, BK] accumulators (registers).
+        d_scores = tl.zeros([BT, BT], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vc = v0 + tl.arange(0, BV)
+            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            u = _load_stored_rows(u_ptr, tokens, vc, HV * V, 1, valid, V)
+            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)
+        d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
+        if GATE == 1:
+            d_scores *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
+        d_scores = d_scores.to(dot_dtype)
+        dg = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            dq_state, dk_to_end, dw, dg_whole = _dqkw_value_pass(
+                do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
+                dot_dtype, BT, BK, BV, GATE, DOT_PRECISION)
+            dg += _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, dq_state, dk_to_end,
+                                    dw, dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk, stride_kt,
+                                    stride_kk, HV, K, scale, dot_dtype, BT, GATE, DOT_PRECISION)
+        if GATE == 1:
+            tl.store(dg_ptr + tokens * HV, dg, mask=valid)
+
+
+# Launch options, chosen for registers, not yet timed on a GPU. Compiled for sm_90 on the CPU (Triton
+# 3.9, bf16, scalar gate, B1 T32768 H16 D128's specializations; ptxas's resource usage): BK = BV = 64
+# at 4 warps took 255 registers and spilled 352 bytes per thread (496 with dS beside the first key
+# tile's pass), 8 warps 242 and none; BK = 32, BV = 64 at 4 warps 254 and none (BK = BV = 32 252),
+# two programs per SM where wy_backward (255 at 8 warps) fits one. One and three stages did not change
+# the registers. Key tiles of DQKW_BLOCK_K: K = 128 takes four passes over the values (do, u, du
+# read again from L2 each time, h and dh once).
+DQKW_BLOCK_K = 32
+DQKW_BLOCK_V = 64
+DQKW_STAGES = 2
+DQKW_OPTIONS = {"num_warps": 4, "num_stages": DQKW_STAGES}
+
+
+def launch_dqkw(plan: Plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens,
+                scale: float) -> None:
+    """_dqkw_kernel on `num_chunks` chunks (the first `table` lists, varlen; h and dh start there):
+    writes dq_heads (complete), dk_heads and dcum (partial, fp32) and dw (the intermediates' dtype)."""
+    problem = plan.problem
+    plan.launch(_dqkw_kernel)[(num_chunks, problem.value_heads)](
+        q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum,
+        *q.stride(), *k.stride(), *do.stride(), table, seqlens,
+        problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
+        problem.value_dim, scale,
+        GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim, DQKW_BLOCK_K),
+        BV=block_size(problem.value_dim, DQKW_BLOCK_V), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
+        **DQKW_OPTIONS,
+    )
