@@ -189,3 +189,26 @@ def test_split_backward_is_deterministic(monkeypatch, stages, name, sizes, gate,
         for grad_name, grad in grads.items():
             if grad is not None:
                 assert torch.equal(grad, first[grad_name]), f"d{grad_name} differs between runs"
+
+
+def test_references_stay_on_their_inputs_device():
+    """dqkw_ref and wy_bwd_ref make every tensor on their inputs' device: on the GPU they once built
+    the chunk's row indices and zero gate on the CPU ("expected self and mask to be on the same
+    device"). Meta tensors catch that on the CPU: a CPU tensor meeting one fails the same way."""
+    meta = torch.device("meta")
+    batch, time, key_heads, value_heads, key_dim, value_dim, chunk = 1, 20, 1, 2, 8, 4, 16
+    problem_chunks = [(0, 0, 16), (0, 16, 4)]
+
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device=meta)
+
+    q, k = empty(batch, time, key_heads, key_dim), empty(batch, time, key_heads, key_dim)
+    do, u, du = (empty(batch, time, value_heads, value_dim) for _ in range(3))
+    h, dh = empty(2, value_heads, key_dim, value_dim), empty(2, value_heads, key_dim, value_dim)
+    v, beta = empty(batch, time, value_heads, value_dim), empty(batch, time, value_heads)
+    inverse = empty(batch, time, value_heads, chunk, dtype=torch.float32)
+    for cum in (None, empty(batch, time, value_heads, 1, dtype=torch.float32)):
+        dq, dk, dw, dg = dqkw_ref(q, k, do, cum, u, du, h, dh, problem_chunks, 0.5)
+        assert all(t.device == meta for t in (dq, dk, dw)) and (dg is None) == (cum is None)
+        outs = wy_bwd_ref(k, v, beta, cum, inverse, du, dw, dk, dg, problem_chunks)
+        assert all(t.device == meta for t in outs if t is not None)

@@ -388,16 +388,18 @@ def chunk_delta_rule_ref(
 # token, valid rows) per global chunk (h[i], dh[i] are chunk i's start state and its gradient);
 # `cum` is the chunk-local cumulative scalar log-gate [B, T, HV, 1] or None; q, k are [B, T, H, K]
 # and value head hv reads key head hv // (HV / H). The score gradient through Kdot is taken the
-# classic way, dbeta += rowsum(dL o Kdot), not wy_bwd.py's way without Kdot.
+# classic way, dbeta += rowsum(dL o Kdot), not wy_bwd.py's way without Kdot. Everything is computed
+# on the device of the first tensor argument (do, v): every tensor made here is made there, and the
+# other arguments are moved there (a test may pass a reference's own results back in).
 
 
-def _chunk_decays(cum, b, start, length, hv, dtype):
-    """(G [L], e^(G_t - G_s) for s <= t else 0 [L, L]) of one chunk."""
+def _chunk_decays(cum, b, start, length, hv, dtype, device):
+    """(G [L], e^(G_t - G_s) for s <= t else 0 [L, L]) of one chunk, on `device`."""
     if cum is None:
-        g = torch.zeros(length, dtype=dtype)
+        g = torch.zeros(length, dtype=dtype, device=device)
     else:
-        g = cum[b, start:start + length, hv, 0].to(dtype)
-    rows = torch.arange(length)
+        g = cum[b, start:start + length, hv, 0].to(device=device, dtype=dtype)
+    rows = torch.arange(length, device=device)
     visible = rows[:, None] >= rows[None, :]
     return g, (g[:, None] - g[None, :]).masked_fill(~visible, float("-inf")).exp()
 
@@ -405,19 +407,20 @@ def _chunk_decays(cum, b, start, length, hv, dtype):
 def dqkw_ref(q, k, do, cum, u, du, h, dh, chunks, scale):
     """(dq, dk partial, dW [B, T, HV, K], dG partial [B, T, HV] or None) of dqkw.py, in float64."""
     f64 = torch.float64
+    device = do.device
     batch, time, value_heads, _ = do.shape
     key_dim = q.shape[3]
     group = value_heads // q.shape[2]
-    dq = torch.zeros(batch, time, value_heads, key_dim, dtype=f64)
+    dq = torch.zeros(batch, time, value_heads, key_dim, dtype=f64, device=device)
     dk, dw = torch.zeros_like(dq), torch.zeros_like(dq)
-    dg = torch.zeros(batch, time, value_heads, dtype=f64)
+    dg = torch.zeros(batch, time, value_heads, dtype=f64, device=device)
     for index, (b, start, length) in enumerate(chunks):
         span = slice(start, start + length)
         for hv in range(value_heads):
-            q_c, k_c = (x[b, span, hv // group].to(f64) for x in (q, k))
-            do_c, u_c, du_c = (x[b, span, hv].to(f64) for x in (do, u, du))
-            h_c, dh_c = h[index, hv].to(f64), dh[index, hv].to(f64)
-            g, decays = _chunk_decays(cum, b, start, length, hv, f64)
+            q_c, k_c = (x[b, span, hv // group].to(device=device, dtype=f64) for x in (q, k))
+            do_c, u_c, du_c = (x[b, span, hv].to(device=device, dtype=f64) for x in (do, u, du))
+            h_c, dh_c = (x[index, hv].to(device=device, dtype=f64) for x in (h, dh))
+            g, decays = _chunk_decays(cum, b, start, length, hv, f64, device)
             d_scores = scale * (do_c @ u_c.T) * decays
             dq_c = scale * g.exp()[:, None] * (do_c @ h_c.T) + d_scores @ k_c
             dk_scores = d_scores.T @ q_c
@@ -435,25 +438,26 @@ def wy_bwd_ref(k, v, beta, cum, inverse, du, dw, dk_partial, dg_partial, chunks)
     """(dv [B, T, HV, V], dbeta [B, T, HV], dk [B, T, HV, K], dG [B, T, HV] or None) of wy_bwd.py, in
     float64, given A (`inverse` [B, T, HV, BT]) and dqkw.py's dW, dk and dG partial sums."""
     f64 = torch.float64
+    device = v.device
     batch, time, value_heads, value_dim = v.shape
     group = value_heads // k.shape[2]
-    dv = torch.zeros(batch, time, value_heads, value_dim, dtype=f64)
-    dbeta = torch.zeros(batch, time, value_heads, dtype=f64)
-    dk = dk_partial.to(f64).clone()
-    dg = dg_partial.to(f64).clone() if cum is not None else None
+    dv = torch.zeros(batch, time, value_heads, value_dim, dtype=f64, device=device)
+    dbeta = torch.zeros(batch, time, value_heads, dtype=f64, device=device)
+    dk = dk_partial.to(device=device, dtype=f64, copy=True)
+    dg = dg_partial.to(device=device, dtype=f64, copy=True) if cum is not None else None
     for b, start, length in chunks:
         span = slice(start, start + length)
         for hv in range(value_heads):
-            k_c = k[b, span, hv // group].to(f64)
-            v_c, du_c, dw_c = (x[b, span, hv].to(f64) for x in (v, du, dw))
-            beta_c = beta[b, span, hv].to(f64)
-            a = inverse[b, span, hv, :length].to(f64).tril()
-            g, decays = _chunk_decays(cum, b, start, length, hv, f64)
+            k_c = k[b, span, hv // group].to(device=device, dtype=f64)
+            v_c, du_c, dw_c = (x[b, span, hv].to(device=device, dtype=f64) for x in (v, du, dw))
+            beta_c = beta[b, span, hv].to(device=device, dtype=f64)
+            a = inverse[b, span, hv, :length].to(device=device, dtype=f64).tril()
+            g, decays = _chunk_decays(cum, b, start, length, hv, f64, device)
             gamma = g.exp()[:, None]
             d_inverse = du_c @ (v_c * beta_c[:, None]).T + dw_c @ (k_c * gamma * beta_c[:, None]).T
             a_t_du, a_t_dw = a.T @ du_c, a.T @ dw_c
             dv[b, span, hv] = a_t_du * beta_c[:, None]
-            strict = torch.ones(length, length, dtype=torch.bool).tril(-1)
+            strict = torch.ones(length, length, dtype=torch.bool, device=device).tril(-1)
             d_lower = (-(a.T @ d_inverse @ a.T)).masked_fill(~strict, 0.0)
             kdot = (k_c @ k_c.T) * decays.masked_fill(~strict, 0.0)
             dbeta[b, span, hv] = (v_c * a_t_du).sum(1) + (k_c * gamma * a_t_dw).sum(1) + (d_lower * kdot).sum(1)
