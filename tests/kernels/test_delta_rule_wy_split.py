@@ -80,8 +80,11 @@ def _limits(dtype):
 
 
 @requires_triton
+@pytest.mark.parametrize("via_memory", [False, True], ids=["scores-in-registers", "scores-via-memory"])
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", SPLIT_CASES, ids=CASE_IDS)
-def test_dqkw_matches_float64(name, sizes, gate, options, dtype, chunk):
+def test_dqkw_matches_float64(monkeypatch, name, sizes, gate, options, dtype, chunk, via_memory):
+    """dqkw alone; also with dS's round trip through memory (dqkw.DQKW_SCORES_VIA_MEMORY)."""
+    monkeypatch.setattr(dqkw, "DQKW_SCORES_VIA_MEMORY", via_memory)
     x = _kernel_inputs(sizes, gate, options, dtype, chunk, seed=sizes[1] + 21)
     plan = x["plan"]
     batch, time, value_heads, _ = x["do"].shape

@@ -21,9 +21,11 @@ separate add). The reference is reference.dqkw_ref.
 
 from __future__ import annotations
 
+import torch
+
 from .plan import Plan, block_size
 
-from .._triton import tl, triton
+from .._triton import scratch_rows, tl, triton
 
 if triton is not None:
     from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _pair_decays,
@@ -55,11 +57,12 @@ if triton is not None:
         return dq_state, dk_to_end, dw, dg_whole
 
     @triton.jit
-    def _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, dq_state, dk_to_end, dw,
-                          dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk, stride_kt, stride_kk, HV,
-                          K, scale, dot_dtype, BT: tl.constexpr, GATE: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-        """Key tile `kc`'s dq (complete), dk (partial) and dW stores; returns its share of dG's rows."""
+    def _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, d_scores_t, dq_state, dk_to_end,
+                          dw, dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk, stride_kt, stride_kk,
+                          HV, K, scale, dot_dtype, BT: tl.constexpr, GATE: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr, SCORES_VIA_MEMORY: tl.constexpr):
+        """Key tile `kc`'s dq (complete), dk (partial) and dW stores; returns its share of dG's rows.
+        d_scores_t: dS^T as read back from memory with SCORES_VIA_MEMORY, else unused (tl.trans of d_scores)."""
         local = tl.arange(0, BT)
         _store_rows(dw_ptr, dw, tokens, kc, HV * K, 1, valid, K)
         k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
@@ -73,7 +76,10 @@ if triton is not None:
         # P's row role (dq_t += sum_s dS[t,s] k_s) and column role (dk_s += sum_t dS[t,s] q_t)
         dq += _dot(d_scores, k_tile, dot_dtype, DOT_PRECISION)
         _store_rows(dq_ptr, dq, tokens, kc, HV * K, 1, valid, K)
-        dk_scores = _dot(tl.trans(d_scores), q_tile, dot_dtype, DOT_PRECISION)
+        if SCORES_VIA_MEMORY:
+            dk_scores = _dot(d_scores_t, q_tile, dot_dtype, DOT_PRECISION)
+        else:
+            dk_scores = _dot(tl.trans(d_scores), q_tile, dot_dtype, DOT_PRECISION)
         dg_rows = tl.zeros([BT], dtype=tl.float32)
         if GATE != 0:
             # Through S_end = e^G_last S + (K e^(G_last - G))^T U: dk_t's end-state term depends on
@@ -90,7 +96,7 @@ if triton is not None:
     @triton.jit
     def _dqkw_kernel(
         q_ptr, k_ptr, do_ptr, cum_ptr, u_ptr, du_ptr, h_ptr, dh_ptr,
-        dq_ptr, dk_ptr, dw_ptr, dg_ptr,
+        dq_ptr, dk_ptr, dw_ptr, dg_ptr, ds_ptr,
         stride_qb, stride_qt, stride_qh, stride_qk,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_dob, stride_dot, stride_doh, stride_dov,
@@ -102,9 +108,14 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        SCORES_VIA_MEMORY: tl.constexpr = False,
     ):
         """One program per (chunk, value head): see the module docstring. dq, dk (partial) and dW
-        are [B, T, HV, K] (dq, dk fp32, dW the intermediates' dtype), dG's partial fp32 [B, T, HV, 1]."""
+        are [B, T, HV, K] (dq, dk fp32, dW the intermediates' dtype), dG's partial fp32 [B, T, HV, 1].
+        With SCORES_VIA_MEMORY, dS makes a round trip through ds_ptr ([chunks, HV, BT, BT] in the
+        products' dtype, this program's tile only) and both products read it from there, dS^T by a
+        transposed load: no product takes dS from the registers of the product that formed it and no
+        tl.trans of it (see DQKW_SCORES_VIA_MEMORY)."""
         tl.static_assert(GATE != 2, "per-channel gates take wy.py's wy_backward and scores.py's backward")
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -149,15 +160,24 @@ if triton is not None:
         if GATE == 1:
             d_scores *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
         d_scores = d_scores.to(dot_dtype)
+        d_scores_t = d_scores
+        if SCORES_VIA_MEMORY:
+            ds_ptr += (pid_chunk.to(tl.int64) * HV + head) * BT * BT
+            tl.store(ds_ptr + local[:, None] * BT + local[None, :], d_scores)
+            # the loads below read elements other threads of this program stored
+            tl.debug_barrier()
+            d_scores = tl.load(ds_ptr + local[:, None] * BT + local[None, :])
+            d_scores_t = tl.load(ds_ptr + local[None, :] * BT + local[:, None])
         dg = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kc = k0 + tl.arange(0, BK)
             dq_state, dk_to_end, dw, dg_whole = _dqkw_value_pass(
                 do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
                 dot_dtype, BT, BK, BV, GATE, DOT_PRECISION)
-            dg += _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, dq_state, dk_to_end,
-                                    dw, dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk, stride_kt,
-                                    stride_kk, HV, K, scale, dot_dtype, BT, GATE, DOT_PRECISION)
+            dg += _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, d_scores_t, dq_state,
+                                    dk_to_end, dw, dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk,
+                                    stride_kt, stride_kk, HV, K, scale, dot_dtype, BT, GATE, DOT_PRECISION,
+                                    SCORES_VIA_MEMORY)
         if GATE == 1:
             tl.store(dg_ptr + tokens * HV, dg, mask=valid)
 
@@ -173,6 +193,13 @@ DQKW_BLOCK_K = 32
 DQKW_BLOCK_V = 64
 DQKW_STAGES = 2
 DQKW_OPTIONS = {"num_warps": 4, "num_stages": DQKW_STAGES}
+# Off: dS stays in registers, both products take it from there (dS^T through tl.trans). On: a round
+# trip through a [chunks, HV, BT, BT] scratch in the products' dtype (2 BT^2 bytes per program, read
+# back from L2), as FLA's chunk_bwd_kernel_dqkwg does on Hopper against a Triton 3.4-3.7 miscompile of
+# tl.trans on a wgmma result (fla-org/flash-linear-attention#640, #826). A candidate workaround for
+# the split's bf16 chunk-64 errors on the H100 (Triton 3.6), not yet run on a GPU (its ds-memory rows in
+# benchmarks/diag_wy_split.py say whether it helps). Read at launch time.
+DQKW_SCORES_VIA_MEMORY = False
 
 
 def launch_dqkw(plan: Plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens,
@@ -180,12 +207,15 @@ def launch_dqkw(plan: Plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw,
     """_dqkw_kernel on `num_chunks` chunks (the first `table` lists, varlen; h and dh start there):
     writes dq_heads (complete), dk_heads and dcum (partial, fp32) and dw (the intermediates' dtype)."""
     problem = plan.problem
+    via_memory = DQKW_SCORES_VIA_MEMORY
+    scratch = (torch.empty(scratch_rows(num_chunks), problem.value_heads, plan.chunk_size, plan.chunk_size,
+                           dtype=plan.intermediate_dtype, device=q.device) if via_memory else plan.dummy)
     plan.launch(_dqkw_kernel)[(num_chunks, problem.value_heads)](
-        q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum,
+        q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, scratch,
         *q.stride(), *k.stride(), *do.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, scale,
         GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim, DQKW_BLOCK_K),
         BV=block_size(problem.value_dim, DQKW_BLOCK_V), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-        **DQKW_OPTIONS,
+        SCORES_VIA_MEMORY=via_memory, **DQKW_OPTIONS,
     )
