@@ -48,6 +48,10 @@ TWO_KERNELS_NOTE = ("plan.FUSED_SCORES_BACKWARD=False (HCCOMPILE_DELTA_RULE_FUSE
 OURS_SINGLE_WY = "ours, single wy_backward"
 SINGLE_WY_NOTE = ("plan.SPLIT_WY_BACKWARD=False (HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD=0): wy.py's single "
                   "wy_backward kernel instead of dqkw.py + wy_bwd.py")
+OURS_SCORES_KERNEL = "ours, decayed_scores forward"
+SCORES_KERNEL_NOTE = ("plan.FUSED_SCORES_FORWARD=False (HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD=0): the forward "
+                      "launches decayed_scores (Kdot and P through memory, fp32) instead of forming Kdot in wy_solve "
+                      "and P in the output kernel")
 OURS_WIDE = "ours, widest sweep tiles"
 WIDE_NOTE = ("plan.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
              "fills at most half the SMs (the default narrows them)")
@@ -203,7 +207,8 @@ def kernel_rows(args, meta) -> list[dict]:
                 OURS_WIDE: (kernel_plan, "SWEEP_MIN_PROGRAMS", 0),
                 OURS_RECOMPUTE: (lowering_delta_rule, "KEEP_STATES", False),
                 OURS_TWO_KERNELS: (kernel_plan, "FUSED_SCORES_BACKWARD", False),
-                OURS_SINGLE_WY: (kernel_plan, "SPLIT_WY_BACKWARD", False)}
+                OURS_SINGLE_WY: (kernel_plan, "SPLIT_WY_BACKWARD", False),
+                OURS_SCORES_KERNEL: (kernel_plan, "FUSED_SCORES_FORWARD", False)}
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -227,6 +232,7 @@ def kernel_rows(args, meta) -> list[dict]:
             if gate == "scalar":  # KDA's per-channel gates always take the two kernels
                 variants.append((OURS_TWO_KERNELS, ours(gate), TWO_KERNELS_NOTE))
                 variants.append((OURS_SINGLE_WY, ours(gate), SINGLE_WY_NOTE))
+                variants.append((OURS_SCORES_KERNEL, ours(gate), SCORES_KERNEL_NOTE))
             if dtype == torch.bfloat16:
                 variants.append((OURS_FP32, ours(gate), FP32_NOTE))
             if 2 * shape["B"] * shape["H"] * -(-shape["D"] // 32) <= torch.cuda.get_device_properties(0).multi_processor_count:
@@ -240,7 +246,8 @@ def kernel_rows(args, meta) -> list[dict]:
                 for how in ("eager", "inductor", "hc"):
                     variants.append((f"plain {how}", plain(gate, how), ""))
             kinds = {"ours": "ours", OURS_RECOMPUTE: "recompute", OURS_TWO_KERNELS: "unfused",
-                     OURS_SINGLE_WY: "single-wy", OURS_FP32: "fp32", OURS_WIDE: "wide", "FLA": "fla"}
+                     OURS_SINGLE_WY: "single-wy", OURS_SCORES_KERNEL: "scores-kernel", OURS_FP32: "fp32",
+                     OURS_WIDE: "wide", "FLA": "fla"}
             wanted = set(args.impls.split(","))
             if "plain" in wanted:
                 wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
@@ -369,7 +376,9 @@ def main() -> None:
     p.add_argument("--impls", default="ours,fp32,wide,fla,plain",
                    help="kernel rows to run: ours, recompute (w, u, h recomputed in the backward, not kept), "
                         "unfused (GDN: decayed_scores_backward apart from wy_backward), single-wy (GDN: wy.py's single "
-                        "wy_backward instead of the split dqkw + wy_bwd), fp32 (fp32 intermediates "
+                        "wy_backward instead of the split dqkw + wy_bwd), scores-kernel (GDN: the forward's "
+                        "decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel), "
+                        "fp32 (fp32 intermediates "
                         "for bf16 inputs), wide (widest sweep "
                         "tiles, where ours narrows them), fla, plain (eager, Inductor and hc, at --plain-shapes) "
                         "or one of plain-eager, plain-inductor, plain-hc")

@@ -1,14 +1,21 @@
-"""Registers, spills and shared memory of the delta-rule backward's chunk-parallel kernels compiled for
+"""Registers, spills and shared memory of the delta-rule's chunk-parallel kernels compiled for
 sm_90, on the CPU: no GPU needed (Triton's bundled ptxas and cuobjdump). Each launch is specialized as
 at B1 T32768 H16 D128 bf16 (unit strides and GROUP = 1 constant, 16-divisible sizes and pointers).
 
     python benchmarks/sm90_registers.py --kernels dqkw,wy_bwd,wy_backward --configs 32,64,4,2 64,64,4,2
+    python benchmarks/sm90_registers.py --kernels wy_solve,wy_solve_kdot --configs 64,64,2,3
+    python benchmarks/sm90_registers.py --kernels output,output_store,output_scores,output_read --configs 64,64,4,3
 
-A config is BK,BV,num_warps,num_stages. TRITON_INTERPRET must be unset (it is cleared here).
+A config is BK,BV,num_warps,num_stages. The kernels (plan.FUSED_SCORES_FORWARD's pairs): wy_solve forms
+Kdot's blocks from the keys, wy_solve_kdot reads decayed_scores' Kdot; output forms P, output_store
+also stores it (bf16), output_scores is the P-only mode, output_read reads decayed_scores' fp32 P;
+wy_backward_keys is wy_backward without Kdot (READ_KDOT off). TRITON_INTERPRET must be unset (it is
+cleared here).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import subprocess
 import sys
@@ -21,30 +28,43 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hccompile.kernels.delta_rule import dqkw, wy, wy_bwd  # noqa: E402
+from hccompile.kernels.delta_rule import dqkw, output, wy, wy_bwd  # noqa: E402
 
 T, H, D = 32768, 16, 128
 VALUES = dict(T=T, NT=T // 64, HV=H, GROUP=1, K=D, V=D)
-for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("b", 1), ("db", 1)):
-    last = {"q": "k", "k": "k", "v": "v", "do": "v", "dv": "v", "b": "h", "db": "h"}[prefix]
+for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", D), ("b", 1), ("db", 1)):
+    last = {"q": "k", "k": "k", "v": "v", "do": "v", "dv": "v", "o": "v", "b": "h", "db": "h"}[prefix]
     VALUES.update({f"stride_{prefix}b": T * H * width, f"stride_{prefix}t": H * width,
                    f"stride_{prefix}{last}": 1})
     if width > 1:
         VALUES[f"stride_{prefix}h"] = width
 BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_ptr", "h_ptr", "dh_ptr", "dw_ptr",
-                 "dv_ptr", "dbeta_ptr"}
-KERNELS = {"dqkw": (dqkw._dqkw_kernel, {}), "wy_bwd": (wy_bwd._wy_bwd_kernel, {}),
-           "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True})}
+                 "dv_ptr", "dbeta_ptr", "w_ptr", "kg_ptr", "o_ptr"}
+# name: (kernel, constexprs beyond the common ones, pointers whose dtype differs from BF16_POINTERS')
+KERNELS = {"dqkw": (dqkw._dqkw_kernel, {}, {}), "wy_bwd": (wy_bwd._wy_bwd_kernel, {}, {}),
+           "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),
+           "wy_backward_keys": (wy._wy_backward_kernel, {"FUSE_SCORES": True, "READ_KDOT": False}, {}),
+           "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "FORM_KDOT": True}, {}),
+           "wy_solve_kdot": (wy._wy_solve_kernel, {"BC": 16, "FORM_KDOT": False}, {}),
+           "output": (output._output_kernel, {"FORM_SCORES": True}, {}),
+           "output_store": (output._output_kernel, {"FORM_SCORES": True, "STORE_SCORES": True},
+                            {"scores_ptr": "*bf16"}),
+           "output_scores": (output._output_kernel, {"FORM_SCORES": True, "SCORES_ONLY": True},
+                             {"scores_ptr": "*bf16"}),
+           "output_read": (output._output_kernel, {}, {})}
 
 
-def specialize(kernel, constexprs):
+def specialize(kernel, constexprs, pointers=None):
     """(signature, constexprs, attrs) of a launch at VALUES."""
     signature, constants, attrs = {}, dict(constexprs), {}
     for index, name in enumerate(kernel.arg_names):
-        if name in constexprs:
+        param = kernel.params[index]
+        if name not in constexprs and param.is_constexpr and param.default is not inspect.Parameter.empty:
+            constants[name] = param.default  # a constexpr left at its default
+        if name in constants:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = "*bf16" if name in BF16_POINTERS else "*fp32"
+            signature[name] = (pointers or {}).get(name, "*bf16" if name in BF16_POINTERS else "*fp32")
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif name == "scale":
             signature[name] = "fp32"
@@ -57,8 +77,8 @@ def specialize(kernel, constexprs):
     return signature, constants, attrs
 
 
-def resource_usage(kernel, constexprs, warps: int, stages: int) -> str:
-    signature, constants, attrs = specialize(kernel, constexprs)
+def resource_usage(kernel, constexprs, warps: int, stages: int, pointers=None) -> str:
+    signature, constants, attrs = specialize(kernel, constexprs, pointers)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
@@ -79,12 +99,12 @@ def main() -> None:
                    help="BK,BV,num_warps,num_stages")
     args = p.parse_args()
     for name in args.kernels.split(","):
-        kernel, extra = KERNELS[name]
+        kernel, extra, pointers = KERNELS[name]
         for config in args.configs:
             bk, bv, warps, stages = (int(x) for x in config.split(","))
             constexprs = dict(GATE=args.gate, BT=64, BK=bk, BV=bv, IS_VARLEN=False, DOT_PRECISION="tf32", **extra)
             print(f"{name:12s} BK {bk:3d} BV {bv:3d} warps {warps} stages {stages}: "
-                  f"{resource_usage(kernel, constexprs, warps, stages)}", flush=True)
+                  f"{resource_usage(kernel, constexprs, warps, stages, pointers)}", flush=True)
 
 
 if __name__ == "__main__":

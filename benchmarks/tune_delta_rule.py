@@ -49,6 +49,8 @@ VARIANTS = {
     "FUSED_SCORES_BACKWARD": (kernel_plan, [False]),
     # GDN: wy.py's single wy_backward instead of the split
     "SPLIT_WY_BACKWARD": (kernel_plan, [False]),
+    # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel
+    "FUSED_SCORES_FORWARD": (kernel_plan, [False]),
     # the split's key tiles (64 spills at 4 warps: combine with num_warps=8 by hand)
     "DQKW_BLOCK_K": (dqkw, [16, 64]),
     "WY_BWD_BLOCK_K": (wy_bwd, [16, 64]),

@@ -110,8 +110,14 @@ def test_opcheck_forward_and_backward(name, mode):
     o, final_state, *kept = chunk_delta_rule_op(*op_args(case, gate, **arg_kwargs))
     if arg_kwargs.get("save_intermediates"):
         # The intra-chunk matrices, the l2-normed q and k (op_args asks for the l2norm), the gate's
-        # sum, and the state sweep's w, u, h.
-        assert len(kept) == 9 and all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept[:3])
+        # sum, and the state sweep's w, u, h. Without per-channel gates (plan.FUSED_SCORES_FORWARD) no
+        # Kdot (a zero-size placeholder), and P in the intermediates' dtype.
+        from hccompile.kernels.delta_rule import plan as kernel_plan
+
+        fused = kernel_plan.FUSED_SCORES_FORWARD and gate != "channel"
+        assert len(kept) == 9 and all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept[int(fused):3])
+        assert tuple(kept[0].shape) == ((0,) if fused else (*o.shape[:3], 16))
+        assert kept[1].dtype == (kernel_plan.intermediate_dtype_for(case["q"].dtype) if fused else torch.float32)
         assert all(t.shape == case["q"].shape for t in kept[3:5])
         assert kept[5].shape == case["g"].shape[:3] + (case["g"].shape[3] if case["g"].dim() == 4 else 1,)
         key_dim, value_dim = case["q"].shape[3], case["v"].shape[3]
@@ -437,6 +443,12 @@ def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
     from hccompile.kernels.delta_rule import plan as kernel_plan
 
     kernels = ["_output_kernel", "_wy_solve_kernel", "_state_forward_kernel", "_state_backward_kernel"]
+    # Without per-channel gates the forward forms Kdot in wy_solve and P in the output kernel
+    # (plan.FUSED_SCORES_FORWARD): no decayed_scores launch; the backward takes the kept P.
+    fused_forward = kernel_plan.FUSED_SCORES_FORWARD and gate != "channel"
+    (kernels if not fused_forward else []).append("_decayed_scores_kernel")
+    if fused_forward:
+        assert "_decayed_scores_kernel" not in code
     # Without per-channel gates wy_backward does decayed_scores_backward's work (plan.FUSED_SCORES_BACKWARD),
     # split in dqkw and wy_bwd while plan.SPLIT_WY_BACKWARD is on.
     fused = kernel_plan.FUSED_SCORES_BACKWARD and gate != "channel"

@@ -62,9 +62,9 @@ from ..compat import autograd_recording as _autograd_recording
 from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_delta_rule_bwd, chunk_delta_rule_fwd,
                                   chunk_delta_rule_ref, triton_available)
 from ..kernels.delta_rule.chunk import GRADIENT_NAMES, Kept
-from ..kernels.delta_rule.output import _output_kernel
-from ..kernels.delta_rule.plan import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES, intermediate_dtype_for,
-                                       kept_state_rows, normed_qk_dtype_for)
+from ..kernels.delta_rule.output import _output_kernel, _output_scores_kernel
+from ..kernels.delta_rule.plan import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES, fused_scores_forward_for,
+                                       intermediate_dtype_for, kept_state_rows, normed_qk_dtype_for)
 from ..kernels.delta_rule.dqkw import _dqkw_kernel
 from ..kernels.delta_rule.state import _state_backward_kernel
 from ..kernels.delta_rule.wy import _wy_backward_kernel
@@ -377,8 +377,9 @@ def _chunk_delta_rule_host(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, final state, kdot, scores, inverse, q_normed, k_normed, cum, w, u, h). With
     save_intermediates the last nine are kept for the backward so that it does not recompute them:
-    the kernels' intra-chunk matrices, fp32 [B, T, HV, chunk_size]; with use_qk_l2norm_in_kernel
-    the l2-normed q and k ([B, T, H, K] in normed_qk_dtype_for(q.dtype)); with a gate its
+    the kernels' intra-chunk matrices [B, T, HV, chunk_size] (see _kept_layout: without per-channel
+    gates and with plan.FUSED_SCORES_FORWARD no kdot, and scores in the intermediates' dtype); with
+    use_qk_l2norm_in_kernel the l2-normed q and k ([B, T, H, K] in normed_qk_dtype_for(q.dtype)); with a gate its
     chunk-local cumulative sum (fp32 [B, T, HV, K or 1]); with KEEP_STATES the state sweep's w
     [B, T, HV, K], u [B, T, HV, V] and chunk states h [kept_state_rows, HV, K, V] in
     intermediate_dtype_for(q.dtype); zeros where the reference or CP path ran (their backwards
@@ -444,10 +445,13 @@ def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermed
     """Shape and dtype of each kept output (kdot, scores, inverse, q_normed, k_normed, cum, w, u, h),
     the op's and its fake's, when asked for: the matrices [B, T, HV, chunk_size] fp32, the normed q
     and k [B, T, H, K] with l2norm, the gate's cumulative sum [B, T, HV, K or 1] fp32 with a gate, w,
-    u, h (see Kept) with KEEP_STATES; (0,) otherwise."""
+    u, h (see Kept) with KEEP_STATES; (0,) otherwise. Where the forward forms Kdot and P inside
+    wy_solve and the output kernel (plan.FUSED_SCORES_FORWARD, read now, as the kernels' plan reads
+    it; no per-channel gate) kdot is (0,) and scores take the intermediates' dtype."""
     batch, time, value_heads = q.shape[0], q.shape[1], v.shape[2]
     key_dim, value_dim = q.shape[3], v.shape[3]
     square = (batch, time, value_heads, chunk_size) if save_intermediates else (0,)
+    fused = fused_scores_forward_for(gate)
     normed = tuple(q.shape) if save_intermediates and l2norm else (0,)
     width = key_dim if gate == "channel" else 1
     cum = (batch, time, value_heads, width) if save_intermediates and gate != "none" else (0,)
@@ -458,7 +462,9 @@ def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermed
         states = [(batch, time, value_heads, key_dim), (batch, time, value_heads, value_dim),
                   (rows, value_heads, key_dim, value_dim)]
     stored = intermediate_dtype_for(q.dtype)
-    return ([(square, torch.float32)] * 3 + [(normed, normed_qk_dtype_for(q.dtype))] * 2 + [(cum, torch.float32)]
+    matrices = [((0,) if fused else square, torch.float32), (square, stored if fused else torch.float32),
+                (square, torch.float32)]
+    return (matrices + [(normed, normed_qk_dtype_for(q.dtype))] * 2 + [(cum, torch.float32)]
             + [(shape, stored) for shape in states])
 
 
@@ -525,10 +531,10 @@ def _chunk_delta_rule_backward_host(
     q_normed: Tensor | None = None, k_normed: Tensor | None = None, cum: Tensor | None = None,
     w: Tensor | None = None, u: Tensor | None = None, h: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of the forward op's inputs; kdot, scores, inverse are its kept matrices (all three
-    or none), q_normed and k_normed its kept l2-normed q and k (both or none), cum its gate's kept
-    cumulative sum, w, u, h its kept state sweep (all three or none); reused by the kernel backward
-    instead of recomputed."""
+    """Gradients of the forward op's inputs; kdot, scores, inverse are its kept matrices (scores and
+    inverse or none; kdot zero-size where the forward formed it in wy_solve), q_normed and k_normed its
+    kept l2-normed q and k (both or none), cum its gate's kept cumulative sum, w, u, h its kept state
+    sweep (all three or none); reused by the kernel backward instead of recomputed."""
     parallel = _context_parallel.backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                           scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
     if parallel is not None:
@@ -548,17 +554,17 @@ def _chunk_delta_rule_backward_host(
 
 def _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum, w, u, h) -> Kept | None:
     """The backward kernels' `intermediates` from the kept outputs the backward op was given: the
-    matrices when all three are real, then the normed q and k when both are, the gate's sum when
-    it is and w, u, h when all three are (zero-size placeholders stand for what the forward did not
-    keep)."""
+    matrices when scores and inverse are real (kdot when it is: a forward that formed Kdot in wy_solve
+    kept none), then the normed q and k when both are, the gate's sum when it is and w, u, h when all
+    three are (zero-size placeholders stand for what the forward did not keep)."""
     def real(*tensors):
         return all(t is not None and t.numel() for t in tensors)
 
-    if not real(kdot, scores, inverse):
+    if not real(scores, inverse):
         return None
     normed = (q_normed, k_normed) if real(q_normed, k_normed) else (None, None)
     states = (w, u, h) if real(w, u, h) else (None, None, None)
-    return Kept(kdot, scores, inverse, *normed, cum if real(cum) else None, *states)
+    return Kept(kdot if real(kdot) else None, scores, inverse, *normed, cum if real(cum) else None, *states)
 
 
 def _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads) -> tuple[Tensor, ...]:
@@ -656,7 +662,7 @@ chunk_delta_rule_backward_op = kernel_op("chunk_delta_rule_backward", _chunk_del
                                          # the sweep first: launched once per call whether wy_backward is
                                          # split (plan.SPLIT_WY_BACKWARD) or not
                                          kernels=(_state_backward_kernel, _wy_backward_kernel, _dqkw_kernel,
-                                                  _wy_bwd_kernel), traceable=_traceable,
+                                                  _wy_bwd_kernel, _output_scores_kernel), traceable=_traceable,
                                          fixed_dims=_FIXED_DIMS)
 
 
@@ -672,7 +678,7 @@ def _setup_context(ctx, inputs, output) -> None:
     kept = output[2:]
     ctx.mark_non_differentiable(*kept)
     # Unused outputs (always the kept matrices, often the final state) get None, not a zero tensor
-    # each: three fp32 [B, T, HV, chunk] fills per backward otherwise.
+    # each: up to three [B, T, HV, chunk] fills per backward otherwise.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, *kept)
     ctx.options = (gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
@@ -726,7 +732,8 @@ def _run(q, k, v, beta, g, gate, scale, initial_state, output_final_state, cu_se
 def keeps_intermediates(*inputs: Tensor | None) -> bool:
     """Whether the forward op should keep its intra-chunk matrices (and l2-normed q and k) for the
     backward: when a gradient will be taken and no CP context is active (CP's backward recomputes its
-    own). It costs three fp32 [B, T, HV, chunk_size] tensors per call until the backward, as FLA's kept
+    own). It costs up to three fp32 [B, T, HV, chunk_size] tensors per call until the backward (without
+    per-channel gates and with plan.FUSED_SCORES_FORWARD: A in fp32 and P in the intermediates' dtype), as FLA's kept
     score matrices and solved A do, plus with use_qk_l2norm_in_kernel two [B, T, H, K] in the normed
     dtype (bf16 for bf16 inputs) and with a gate its fp32 cumulative sum [B, T, HV, K or 1] (FLA keeps
     both too), and saves the backward their recomputation. With KEEP_STATES (the default) the state

@@ -225,6 +225,31 @@ def test_simulated_ranks_match_single_process(name, middle_stores_chunks, poison
         assert error < limit, (quantity, error)
 
 
+@requires_kernels
+@pytest.mark.parametrize("fused_forward, split", [(False, True), (False, False), (True, False)],
+                         ids=["scores-kernel-split", "scores-kernel-single", "fused-single"])
+@pytest.mark.parametrize("name", ["gdn-varlen-middle-rank-uneven", "gdn-fixed-b2-zigzag-scan"])
+def test_simulated_ranks_with_or_without_the_scores_kernel(name, fused_forward, split, poison, monkeypatch):
+    """CP runs chunk.py's chunk-parallel steps: with plan.FUSED_SCORES_FORWARD off they launch
+    decayed_scores (the default test above runs it on: Kdot formed in wy_solve, P in the output
+    kernel, the backward's P in its P-only mode), and with plan.SPLIT_WY_BACKWARD off the single
+    wy_backward reads Kdot or takes its terms from the keys."""
+    from hccompile.kernels.delta_rule import plan as kernel_plan
+
+    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_FORWARD", fused_forward)
+    monkeypatch.setattr(kernel_plan, "SPLIT_WY_BACKWARD", split)
+    gate, input_kwargs, world, ctx_kwargs, merge = SIMULATION_CASES[name]
+    case, cu = make_inputs(gate, device=DEVICE, **input_kwargs)
+    if cu is not None:
+        ctxs = [build_cp_context(cu, rank=r, world_size=world, **ctx_kwargs) for r in range(world)]
+    else:
+        ctxs = [build_cp_context(seq_len=case["q"].shape[1], rank=r, world_size=world, **ctx_kwargs)
+                for r in range(world)]
+    options = dict(chunk_size=16, use_qk_l2norm_in_kernel=True, scale=0.3)
+    errors = _errors(ctxs, case, cu, options, merge=merge)
+    assert max(errors.values()) < TOLERANCE, errors
+
+
 def test_reference_engine_float64_matches_single_process():
     # The fallback engine (float64 inputs, or no Triton): exact to float64 rounding.
     case, cu = make_inputs("scalar", seqlens=[11, 30, 6], dtype=torch.float64)

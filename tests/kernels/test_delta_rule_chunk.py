@@ -16,6 +16,7 @@ from hccompile.kernels.delta_rule import (
 )
 from hccompile.kernels.delta_rule import l2norm as l2norm_ref
 from hccompile.kernels.delta_rule.plan import intermediate_dtype_for, kept_state_rows, normed_qk_dtype_for
+from hccompile.kernels.delta_rule.reference import intra_chunk_matrices_ref
 
 from test_delta_rule import build_case
 
@@ -349,7 +350,9 @@ WY_SOLVE_CASES = [
 @pytest.mark.parametrize("gate, chunk, time, cu", WY_SOLVE_CASES,
                          ids=[f"{g}-BT{c}-T{t}{'-varlen' if cu else ''}" for g, c, t, cu in WY_SOLVE_CASES])
 def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
-    """A, W of the forward's wy_solve against float64 from the kernels' own Kdot, chunk by chunk."""
+    """A, W of the forward's wy_solve against float64 from the kernels' own Kdot (decayed_scores'), or
+    without per-channel gates (plan.fused_scores_forward: wy_solve forms Kdot itself) from the float64
+    Kdot of the keys, chunk by chunk."""
     cu_seqlens = torch.tensor(cu, dtype=torch.int32) if cu is not None else None
     options = {"cu_seqlens": cu_seqlens} if cu is not None else {}
     inputs, kwargs = aligned_keys_case((1, time, 1, 2, 32, 16), gate, options, seed=time + chunk)
@@ -362,21 +365,28 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
     inverse = fwd.inverse  # allocated with torch.empty: refill and rerun to poison it
     inverse.fill_(float("nan"))
     table, seqlens = plan.chunk_args()
+    form_kdot = plan.fused_scores_forward
+    assert (fwd.kdot is None) == form_kdot
     wy_kernels._wy_solve_kernel[(plan.num_chunks, problem.value_heads)](
-        fwd.k, v, beta, fwd.cum if fwd.cum is not None else plan.dummy, fwd.kdot, inverse, fwd.w,
-        torch.empty_like(fwd.u), torch.empty_like(fwd.w), *fwd.k.stride(), *v.stride(), *beta.stride(), table, seqlens,
-        problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-        problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
+        fwd.k, v, beta, fwd.cum if fwd.cum is not None else plan.dummy, plan.dummy if form_kdot else fwd.kdot,
+        inverse, fwd.w, torch.empty_like(fwd.u), torch.empty_like(fwd.w), *fwd.k.stride(), *v.stride(),
+        *beta.stride(), table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size,
+        problem.key_dim, problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
         BK=kernel_plan.block_size(problem.key_dim), BV=kernel_plan.block_size(problem.value_dim),
-        DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen,
+        DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen, FORM_KDOT=form_kdot,
     )
+    kdots = fwd.kdot
+    if form_kdot:
+        chunks = [(b, start, min(chunk, eos - start)) for b, bos, eos in problem.sequence_bounds()
+                  for start in range(bos, eos, chunk)]
+        kdots, _ = intra_chunk_matrices_ref(fwd.k, fwd.k, fwd.cum, chunks, chunk, problem.value_heads)
     worst_inverse = worst_w = 0.0
     for batch, bos, eos in problem.sequence_bounds():
         for first in range(bos, eos, chunk):
             n = min(chunk, eos - first)
             rows = slice(first, first + n)
             for head in range(problem.value_heads):
-                kdot = fwd.kdot[batch, rows, head, :n].double().tril(-1)
+                kdot = kdots[batch, rows, head, :n].double().tril(-1).to(inverse.device)
                 b = beta[batch, rows, head].double()
                 identity = torch.eye(n, dtype=torch.float64, device=kdot.device)
                 expected = torch.linalg.inv(identity + b[:, None] * kdot)
@@ -456,8 +466,15 @@ def test_intermediates_take_the_planned_dtype(dtype):
     assert plan.normed_qk_dtype == normed
     for name in ("q", "k"):
         assert getattr(fwd, name).dtype == normed, name
-    for name in ("kdot", "scores", "inverse", "cum"):
+    for name in ("inverse", "cum"):
         assert getattr(fwd, name).dtype == torch.float32, name
+    # Without per-channel gates (plan.fused_scores_forward) no Kdot in memory, and P (in memory for a
+    # backward, which this forward without o is) in the intermediates' dtype; fp32 from decayed_scores.
+    assert fwd.scores.dtype == plan.scores_dtype
+    assert plan.scores_dtype == (plan.intermediate_dtype if kernel_plan.FUSED_SCORES_FORWARD else torch.float32)
+    assert (fwd.kdot is None) == kernel_plan.FUSED_SCORES_FORWARD
+    if fwd.kdot is not None:
+        assert fwd.kdot.dtype == torch.float32
 
 
 @requires_triton
@@ -610,14 +627,23 @@ KEPT_CASES = [
 
 
 @requires_triton
+@pytest.mark.parametrize("fused_forward", [True, False], ids=["fused-scores-forward", "scores-kernel"])
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", KEPT_CASES, ids=[c[0] for c in KEPT_CASES])
-def test_backward_with_kept_intermediates_equals_the_recomputing_backward(name, sizes, gate, options, dtype, chunk):
+def test_backward_with_kept_intermediates_equals_the_recomputing_backward(monkeypatch, fused_forward, name, sizes,
+                                                                          gate, options, dtype, chunk):
+    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_FORWARD", fused_forward)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 5)
     inputs = kernel_inputs(inputs, dtype)
     o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
     o_plain, state_plain = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk)
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
-    assert all(t.shape == (*o.shape[:3], chunk) and t.dtype == torch.float32 for t in kept[:3])
+    # Kdot is kept where decayed_scores wrote it (per-channel gates, or plan.FUSED_SCORES_FORWARD off);
+    # P in fp32 there, else in the intermediates' dtype (the output kernel's store).
+    fused = kernel_plan.FUSED_SCORES_FORWARD and gate != "channel"
+    assert (kept.kdot is None) == fused
+    assert all(t.shape == (*o.shape[:3], chunk) for t in kept[:3] if t is not None)
+    assert kept.inverse.dtype == torch.float32 and all(t.dtype == torch.float32 for t in kept[:1] if t is not None)
+    assert kept.scores.dtype == (intermediate_dtype_for(dtype) if fused else torch.float32)
     l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
     if l2norm:
         # The l2-normed q and k, in the plan's normed dtype, equal to the reference's l2norm.

@@ -9,6 +9,10 @@ reference.chunk_delta_rule_ref for the math they implement):
   4. state_forward   sequential over chunks: chunk-start states h, corrected values U = U~ - W h   state.py
   5. output          O = scale ((Q*e^G) h + P U)                                         output.py
 
+Without per-channel gates (plan.fused_scores_forward) step 2 is not launched: wy_solve forms Kdot's
+blocks from the keys and the output kernel forms P (stored, in the intermediates' dtype, only for a
+forward that keeps its intermediates; a recomputing backward runs the output kernel's P-only mode).
+
 The backward pass recomputes them (or takes the forward's kept Kdot, P and A), then runs
 state_backward (state.py; sequential, reverse), wy_backward (wy.py; without per-channel gates split
 in dqkw.py and wy_bwd.py while plan.SPLIT_WY_BACKWARD is on), decayed_scores_backward (scores.py;
@@ -33,7 +37,7 @@ import torch
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (DEFAULT_CHUNK_SIZE, GATE_CODES, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
                    intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
-from .output import output_grid
+from .output import launch_output, launch_scores_only
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
@@ -78,7 +82,9 @@ def _check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, devic
 
 class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
-    the intra-chunk matrices, each fp32 [B, T, HV, chunk_size]; with use_qk_l2norm_in_kernel the
+    the intra-chunk matrices, each [B, T, HV, chunk_size]: Kdot (fp32; None without per-channel gates
+    while plan.fused_scores_forward, nothing forms it in memory then), P (fp32 from decayed_scores, or
+    in the intermediates' dtype from the output kernel) and the inverse A (fp32); with use_qk_l2norm_in_kernel the
     l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
     gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without); and the state
     sweep's results, in the plan's intermediate_dtype: w [B, T, HV, K], the corrected values u
@@ -87,7 +93,7 @@ class Kept(NamedTuple):
     B1 T32768 H16 K128 on the H100 they were 2.5 ms of KDA's 14.3 ms step); they hold
     (2 T + T K / BT) HV K elements per batch row (K = V), h the most (K / BT = 2 times w's at BT 64)."""
 
-    kdot: torch.Tensor
+    kdot: torch.Tensor | None
     scores: torch.Tensor
     inverse: torch.Tensor
     q_normed: torch.Tensor | None = None
@@ -102,13 +108,14 @@ class Kept(NamedTuple):
 class ChunkLocal:
     """What the chunk-parallel steps (the l2norm, gate_cumsum, decayed_scores, wy_solve) give the
     state sweeps, independent of any state: l2normed q and k in the plan's normed_qk_dtype, w, u~
-    and k_decayed in its intermediate_dtype, the rest fp32. cp.py's segments start from it too."""
+    and k_decayed in its intermediate_dtype, P in its scores_dtype, the rest fp32. cp.py's segments
+    start from it too."""
 
     q: torch.Tensor  # q or its l2norm
     k: torch.Tensor
     cum: torch.Tensor | None  # [B, T, HV, K or 1] chunk-local cumulative log-gate
-    kdot: torch.Tensor  # [B, T, HV, BT]
-    scores: torch.Tensor  # [B, T, HV, BT]
+    kdot: torch.Tensor | None  # [B, T, HV, BT]; None where wy_solve forms it (plan.fused_scores_forward)
+    scores: torch.Tensor | None  # [B, T, HV, BT]; None where the output kernel will form it (fused, scores_now off)
     inverse: torch.Tensor  # [B, T, HV, BT]
     w: torch.Tensor  # [B, T, HV, K]
     u_tilde: torch.Tensor  # [B, T, HV, V] values before the state's correction (the plan's dummy when kept)
@@ -125,12 +132,17 @@ class _Forward(ChunkLocal):
 
 
 def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound,
-                      kept: Kept | None = None, empty: Callable | None = None) -> ChunkLocal:
+                      kept: Kept | None = None, empty: Callable | None = None, scores_now: bool = True) -> ChunkLocal:
     """Steps 1-3 of the forward, chunk-parallel. With `kept`, what an earlier forward on the same
     inputs kept, decayed_scores and the WY solve are skipped (wy_solve only forms W and U~ from the
     kept inverse), and so are the l2norm and the gate's cumulative sum when it kept their results,
     and wy_solve itself when it kept w, u and h (the sweep is skipped then too). `empty(*shape,
-    dtype=...)` allocates the buffers on q's device (default torch.empty; CP's can poison them)."""
+    dtype=...)` allocates the buffers on q's device (default torch.empty; CP's can poison them).
+
+    With plan.fused_scores_forward there is no decayed_scores launch: wy_solve forms Kdot's blocks
+    itself (local.kdot is None) and P is the output kernel's. `scores_now`: P must be in memory when
+    these steps return (a backward's recomputation, which launches no output kernel: the output
+    kernel's P-only mode runs here); off (a forward, whose output kernel forms P), local.scores is None."""
     problem = plan.problem
     batch, time, value_heads = problem.batch, problem.time, problem.value_heads
     key_dim, value_dim, chunk = problem.key_dim, problem.value_dim, plan.chunk_size
@@ -151,10 +163,14 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
     elif problem.gate != "none" and plan.num_chunks:
         cum = launch_gate_cumsum(plan, g, gate_activation(problem, lower_bound), A_log, dt_bias, lower_bound,
                                  reverse=False)
-    if kept is None:
-        kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
-    else:
+    fused = plan.fused_scores_forward
+    if kept is not None:
         kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
+    elif fused:
+        kdot, inverse = None, buffer(batch, time, value_heads, chunk)
+        scores = buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype) if scores_now else None
+    else:
+        kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
     if kept is not None and kept.h is not None:
         return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=kept.w,
                           u_tilde=plan.dummy, k_decayed=plan.dummy)
@@ -165,14 +181,17 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
     if plan.num_chunks:
         table, seqlens = plan.chunk_args()
         cum_arg = cum if cum is not None else plan.dummy
-        if kept is None:
+        if kept is None and not fused:
             launch_decayed_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
+        elif kept is None and scores_now:
+            launch_scores_only(plan, q, k, cum_arg, scores, plan.num_chunks, table, seqlens)
         plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
-            k, v, beta, cum_arg, kdot, inverse, w, u_tilde, k_decayed, *k.stride(), *v.stride(), *beta.stride(),
+            k, v, beta, cum_arg, kdot if kdot is not None else plan.dummy, inverse, w, u_tilde, k_decayed,
+            *k.stride(), *v.stride(), *beta.stride(),
             table, seqlens, time, plan.chunks_per_row, value_heads, problem.group_size, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_size(key_dim),
             BV=block_size(value_dim), DOT_PRECISION=plan.dot_precision, SOLVE=kept is None,
-            IS_VARLEN=plan.varlen, **wy_solve_options(plan),
+            FORM_KDOT=kept is None and fused, IS_VARLEN=plan.varlen, **wy_solve_options(plan),
         )
     return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde,
                       k_decayed=k_decayed)
@@ -183,14 +202,18 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     """Runs the five forward kernels; writes o and final_state (when not None). With `kept`, what
     chunk_local_steps skips (see there), and the state sweep when it kept w, u and h (then neither
     o nor final_state may be asked for). The chunk states get kept_state_rows rows when
-    `keep_states`, so that the forward can hand them to an op's output of a shape its fake knows."""
+    `keep_states`, so that the forward can hand them to an op's output of a shape its fake knows,
+    and where the output kernel forms P (plan.fused_scores_forward) it stores it too (the result's
+    scores; None otherwise when o is given). Without o, P is in memory either way (chunk_local_steps'
+    scores_now)."""
     problem = plan.problem
     time, value_heads = problem.time, problem.value_heads
     key_dim, value_dim = problem.key_dim, problem.value_dim
     chunk = plan.chunk_size
     device = q.device
     stored = plan.intermediate_dtype
-    local = chunk_local_steps(plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound, kept)
+    local = chunk_local_steps(plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound, kept,
+                              scores_now=o is None)
     q, k, cum = local.q, local.k, local.cum
     if kept is not None and kept.h is not None:
         assert o is None and final_state is None, "kept states serve the backward only"
@@ -209,8 +232,6 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
         # cause of HF's delta-rule layers compiling twice, at T = 40, on the H100 at 28f9071). The
         # one row it can leave unwritten, at one chunk, is never read.
         h[plan.num_chunks:].zero_()
-    block_k = block_size(key_dim)
-    block_v = block_size(value_dim)
     group = problem.group_size
     nt = plan.chunks_per_row
     block_k_full = block_size(key_dim, MAX_HEAD_DIM)
@@ -229,12 +250,13 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
             DOT_PRECISION=plan.dot_precision, **_sweep_options(plan, block_k_full, k.dtype, "forward"), **common,
         )
+    form_scores = local.scores is None  # the output kernel forms P (plan.fused_scores_forward)
+    if form_scores and keep_states:
+        local.scores = torch.empty(problem.batch, time, value_heads, chunk, dtype=plan.scores_dtype, device=device)
     if o is not None and plan.num_chunks:
-        plan.launch(_output_kernel)[output_grid(plan.num_chunks, value_heads, value_dim, block_v)](
-            q, cum_arg, h, local.scores, u, o, *q.stride(), *o.stride(), table, seqlens,
-            time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            GATE=plan.gate_code, BT=chunk, BK=block_k, BV=block_v, DOT_PRECISION=plan.dot_precision, **common,
-        )
+        launch_output(plan, q, k, cum_arg, h, local.scores if local.scores is not None else plan.dummy, u, o,
+                      plan.num_chunks, table, seqlens, scale, form_scores=form_scores,
+                      store_scores=form_scores and keep_states)
     return _Forward(**vars(local), u=u, h=h)
 
 
@@ -331,8 +353,14 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
                          f"k_normed, cum) or those and (w, u, h), got {len(given)} tensors")
     kept = Kept(*given)
     square = (problem.batch, problem.time, problem.value_heads, chunk_size)
-    expected = [("kdot", square, torch.float32), ("scores", square, torch.float32),
+    # P as decayed_scores stores it (fp32) or as the output kernel does (the intermediates' dtype);
+    # Kdot may be absent without per-channel gates (the backward's kernels then take its terms from K).
+    expected = [("scores", square, (torch.float32, intermediate_dtype_for(q.dtype))),
                 ("inverse", square, torch.float32)]
+    if kept.kdot is not None:
+        expected.insert(0, ("kdot", square, torch.float32))
+    elif problem.gate == "channel":
+        raise ValueError("intermediates: kdot is None, but per-channel gates need it (decayed_scores' Kdot)")
     if kept.q_normed is not None or kept.k_normed is not None:
         if not l2norm:
             raise ValueError("intermediates: q_normed and k_normed given, but use_qk_l2norm_in_kernel is False")
@@ -354,6 +382,8 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
                      ("h", (rows, value_heads, problem.key_dim, problem.value_dim), stored)]
     for name, shape, dtype in expected:
         tensor = getattr(kept, name)
+        if isinstance(dtype, tuple):  # any of these
+            dtype = tensor.dtype if getattr(tensor, "dtype", None) in dtype else dtype[0]
         _check_out(f"intermediates {name}", tensor, shape, dtype, q.device)
         if not tensor.is_contiguous():
             raise ValueError(f"intermediates {name}: expected a contiguous tensor")
@@ -480,12 +510,13 @@ def chunk_delta_rule_bwd(
                                  dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale))
     elif plan.num_chunks:
         plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](
-            fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot, fwd.u, du, fwd.h, dh,
-            dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,
+            fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot if fwd.kdot is not None else plan.dummy,
+            fwd.u, du, fwd.h, dh, dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
             *dbeta.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            BK=block_k, BV=block_v, FUSE_SCORES=fused_scores, **WY_BACKWARD_OPTIONS, **common,
+            BK=block_k, BV=block_v, FUSE_SCORES=fused_scores, READ_KDOT=fwd.kdot is not None,
+            **WY_BACKWARD_OPTIONS, **common,
         )
         if not fused_scores:
             launch_scores_backward(plan, fwd.q, fwd.k, cum_arg, dkdot, dscores, dq_heads, dk_heads, dcum,

@@ -63,7 +63,7 @@ from .state import (MIN_BACKWARD_SWEEP_TILE, STATE_TILE_ELEMENTS, state_backward
 from .wy import WY_BACKWARD_OPTIONS
 
 if triton is not None:
-    from .output import _output_kernel, output_grid
+    from .output import _output_kernel, launch_output
     from .state import _state_backward_kernel, _state_forward_kernel
     from .tiles import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows, _varlen_chunk_coords
     from .wy import _wy_backward_kernel
@@ -633,12 +633,15 @@ def _local_problem(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, 
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
-def _intra(local: _Local) -> _Intra:
-    """The forward's chunk-parallel steps (chunk.chunk_local_steps) on the rank's segments."""
+def _intra(local: _Local, scores_now: bool) -> _Intra:
+    """The forward's chunk-parallel steps (chunk.chunk_local_steps) on the rank's segments; P in
+    memory after them with `scores_now` (the backward's sweeps read it), else (the forward) formed by
+    the output kernel where plan.fused_scores_forward."""
     device = local.q.device
     return chunk_local_steps(local.kplan, local.q, local.k, local.v, local.beta, local.g,
                              local.use_qk_l2norm_in_kernel, local.A_log, local.dt_bias, local.lower_bound,
-                             empty=lambda *shape, dtype: _empty(*shape, dtype=dtype, device=device))
+                             empty=lambda *shape, dtype: _empty(*shape, dtype=dtype, device=device),
+                             scores_now=scores_now)
 
 
 def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_states, lo: int, hi: int) -> None:
@@ -661,18 +664,14 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
 
 def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int) -> None:
     """The output kernel (output.py) on the chunks of segments [lo, hi)."""
-    kplan, problem, geometry = local.kplan, local.problem, local.geometry
+    kplan, geometry = local.kplan, local.geometry
     first, last = geometry.chunk_starts[lo], geometry.chunk_starts[hi]
     if last == first:
         return
-    block_k, block_v = block_size(problem.key_dim), block_size(problem.value_dim)
-    _output_kernel[output_grid(last - first, problem.value_heads, problem.value_dim, block_v)](
-        intra.q, intra.cum if intra.cum is not None else kplan.dummy, h[first:], intra.scores, u, o,
-        *intra.q.stride(), *o.stride(), geometry.chunk_table[first:], geometry.cu_seqlens,
-        problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
-        problem.value_dim, local.scale, GATE=kplan.gate_code, BT=kplan.chunk_size, BK=block_k, BV=block_v,
-        IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision,
-    )
+    form_scores = intra.scores is None  # kplan.fused_scores_forward: the kernel forms P from q and k
+    launch_output(kplan, intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, h[first:],
+                  intra.scores if not form_scores else kplan.dummy, u, o, last - first, geometry.chunk_table[first:],
+                  geometry.cu_seqlens, local.scale, form_scores=form_scores)
 
 
 def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initial_grads, lo: int, hi: int) -> None:
@@ -711,6 +710,9 @@ class CPForward:
     """
 
     merge = staticmethod(merge_chains)
+    # Whether the chunk-parallel steps leave P in memory: the forward's output kernel forms it itself
+    # (plan.fused_scores_forward), the backward's sweeps read it.
+    _scores_now = False
 
     def __init__(self, plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
                  use_qk_l2norm_in_kernel, chunk_size, **extra):
@@ -728,7 +730,7 @@ class CPForward:
     def _forward_summaries(self) -> None:
         local, plan, problem = self.local, self.plan, self.local.problem
         device = local.q.device
-        self.intra = _intra(local)
+        self.intra = _intra(local, scores_now=self._scores_now)
         segments = plan.num_segments
         self.initial_states = torch.zeros(segments, *self.state_shape, dtype=torch.float32, device=device)
         if local.initial_state is not None:
@@ -844,6 +846,8 @@ class CPBackward(CPForward):
     parameter under CP); rows of initial_state whose sequence starts on another rank get zeros.
     """
 
+    _scores_now = True
+
     def __init__(self, plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
                  use_qk_l2norm_in_kernel, chunk_size, *, do, dht=None):
         super().__init__(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
@@ -928,14 +932,15 @@ class CPBackward(CPForward):
                                      geometry.cu_seqlens, local.scale)
             return
         _wy_backward_kernel[(last - first, problem.value_heads)](
-            intra.q, intra.k, local.v, local.beta, self.do, cum, intra.inverse, intra.kdot, self.u, self.du,
+            intra.q, intra.k, local.v, local.beta, self.do, cum, intra.inverse,
+            intra.kdot if intra.kdot is not None else kplan.dummy, self.u, self.du,
             self.h[first:], self.dh[first:], self.dv, self.dbeta, self.dq_heads, self.dk_heads, self.dcum,
             self.dkdot, self.dscores,
             *intra.q.stride(), *intra.k.stride(), *local.v.stride(), *local.beta.stride(), *self.do.stride(),
             *self.dv.stride(), *self.dbeta.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
             problem.value_dim, local.scale, BK=block_k, BV=block_v, FUSE_SCORES=self.fused_scores,
-            **WY_BACKWARD_OPTIONS, **common,
+            READ_KDOT=intra.kdot is not None, **WY_BACKWARD_OPTIONS, **common,
         )
         if not self.fused_scores:
             launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,
@@ -1058,7 +1063,7 @@ def summary_forward(q, k, v, beta, g=None, gate=None, cu_seqlens=None, use_qk_l2
     plan = _StandalonePlan(_standalone_bounds(q, cu_seqlens))
     local = _local_problem(plan, q, k, v, beta, g, gate, None, A_log, dt_bias, lower_bound, None,
                            use_qk_l2norm_in_kernel, chunk_size)
-    intra = _intra(local)
+    intra = _intra(local, scores_now=False)
     problem = local.problem
     width = problem.value_dim + (problem.key_dim if with_transition else 0)
     out = _empty(plan.num_segments, problem.value_heads, problem.key_dim, width, device=q.device)
@@ -1075,7 +1080,7 @@ def summary_backward(q, k, v, beta, g=None, gate=None, scale=None, cu_seqlens=No
     plan = _StandalonePlan(_standalone_bounds(q, cu_seqlens))
     local = _local_problem(plan, q, k, v, beta, g, gate, None, A_log, dt_bias, lower_bound, scale,
                            use_qk_l2norm_in_kernel, chunk_size, do=do)
-    intra = _intra(local)
+    intra = _intra(local, scores_now=True)
     problem = local.problem
     width = problem.value_dim + (problem.key_dim if with_transition else 0)
     out = _empty(plan.num_segments, problem.value_heads, problem.key_dim, width, device=q.device)

@@ -2,7 +2,8 @@
 dims, chunk sizes), the Plan of one call (chunk tables, gate code, the intermediates' dtype and the
 products' precision), tile widths, and how far the sequential sweeps' tiles narrow for occupancy.
 
-Precision. Running states, accumulators, gates and the [BT, BT] scores and inverse are fp32.
+Precision. Running states, accumulators, gates and the [BT, BT] scores and inverse are fp32 (P stored
+by the output kernel, Plan.scores_dtype, in the intermediates' dtype).
 With half intermediates (Plan.intermediate_dtype: fp16 inputs, and bf16 ones unless
 BF16_INTERMEDIATES is off) the intermediates that feed tensor-core products are stored in the input dtype
 (l2normed q and k, W, U~, U, the chunk states h, and the backward's dh and dU), and every product
@@ -74,6 +75,18 @@ FUSED_SCORES_BACKWARD = os.environ.get("HCCOMPILE_DELTA_RULE_FUSED_SCORES_BACKWA
 # single kernel. HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD=0 (read at import) turns it off; the
 # attribute is read when a Plan is made, so benchmarks time both in one process and tests set it.
 SPLIT_WY_BACKWARD = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD", "1") != "0"
+# Without per-channel gates the forward launches no decayed_scores kernel (R2 of
+# benchmarks/analysis/gdn_traffic_2026-11-26.md): wy_solve forms the lower blocks of
+# diag(beta) Kdot from the key tiles it loads anyway (wy.py), and the output kernel forms
+# P = (Q K^T) o D as FLA's chunk_fwd_o does (output.py); neither matrix goes through memory. A forward
+# that keeps its intermediates has the output kernel store P in the intermediates' dtype (every
+# consumer rounds P to it before its products), and a backward that recomputes the forward runs the
+# output kernel in a P-only mode. Kdot is then nowhere in memory: the backward's WY kernels take its
+# terms from K (wy_bwd.py always; wy.py's single wy_backward with READ_KDOT off). Off: decayed_scores
+# writes Kdot and P (fp32), as it always does for per-channel gates.
+# HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD=0 (read at import) turns it off; the attribute is read when
+# a Plan is made (and by the op's fake for the kept layout), so benchmarks time both in one process.
+FUSED_SCORES_FORWARD = os.environ.get("HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD", "1") != "0"
 GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
 
 
@@ -140,6 +153,12 @@ def kept_state_rows(batch, time, chunk_size: int, num_sequences: int | None = No
     return max(rows, 2)
 
 
+def fused_scores_forward_for(gate: str, switch: bool | None = None) -> bool:
+    """Plan.fused_scores_forward for a gate kind; `switch` None reads FUSED_SCORES_FORWARD now (the
+    ops' fakes ask it without a plan)."""
+    return (FUSED_SCORES_FORWARD if switch is None else switch) and gate != "channel"
+
+
 def normed_qk_dtype_for(input_dtype: torch.dtype) -> torch.dtype:
     """Plan.normed_qk_dtype for inputs of `input_dtype`."""
     if input_dtype == torch.bfloat16 and intermediate_dtype_for(input_dtype) == torch.float32:
@@ -164,6 +183,8 @@ class Plan:
     launch: Callable = direct  # wraps a kernel before its launch (see make_plan)
     # SPLIT_WY_BACKWARD when the plan was made (see split_wy_backward)
     split_wy_switch: bool = field(default_factory=lambda: SPLIT_WY_BACKWARD)
+    # FUSED_SCORES_FORWARD when the plan was made (see fused_scores_forward)
+    fused_forward_switch: bool = field(default_factory=lambda: FUSED_SCORES_FORWARD)
 
     @property
     def varlen(self) -> bool:
@@ -215,6 +236,19 @@ class Plan:
         (no gate or a scalar one, FUSED_SCORES_BACKWARD on); per-channel gates and the unfused
         path keep wy_backward."""
         return self.split_wy_switch and self.fused_scores_backward
+
+    @property
+    def fused_scores_forward(self) -> bool:
+        """Whether the forward forms Kdot in wy_solve and P in the output kernel instead of launching
+        decayed_scores (FUSED_SCORES_FORWARD, as it was when the plan was made; never with
+        per-channel gates, whose decays take sub-chunk programs)."""
+        return fused_scores_forward_for(self.problem.gate, self.fused_forward_switch)
+
+    @property
+    def scores_dtype(self) -> torch.dtype:
+        """dtype of the stored P: the intermediates' where the output kernel stores it
+        (fused_scores_forward), fp32 where decayed_scores does."""
+        return self.intermediate_dtype if self.fused_scores_forward else torch.float32
 
     @property
     def dot_precision(self) -> str:

@@ -467,3 +467,83 @@ def wy_bwd_ref(k, v, beta, cum, inverse, du, dw, dk_partial, dg_partial, chunks)
             if dg is not None:
                 dg[b, span, hv] += (k_c * dk_w).sum(1) + (k_c * (d_kdot @ k_c - d_kdot.T @ k_c)).sum(1)
     return dv, dbeta, dk, dg
+
+
+# ----------------------------------------------------------------------------------------
+# The forward's kernels that form the intra-chunk matrices themselves (plan.FUSED_SCORES_FORWARD: no
+# decayed_scores launch): wy.py's wy_solve with FORM_KDOT and output.py's output kernel with
+# FORM_SCORES, per chunk in float64 on the CPU, for tests that run one kernel at a time. `chunks`,
+# `cum`, q and k as for dqkw_ref above; matrices are [B, T, HV, chunk_size], row t of a chunk against
+# the chunk's columns, zero outside (s < t for Kdot, s <= t for P, s <= t for A).
+
+
+def _chunk_pair_decays(cum, b, start, length, hv):
+    """(G [L], e^(G_t - G_s) for s <= t else 0 [L, L]) of one chunk, float64 on the CPU."""
+    if cum is None:
+        g = torch.zeros(length, dtype=torch.float64)
+    else:
+        g = cum[b, start:start + length, hv, 0].to("cpu", torch.float64)
+    rows = torch.arange(length)
+    return g, (g[:, None] - g[None, :]).masked_fill(rows[:, None] < rows[None, :], float("-inf")).exp()
+
+
+def intra_chunk_matrices_ref(q, k, cum, chunks, chunk_size, value_heads):
+    """(Kdot, P) of every chunk and value head from the queries and keys, in float64: what
+    decayed_scores stores and what wy_solve (FORM_KDOT) and the output kernel (FORM_SCORES) form."""
+    f64, cpu = torch.float64, "cpu"
+    batch, time, key_heads, _ = k.shape
+    group = value_heads // key_heads
+    q, k = q.to(cpu, f64), k.to(cpu, f64)
+    kdot = torch.zeros(batch, time, value_heads, chunk_size, dtype=f64)
+    scores = torch.zeros_like(kdot)
+    for b, start, length in chunks:
+        span = slice(start, start + length)
+        for hv in range(value_heads):
+            _, decays = _chunk_pair_decays(cum, b, start, length, hv)
+            q_c, k_c = q[b, span, hv // group], k[b, span, hv // group]
+            kdot[b, span, hv, :length] = ((k_c @ k_c.T) * decays).tril(-1)
+            scores[b, span, hv, :length] = (q_c @ k_c.T) * decays
+    return kdot, scores
+
+
+def wy_solve_ref(k, v, beta, cum, chunks, chunk_size):
+    """(A, W [B, T, HV, K], U~ [B, T, HV, V]) of wy_solve with Kdot formed from the keys (FORM_KDOT), in
+    float64: A = (I + diag(beta) Kdot)^-1 per chunk, W = A diag(beta)(K e^G), U~ = A diag(beta) V."""
+    f64, cpu = torch.float64, "cpu"
+    batch, time, value_heads, value_dim = v.shape
+    key_dim = k.shape[3]
+    group = value_heads // k.shape[2]
+    kdot, _ = intra_chunk_matrices_ref(k, k, cum, chunks, chunk_size, value_heads)
+    k, v, beta = k.to(cpu, f64), v.to(cpu, f64), beta.to(cpu, f64)
+    inverse = torch.zeros(batch, time, value_heads, chunk_size, dtype=f64)
+    w = torch.zeros(batch, time, value_heads, key_dim, dtype=f64)
+    u_tilde = torch.zeros(batch, time, value_heads, value_dim, dtype=f64)
+    for b, start, length in chunks:
+        span = slice(start, start + length)
+        for hv in range(value_heads):
+            g, _ = _chunk_pair_decays(cum, b, start, length, hv)
+            beta_c = beta[b, span, hv][:, None]
+            eye = torch.eye(length, dtype=f64)
+            a = torch.linalg.inv(eye + beta_c * kdot[b, span, hv, :length])
+            inverse[b, span, hv, :length] = a
+            w[b, span, hv] = a @ (beta_c * k[b, span, hv // group] * g.exp()[:, None])
+            u_tilde[b, span, hv] = a @ (beta_c * v[b, span, hv])
+    return inverse, w, u_tilde
+
+
+def output_ref(q, k, cum, h, u, chunks, scale, chunk_size):
+    """(O [B, T, HV, V], P) of the output kernel with P formed from q and k (FORM_SCORES), in float64:
+    O = scale ((Q e^G) h + P U) per chunk, h[i] chunk i's start state [HV, K, V], u the corrected values."""
+    f64, cpu = torch.float64, "cpu"
+    batch, time, value_heads, value_dim = u.shape
+    group = value_heads // q.shape[2]
+    _, scores = intra_chunk_matrices_ref(q, k, cum, chunks, chunk_size, value_heads)
+    q, h, u = q.to(cpu, f64), h.to(cpu, f64), u.to(cpu, f64)
+    o = torch.zeros(batch, time, value_heads, value_dim, dtype=f64)
+    for index, (b, start, length) in enumerate(chunks):
+        span = slice(start, start + length)
+        for hv in range(value_heads):
+            g, _ = _chunk_pair_decays(cum, b, start, length, hv)
+            q_c = q[b, span, hv // group] * g.exp()[:, None]
+            o[b, span, hv] = scale * (q_c @ h[index, hv] + scores[b, span, hv, :length] @ u[b, span, hv])
+    return o, scores

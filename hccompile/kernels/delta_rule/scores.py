@@ -4,7 +4,9 @@ pairwise products under the gates' decays,
     Kdot[t,s] = sum_c k_t k_s e^(G_t-G_s)  (s < t)        P[t,s] = sum_c q_t k_s e^(G_t-G_s)  (s <= t)
 
 stored fp32 [B, T, HV, BT] (row t of a chunk against the chunk's columns). Kdot feeds the WY solve
-(wy.py), P the output (output.py) and state_backward (state.py).
+(wy.py), P the output (output.py) and state_backward (state.py). Without per-channel gates the forward
+launches this kernel only with plan.FUSED_SCORES_FORWARD off: wy_solve and the output kernel form
+them otherwise.
 
 Without per-channel gates the decays are one [BT, BT] tile and a program takes the whole chunk.
 Per-channel decays cannot be factored over a whole chunk without overflow: a program takes the rows of

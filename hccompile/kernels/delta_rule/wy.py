@@ -7,7 +7,8 @@ with which the state sweep (state.py) needs only U = U~ - W h per chunk. A is fp
 chunk, lower triangular: its diagonal sub-chunk blocks come from forward substitution, the blocks
 below from the block recurrence, elementwise or with exact fp32 products, because every later product
 goes through it. The forward may keep A (and Kdot, P) for the backward, whose wy_solve then only
-forms W and U~.
+forms W and U~. Without per-channel gates (plan.fused_scores_forward) wy_solve forms L = diag(beta)
+Kdot's blocks from the keys itself (FORM_KDOT), FLA's fused kkt + solve: no Kdot in memory.
 
 wy_backward, given dU and the chunk-start state gradients, returns dv and dbeta complete, the parts of
 dq, dk and dG that do not go through the pairwise decays, and dKdot and dP for decayed_scores_backward
@@ -51,6 +52,80 @@ if triton is not None:
         return tl.where(sub[:, None] == r, inverse + new_row[None, :], inverse)
 
     @triton.jit
+    def _register_substitution_step(inverse, lower, r, BC: tl.constexpr):
+        """_substitution_step with L's diagonal block held in registers (`lower`: strictly lower,
+        beta applied, zero in rows past the chunk's end): row r taken out by a masked sum, as FLA's
+        solve does, instead of a load on the substitution's dependency chain."""
+        sub = tl.arange(0, BC)
+        l_row = tl.sum(tl.where(sub[:, None] == r, lower, 0.0), axis=0)
+        new_row = -tl.sum(l_row[:, None] * inverse, axis=0)
+        return tl.where(sub[:, None] == r, inverse + new_row[None, :], inverse)
+
+    @triton.jit
+    def _key_block(k_ptr, start, length, block, kc, stride_kt, stride_kk, K, BC: tl.constexpr):
+        """Rows of sub-chunk `block` of a key tile [BC, BK], in k's stored dtype, zero past `length`."""
+        rows = block * BC + tl.arange(0, BC)
+        return _load_stored_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, rows < length, K)
+
+    @triton.jit
+    def _key_products(k_ptr, start, length, stride_kt, stride_kk, K, dot_dtype, BC: tl.constexpr, BK: tl.constexpr,
+                      NS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """K_i K_j^T [BC, BC] of the sub-chunks i >= j (NS <= 4 of them; zeros for pairs past NS) over
+        the key dim, in one pass over the key tiles, with decayed_scores' operands (the intermediates'
+        dtype, or fp32 at the plan's precision): (00, 10, 11, 20, 21, 22, 30, 31, 32, 33)."""
+        kk00 = tl.zeros([BC, BC], dtype=tl.float32)
+        kk10 = kk00
+        kk11 = kk00
+        kk20 = kk00
+        kk21 = kk00
+        kk22 = kk00
+        kk30 = kk00
+        kk31 = kk00
+        kk32 = kk00
+        kk33 = kk00
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            k_0 = _key_block(k_ptr, start, length, 0, kc, stride_kt, stride_kk, K, BC)
+            kk00 += _dot(k_0, tl.trans(k_0), dot_dtype, DOT_PRECISION)
+            if NS >= 2:
+                k_1 = _key_block(k_ptr, start, length, 1, kc, stride_kt, stride_kk, K, BC)
+                kk10 += _dot(k_1, tl.trans(k_0), dot_dtype, DOT_PRECISION)
+                kk11 += _dot(k_1, tl.trans(k_1), dot_dtype, DOT_PRECISION)
+            if NS >= 4:
+                k_2 = _key_block(k_ptr, start, length, 2, kc, stride_kt, stride_kk, K, BC)
+                k_3 = _key_block(k_ptr, start, length, 3, kc, stride_kt, stride_kk, K, BC)
+                kk20 += _dot(k_2, tl.trans(k_0), dot_dtype, DOT_PRECISION)
+                kk21 += _dot(k_2, tl.trans(k_1), dot_dtype, DOT_PRECISION)
+                kk22 += _dot(k_2, tl.trans(k_2), dot_dtype, DOT_PRECISION)
+                kk30 += _dot(k_3, tl.trans(k_0), dot_dtype, DOT_PRECISION)
+                kk31 += _dot(k_3, tl.trans(k_1), dot_dtype, DOT_PRECISION)
+                kk32 += _dot(k_3, tl.trans(k_2), dot_dtype, DOT_PRECISION)
+                kk33 += _dot(k_3, tl.trans(k_3), dot_dtype, DOT_PRECISION)
+        return kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33
+
+    @triton.jit
+    def _keys_lower_block(products, beta_ptr, cum_ptr, stride_bt, start, length, HV, block_i: tl.constexpr,
+                          block_j: tl.constexpr, GATE: tl.constexpr, BC: tl.constexpr):
+        """Block (i, j <= i) of L = diag(beta) Kdot from its key products `products` = K_i K_j^T [BC, BC]:
+        Kdot = products o e^(G_t - G_s) as decayed_scores forms it (s < t on the diagonal), then
+        beta; zero in rows or columns past `length`. No gate or a scalar one."""
+        sub = tl.arange(0, BC)
+        rows = block_i * BC + sub
+        cols = block_j * BC + sub
+        row_valid = rows < length
+        visible = row_valid[:, None] & (cols < length)[None, :]
+        if block_i == block_j:
+            visible = visible & (sub[:, None] > sub[None, :])
+        beta = tl.load(beta_ptr + (start + rows) * stride_bt, mask=row_valid, other=0.0).to(tl.float32)
+        if GATE == 1:
+            g_rows = tl.load(cum_ptr + (start + rows) * HV, mask=row_valid, other=0.0)
+            g_cols = tl.load(cum_ptr + (start + cols) * HV, mask=cols < length, other=0.0)
+            kdot = products * tl.exp(tl.where(visible, g_rows[:, None] - g_cols[None, :], float("-inf")))
+        else:
+            kdot = tl.where(visible, products, 0.0)
+        return kdot * beta[:, None]
+
+    @triton.jit
     def _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, block_i, block_j,
                      BT: tl.constexpr, BC: tl.constexpr):
         """The [BC, BC] block (block_i > block_j) of L = diag(beta) Kdot, zero in rows past `length`."""
@@ -91,6 +166,7 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         SOLVE: tl.constexpr = True,
+        FORM_KDOT: tl.constexpr = False,
     ):
         """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V;
         with a channel gate also the keys decayed to the chunk's end, K e^(G_last - G), in kg_ptr
@@ -100,6 +176,11 @@ if triton is not None:
 
         Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward) and only W
         and U~ are formed.
+
+        With FORM_KDOT (no gate or a scalar one: plan.fused_scores_forward) kdot_ptr is not read:
+        the lower [BC, BC] blocks of L = diag(beta) Kdot (NS (NS + 1) / 2 of them, fp32) are formed
+        in registers from the key tiles, K_i K_j^T over the key dim with decayed_scores' operands,
+        and the substitution takes its rows from them.
 
         The NS = BT / BC <= 4 diagonal [BC, BC] blocks are inverted by forward substitution,
         the blocks below them by the block recurrence of _off_diagonal_block ([BC, BC] products
@@ -124,34 +205,62 @@ if triton is not None:
         row_stride = HV * BT
         NS: tl.constexpr = BT // BC
 
+        dot_dtype = w_ptr.dtype.element_ty
         if SOLVE:
-            # The diagonal blocks' substitutions are independent chains: one loop runs them side by side.
             sub = tl.arange(0, BC)
+            if FORM_KDOT:
+                tl.static_assert(GATE != 2, "per-channel decays take decayed_scores' sub-chunk factoring")
+                # All NS (NS + 1) / 2 blocks of L in one pass over the key tiles: fewer loads, and fewer
+                # spills at sm_90 than the diagonal ones first and the rest after the substitution (sm90_registers.py).
+                kk00, kk10, kk11, kk20, kk21, kk22, kk30, kk31, kk32, kk33 = _key_products(
+                    k_ptr, start, length, stride_kt, stride_kk, K, dot_dtype, BC, BK, NS, DOT_PRECISION)
+                l00 = _keys_lower_block(kk00, beta_ptr, cum_ptr, stride_bt, start, length, HV, 0, 0, GATE, BC)
+                l10 = _keys_lower_block(kk10, beta_ptr, cum_ptr, stride_bt, start, length, HV, 1, 0, GATE, BC)
+                l11 = _keys_lower_block(kk11, beta_ptr, cum_ptr, stride_bt, start, length, HV, 1, 1, GATE, BC)
+                l20 = _keys_lower_block(kk20, beta_ptr, cum_ptr, stride_bt, start, length, HV, 2, 0, GATE, BC)
+                l21 = _keys_lower_block(kk21, beta_ptr, cum_ptr, stride_bt, start, length, HV, 2, 1, GATE, BC)
+                l22 = _keys_lower_block(kk22, beta_ptr, cum_ptr, stride_bt, start, length, HV, 2, 2, GATE, BC)
+                l30 = _keys_lower_block(kk30, beta_ptr, cum_ptr, stride_bt, start, length, HV, 3, 0, GATE, BC)
+                l31 = _keys_lower_block(kk31, beta_ptr, cum_ptr, stride_bt, start, length, HV, 3, 1, GATE, BC)
+                l32 = _keys_lower_block(kk32, beta_ptr, cum_ptr, stride_bt, start, length, HV, 3, 2, GATE, BC)
+                l33 = _keys_lower_block(kk33, beta_ptr, cum_ptr, stride_bt, start, length, HV, 3, 3, GATE, BC)
+            # The diagonal blocks' substitutions are independent chains: one loop runs them side by side.
             a00 = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
             a11 = a00
             a22 = a00
             a33 = a00
             for r in range(1, BC):
-                a00 = _substitution_step(a00, kdot_ptr, beta_ptr, stride_bt, start, 0, length, row_stride, r, BC)
-                if NS >= 2:
-                    a11 = _substitution_step(a11, kdot_ptr, beta_ptr, stride_bt, start, BC, length, row_stride, r, BC)
-                if NS >= 4:
-                    a22 = _substitution_step(a22, kdot_ptr, beta_ptr, stride_bt, start, 2 * BC, length, row_stride, r,
-                                             BC)
-                    a33 = _substitution_step(a33, kdot_ptr, beta_ptr, stride_bt, start, 3 * BC, length, row_stride, r,
-                                             BC)
+                if FORM_KDOT:
+                    a00 = _register_substitution_step(a00, l00, r, BC)
+                    if NS >= 2:
+                        a11 = _register_substitution_step(a11, l11, r, BC)
+                    if NS >= 4:
+                        a22 = _register_substitution_step(a22, l22, r, BC)
+                        a33 = _register_substitution_step(a33, l33, r, BC)
+                else:
+                    a00 = _substitution_step(a00, kdot_ptr, beta_ptr, stride_bt, start, 0, length, row_stride, r, BC)
+                    if NS >= 2:
+                        a11 = _substitution_step(a11, kdot_ptr, beta_ptr, stride_bt, start, BC, length, row_stride, r,
+                                                 BC)
+                    if NS >= 4:
+                        a22 = _substitution_step(a22, kdot_ptr, beta_ptr, stride_bt, start, 2 * BC, length, row_stride,
+                                                 r, BC)
+                        a33 = _substitution_step(a33, kdot_ptr, beta_ptr, stride_bt, start, 3 * BC, length, row_stride,
+                                                 r, BC)
             _store_block(a_ptr, a00, start, length, row_stride, 0, 0, BT, BC)
             if NS >= 2:
-                l10 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 1, 0, BT, BC)
+                if not FORM_KDOT:
+                    l10 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 1, 0, BT, BC)
                 a10 = _off_diagonal_block(a11, tl.dot(l10, a00, input_precision="ieee"))
                 _store_block(a_ptr, a11, start, length, row_stride, 1, 1, BT, BC)
                 _store_block(a_ptr, a10, start, length, row_stride, 1, 0, BT, BC)
             if NS >= 4:
-                l20 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 0, BT, BC)
-                l21 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 1, BT, BC)
-                l30 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 0, BT, BC)
-                l31 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 1, BT, BC)
-                l32 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 2, BT, BC)
+                if not FORM_KDOT:
+                    l20 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 0, BT, BC)
+                    l21 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, 1, BT, BC)
+                    l30 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 0, BT, BC)
+                    l31 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 1, BT, BC)
+                    l32 = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, 2, BT, BC)
                 a21 = _off_diagonal_block(a22, tl.dot(l21, a11, input_precision="ieee"))
                 a32 = _off_diagonal_block(a33, tl.dot(l32, a22, input_precision="ieee"))
                 a20 = _off_diagonal_block(a22, tl.dot(l20, a00, input_precision="ieee")
@@ -178,7 +287,6 @@ if triton is not None:
         local = tl.arange(0, BT)
         valid = local < length
         tokens = start + local
-        dot_dtype = w_ptr.dtype.element_ty
         inverse = _load_rows(a_ptr, tokens, local, row_stride, 1, valid, BT).to(dot_dtype)
         beta = tl.load(beta_ptr + tokens * stride_bt, mask=valid, other=0.0).to(tl.float32)
         if GATE == 1:
@@ -204,6 +312,48 @@ if triton is not None:
             _store_rows(u_ptr + (batch * T) * HV * V + head * V, u, tokens, vc, HV * V, 1, valid, V)
 
     @triton.jit
+    def _kdot_terms_from_keys(k_ptr, cum_ptr, dk_ptr, dg_ptr, dbeta_ptr, dkdot_ptr, d_lower, beta, dbeta, dg_scalar,
+                              tokens, valid, batch, head, stride_kt, stride_kk, stride_dbb, stride_dbt, stride_dbh,
+                              HV, K, dot_dtype, GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr, FUSE_SCORES: tl.constexpr):
+        """wy_backward's tail without Kdot in memory (READ_KDOT off), given dL (strictly lower, fp32):
+        per key tile R = (dL o D) K, dbeta += rowsum(K o R); with FUSE_SCORES also
+        C = (diag(beta) dL o D)^T K, dk += beta R + C (added to the stored dk) and
+        dG += rowsum(K o (beta R - C)) (stored with dg_scalar, the key loop's rows). Without
+        FUSE_SCORES, dKdot = diag(beta) dL is stored for decayed_scores_backward as with READ_KDOT.
+        Stores dbeta."""
+        if GATE == 1:
+            d_rows = d_lower * _pair_decays(cum_ptr, tokens, valid, HV, BT)
+        else:
+            d_rows = d_lower
+        if FUSE_SCORES:
+            d_cols = tl.trans(d_rows * beta[:, None]).to(dot_dtype)
+            # Each thread reads back dk elements other threads of this program stored.
+            tl.debug_barrier()
+        else:
+            local = tl.arange(0, BT)
+            _store_rows(dkdot_ptr, d_lower * beta[:, None], tokens, local, HV * BT, 1, valid, BT)
+        d_rows = d_rows.to(dot_dtype)
+        for k0 in range(0, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+            k_f32 = k_tile.to(tl.float32)
+            rows = _dot(d_rows, k_tile, dot_dtype, DOT_PRECISION)
+            dbeta += tl.sum(k_f32 * rows, axis=1)
+            if FUSE_SCORES:
+                cols = _dot(d_cols, k_tile, dot_dtype, DOT_PRECISION)
+                dk_rows = beta[:, None] * rows
+                dk = _load_rows(dk_ptr, tokens, kc, HV * K, 1, valid, K)
+                _store_rows(dk_ptr, dk + dk_rows + cols, tokens, kc, HV * K, 1, valid, K)
+                if GATE == 1:
+                    dg_scalar += tl.sum(k_f32 * (dk_rows - cols), axis=1)
+        tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
+                 dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+        if FUSE_SCORES:
+            if GATE == 1:
+                tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
+
+    @triton.jit
     def _wy_backward_kernel(
         q_ptr, k_ptr, v_ptr, beta_ptr, do_ptr, cum_ptr, inverse_ptr, kdot_ptr, u_ptr, du_ptr, h_ptr, dh_ptr,
         dv_ptr, dbeta_ptr, dq_ptr, dk_ptr, dg_ptr, dkdot_ptr, dscores_ptr,
@@ -223,6 +373,7 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FUSE_SCORES: tl.constexpr,
+        READ_KDOT: tl.constexpr = True,
     ):
         """Per chunk and value head, everything but the pairwise-decay terms.
 
@@ -238,6 +389,12 @@ if triton is not None:
         dP K to dq and dP^T Q to dk before it stores them. dKdot is complete only after the key
         loop (whose dW terms are part of dA): a last pass over the key tiles adds its products to
         the stored dk.
+
+        Without READ_KDOT (no gate or a scalar one; the forward kept no Kdot: plan.fused_scores_forward)
+        kdot_ptr is not read: dbeta's term rowsum(dL o Kdot) is taken from the keys as wy_bwd.py does,
+        rowsum(K o R) with R = (dL o D) K per key tile, and with FUSE_SCORES the same R and
+        C = (diag(beta) dL o D)^T K give dk += beta R + C and dG += rowsum(K o (beta R - C)): two
+        products per key tile, as many as the pair they replace.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -383,39 +540,46 @@ if triton is not None:
         d_lower = -tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=DOT_PRECISION), tl.trans(inverse),
                           input_precision=DOT_PRECISION)
         d_lower = tl.where((local[:, None] > local[None, :]) & valid[:, None], d_lower, 0.0)
-        kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
-        kdot = tl.where(local[:, None] > local[None, :], kdot, 0.0)
-        dbeta += tl.sum(d_lower * kdot, axis=1)
-        tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
-                 dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
-        d_kdot = d_lower * beta[:, None]
-        if FUSE_SCORES:
-            if GATE == 1:
-                # Formed again (BT gate loads, BT^2 exps), not kept from dP's: one [BT, BT] fp32 tile
-                # fewer live through the key loop of a kernel already at 255 registers.
-                d_kdot *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
-            # dKdot is strictly lower, so dKdot + dKdot^T holds each of its elements once (no
-            # rounding added): one product per key tile gives dk both the row role (dKdot K) and
-            # the column role (dKdot^T K); dG's k (rows - columns) takes one more with the difference.
-            d_kdot_t = tl.trans(d_kdot)
-            d_kdot_both = (d_kdot + d_kdot_t).to(dot_dtype)
-            if GATE == 1:
-                d_kdot_rows_less_cols = (d_kdot - d_kdot_t).to(dot_dtype)
-            # Each thread reads back dk elements other threads of this program stored.
-            tl.debug_barrier()
-            for k0 in range(0, K, BK):
-                kc = k0 + tl.arange(0, BK)
-                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-                dk = _load_rows(dk_ptr + key_offset, tokens, kc, HV * K, 1, valid, K)
-                dk += _dot(d_kdot_both, k_tile, dot_dtype, DOT_PRECISION)
-                _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
-                if GATE == 1:
-                    dk_rows_less_cols = _dot(d_kdot_rows_less_cols, k_tile, dot_dtype, DOT_PRECISION)
-                    dg_scalar += tl.sum(k_tile.to(tl.float32) * dk_rows_less_cols, axis=1)
-            if GATE == 1:
-                tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
+        if not READ_KDOT:
+            tl.static_assert(GATE != 2, "per-channel gates keep Kdot (decayed_scores writes it)")
+            _kdot_terms_from_keys(k_ptr, cum_ptr, dk_ptr + key_offset, dg_ptr, dbeta_ptr, dkdot_ptr + square_offset,
+                                  d_lower, beta, dbeta, dg_scalar, tokens, valid, batch, head, stride_kt, stride_kk,
+                                  stride_dbb, stride_dbt, stride_dbh, HV, K, dot_dtype, GATE, BT, BK, DOT_PRECISION,
+                                  FUSE_SCORES)
         else:
-            _store_rows(dkdot_ptr + square_offset, d_kdot, tokens, local, HV * BT, 1, valid, BT)
+            kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+            kdot = tl.where(local[:, None] > local[None, :], kdot, 0.0)
+            dbeta += tl.sum(d_lower * kdot, axis=1)
+            tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
+                     dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+            d_kdot = d_lower * beta[:, None]
+            if FUSE_SCORES:
+                if GATE == 1:
+                    # Formed again (BT gate loads, BT^2 exps), not kept from dP's: one [BT, BT] fp32 tile
+                    # fewer live through the key loop of a kernel already at 255 registers.
+                    d_kdot *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
+                # dKdot is strictly lower, so dKdot + dKdot^T holds each of its elements once (no
+                # rounding added): one product per key tile gives dk both the row role (dKdot K) and
+                # the column role (dKdot^T K); dG's k (rows - columns) takes one more with the difference.
+                d_kdot_t = tl.trans(d_kdot)
+                d_kdot_both = (d_kdot + d_kdot_t).to(dot_dtype)
+                if GATE == 1:
+                    d_kdot_rows_less_cols = (d_kdot - d_kdot_t).to(dot_dtype)
+                # Each thread reads back dk elements other threads of this program stored.
+                tl.debug_barrier()
+                for k0 in range(0, K, BK):
+                    kc = k0 + tl.arange(0, BK)
+                    k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                    dk = _load_rows(dk_ptr + key_offset, tokens, kc, HV * K, 1, valid, K)
+                    dk += _dot(d_kdot_both, k_tile, dot_dtype, DOT_PRECISION)
+                    _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
+                    if GATE == 1:
+                        dk_rows_less_cols = _dot(d_kdot_rows_less_cols, k_tile, dot_dtype, DOT_PRECISION)
+                        dg_scalar += tl.sum(k_tile.to(tl.float32) * dk_rows_less_cols, axis=1)
+                if GATE == 1:
+                    tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
+            else:
+                _store_rows(dkdot_ptr + square_offset, d_kdot, tokens, local, HV * BT, 1, valid, BT)
 
 
 # The options below were timed with benchmarks/tune_delta_rule.py (H100, Triton 3.6, B4 T4096 H16
@@ -437,7 +601,12 @@ WY_BACKWARD_OPTIONS = {"num_warps": 8, "num_stages": WY_BACKWARD_STAGES}
 def wy_solve_options(plan: Plan) -> dict[str, int]:
     """wy_solve's substitution is a chain of [16, 16] steps: with half inputs 2 warps took 1-5 % less
     than 4 (8 warps 1 % more), although they spill 8-96 bytes per thread at sm_90. fp32 inputs' exact
-    (ieee) products spilled 10 KiB per thread at 2 warps, 5.5 KiB at 4 and 232-272 bytes at 8."""
+    (ieee) products spilled 10 KiB per thread at 2 warps, 5.5 KiB at 4 and 232-272 bytes at 8.
+    Forming Kdot's ten [16, 16] blocks in the kernel (FORM_KDOT; B1 T32768 H16 D128 bf16 GDN's
+    specialization, benchmarks/sm90_registers.py) took 255 registers at 2 warps and 3 stages with 144 bytes
+    spilled on Triton 3.9 (24 on 3.6; reading decayed_scores' Kdot: 16 and 0), all of them outside the
+    loops (SASS); 4 warps 72 bytes, 2 warps and 1 stage 80. Not yet timed: the options stay the timed
+    ones."""
     if plan.input_dtype == torch.float32:
         return {"num_warps": 8}
     # Per-channel gates (KDA): one stage took 11.23-11.46 ms against 11.37-11.62 for Triton's default three
