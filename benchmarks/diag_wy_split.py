@@ -71,7 +71,12 @@ VARIANTS = [
 # stages1 only on request: test_split_backward_is_deterministic already saw stages 1, 2 and 3 fail alike.
 DEFAULT_VARIANTS = [v[0] for v in VARIANTS if v[0] != "stages1"]
 MODES = ("all", "h=0", "u=0")
-WY_BWD_VARIANTS = [("base", {}), ("warps2", {"num_warps": 2}), ("warps8", {"num_warps": 8})]
+# wy_bwd.py's launches: label, BK, options (the default since session 24 is bk32-w2)
+WY_BWD_VARIANTS = [("bk32-w4", 32, {"num_warps": 4, "num_stages": 2}),
+                   ("bk32-w2", 32, {"num_warps": 2, "num_stages": 2}),
+                   ("bk32-w8", 32, {"num_warps": 8, "num_stages": 2}),
+                   ("bk64-w4", 64, {"num_warps": 4, "num_stages": 2}),
+                   ("bk64-w8", 64, {"num_warps": 8, "num_stages": 1})]
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -213,7 +218,8 @@ def main() -> None:
     modes = args.modes.split(",") if args.modes else (["all"] if interpreted else list(MODES))
     cases = {c[0]: c for c in SPLIT_CASES}
     print(_environment(device))
-    saved = (dqkw.DQKW_BLOCK_K, dict(dqkw.DQKW_OPTIONS), dict(wy_bwd.WY_BWD_OPTIONS), dqkw.DQKW_SCORES_VIA_MEMORY)
+    saved = (dqkw.DQKW_BLOCK_K, dict(dqkw.DQKW_OPTIONS), dict(wy_bwd.WY_BWD_OPTIONS), dqkw.DQKW_SCORES_VIA_MEMORY,
+             wy_bwd.WY_BWD_BLOCK_K)
     started = time.perf_counter()
     header = (f"{'case':26s} {'variant':11s} {'dt':4s} {'BT':>2s} {'BK':>2s} {'w':>1s} {'s':>1s} {'mode':4s} "
               f"{'dq':>9s} {'dk part':>9s} {'dW':>9s} {'dG part':>9s} {'nan':>3s} {'dq max@(row,col,hv)':>20s}  "
@@ -250,9 +256,10 @@ def main() -> None:
             continue
         print(f"{'case':26s} {'wy_bwd':11s} {'dt':4s} {'BT':>2s} {'options':24s} {'dv':>9s} {'dbeta':>9s} "
               f"{'dk':>9s} {'dG':>9s} {'nan':>3s}")
-        for label, change in (WY_BWD_VARIANTS if not interpreted else WY_BWD_VARIANTS[:1]):
+        for label, block_k, options in (WY_BWD_VARIANTS if not interpreted else WY_BWD_VARIANTS[:1]):
+            wy_bwd.WY_BWD_BLOCK_K = block_k
             wy_bwd.WY_BWD_OPTIONS.clear()
-            wy_bwd.WY_BWD_OPTIONS.update(saved[2], **change)
+            wy_bwd.WY_BWD_OPTIONS.update(options)
             x = inputs.get((BASE["dtype"], BASE["chunk"])) or _kernel_inputs(
                 sizes, gate, options, BASE["dtype"], BASE["chunk"], seed=sizes[1] + 22)
             try:
@@ -269,6 +276,7 @@ def main() -> None:
     dqkw.DQKW_OPTIONS.update(saved[1])
     wy_bwd.WY_BWD_OPTIONS.clear()
     wy_bwd.WY_BWD_OPTIONS.update(saved[2])
+    wy_bwd.WY_BWD_BLOCK_K = saved[4]
     print(f"done in {time.perf_counter() - started:.1f} s (limits: dq/dk/dW 8e-3, dG 2e-2 relative RMS)")
 
 

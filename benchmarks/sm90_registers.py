@@ -8,9 +8,8 @@ at B1 T32768 H16 D128 bf16 (unit strides and GROUP = 1 constant, 16-divisible si
 
 A config is BK,BV,num_warps,num_stages. The kernels (plan.FUSED_SCORES_FORWARD's pairs): wy_solve forms
 Kdot's blocks from the keys, wy_solve_kdot reads decayed_scores' Kdot; output forms P, output_store
-also stores it (bf16), output_scores is the P-only mode, output_read reads decayed_scores' fp32 P;
-wy_backward_keys is wy_backward without Kdot (READ_KDOT off). TRITON_INTERPRET must be unset (it is
-cleared here).
+also stores it (bf16), output_scores is the P-only mode, output_read reads decayed_scores' fp32 P.
+TRITON_INTERPRET must be unset (it is cleared here).
 """
 from __future__ import annotations
 
@@ -43,7 +42,6 @@ BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_p
 # name: (kernel, constexprs beyond the common ones, pointers whose dtype differs from BF16_POINTERS')
 KERNELS = {"dqkw": (dqkw._dqkw_kernel, {}, {}), "wy_bwd": (wy_bwd._wy_bwd_kernel, {}, {}),
            "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),
-           "wy_backward_keys": (wy._wy_backward_kernel, {"FUSE_SCORES": True, "READ_KDOT": False}, {}),
            "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "FORM_KDOT": True}, {}),
            "wy_solve_kdot": (wy._wy_solve_kernel, {"BC": 16, "FORM_KDOT": False}, {}),
            "output": (output._output_kernel, {"FORM_SCORES": True}, {}),

@@ -114,7 +114,7 @@ def test_opcheck_forward_and_backward(name, mode):
         # Kdot (a zero-size placeholder), and P in the intermediates' dtype.
         from hccompile.kernels.delta_rule import plan as kernel_plan
 
-        fused = kernel_plan.FUSED_SCORES_FORWARD and gate != "channel"
+        fused = kernel_plan.fused_scores_forward_for(gate)
         assert len(kept) == 9 and all(tuple(t.shape) == (*o.shape[:3], 16) for t in kept[int(fused):3])
         assert tuple(kept[0].shape) == ((0,) if fused else (*o.shape[:3], 16))
         assert kept[1].dtype == (kernel_plan.intermediate_dtype_for(case["q"].dtype) if fused else torch.float32)
@@ -445,7 +445,7 @@ def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
     kernels = ["_output_kernel", "_wy_solve_kernel", "_state_forward_kernel", "_state_backward_kernel"]
     # Without per-channel gates the forward forms Kdot in wy_solve and P in the output kernel
     # (plan.FUSED_SCORES_FORWARD): no decayed_scores launch; the backward takes the kept P.
-    fused_forward = kernel_plan.FUSED_SCORES_FORWARD and gate != "channel"
+    fused_forward = kernel_plan.fused_scores_forward_for(gate)
     (kernels if not fused_forward else []).append("_decayed_scores_kernel")
     if fused_forward:
         assert "_decayed_scores_kernel" not in code

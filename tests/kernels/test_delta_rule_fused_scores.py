@@ -2,9 +2,10 @@
 benchmarks/analysis/gdn_traffic_2026-11-26.md): wy_solve forming Kdot's blocks from the keys and the
 output kernel forming P (storing it, or P only), one kernel at a time against their float64 references
 (reference.wy_solve_ref, reference.output_ref) into NaN-poisoned outputs; wy.py's single wy_backward
-without Kdot (READ_KDOT off) against reference.dqkw_ref + reference.wy_bwd_ref; the whole forward and
-backward with the switch on and off (and the split wy_backward, the fused score backward) against the
-float64 recurrence; kept against recomputed intermediates, also across switch settings."""
+(which reads Kdot) against reference.dqkw_ref + reference.wy_bwd_ref; the whole forward and backward
+with the switch on and off (in force only with the split wy_backward and the fused score backward)
+against the float64 recurrence; kept against recomputed intermediates, also across switch settings
+(a single-kernel backward given no Kdot has decayed_scores form it)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ IDS = [c[0] for c in CASES]
 
 @pytest.fixture
 def fused(monkeypatch):
-    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_FORWARD", True)
+    """The forward without decayed_scores in force, whatever the environment set: it needs the split
+    backward and the fused score backward too."""
+    for switch in ("FUSED_SCORES_FORWARD", "SPLIT_WY_BACKWARD", "FUSED_SCORES_BACKWARD"):
+        monkeypatch.setattr(kernel_plan, switch, True)
 
 
 def _intermediates(sizes, gate, options, dtype, chunk, seed):
@@ -111,20 +115,17 @@ def test_output_forming_scores_matches_float64(fused, name, sizes, gate, options
 
 
 @requires_triton
-@pytest.mark.parametrize("read_kdot", [False, True], ids=["kdot-from-keys", "kdot-read"])
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", CASES, ids=IDS)
-def test_single_wy_backward_matches_float64(read_kdot, name, sizes, gate, options, dtype, chunk):
+def test_single_wy_backward_matches_float64(name, sizes, gate, options, dtype, chunk):
     """wy.py's wy_backward (FUSE_SCORES) is dqkw.py's and wy_bwd.py's work in one kernel: against their
-    references chained, with Kdot read (from its float64 reference, fp32) or taken from the keys."""
+    references chained, Kdot read from its float64 reference (fp32)."""
     x = _intermediates(sizes, gate, options, dtype, chunk, seed=sizes[1] + 33)
     plan = x["plan"]
     q, k, v, beta, do = x["q"], x["k"], x["v"], x["beta"], x["do"]
     batch, time, value_heads, value_dim = v.shape
     key_dim = k.shape[3]
-    kdot = plan.dummy
-    if read_kdot:
-        kdot, _ = intra_chunk_matrices_ref(q, k, x["cum"], x["chunks"], chunk, value_heads)
-        kdot = kdot.to(device=DEVICE, dtype=torch.float32)
+    kdot, _ = intra_chunk_matrices_ref(q, k, x["cum"], x["chunks"], chunk, value_heads)
+    kdot = kdot.to(device=DEVICE, dtype=torch.float32)
     dv, dbeta = _nan(*v.shape, dtype=v.dtype), _nan(*beta.shape, dtype=beta.dtype)
     dq, dk = _nan(batch, time, value_heads, key_dim), _nan(batch, time, value_heads, key_dim)
     dcum = _nan(batch, time, value_heads, 1) if gate != "none" else plan.dummy
@@ -135,7 +136,7 @@ def test_single_wy_backward_matches_float64(read_kdot, name, sizes, gate, option
         plan.dummy, plan.dummy, *q.stride(), *k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
         *dbeta.stride(), table, seqlens, time, plan.chunks_per_row, value_heads, plan.problem.group_size, key_dim,
         value_dim, x["scale"], GATE=plan.gate_code, BT=chunk, BK=block_size(key_dim), BV=block_size(value_dim),
-        IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision, FUSE_SCORES=True, READ_KDOT=read_kdot,
+        IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision, FUSE_SCORES=True,
         **wy_kernels.WY_BACKWARD_OPTIONS,
     )
     dq_ref, dk_partial, dw_ref, dg_partial = dqkw_ref(q, k, do, x["cum"], x["u"], x["du"], x["h"], x["dh"],
@@ -173,24 +174,51 @@ def _count_launches(monkeypatch):
 def test_forward_and_backward_with_or_without_the_scores_kernel(monkeypatch, switch, split, name, sizes, gate,
                                                                 options, dtype, chunk):
     """The whole forward and (recomputing) backward, NaN-poisoned outputs, against the float64
-    recurrence; decayed_scores launched only with the switch off (forward and the backward's
-    recomputation), the P-only output launch only with it on (the backward's recomputation)."""
+    recurrence; decayed_scores launched (forward and the backward's recomputation) unless the switch
+    is on with the split backward, the P-only output launch (the backward's recomputation) only then:
+    the single wy_backward reads Kdot, so the switch alone does not drop decayed_scores."""
+    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_BACKWARD", True)
     monkeypatch.setattr(kernel_plan, "FUSED_SCORES_FORWARD", switch)
     monkeypatch.setattr(kernel_plan, "SPLIT_WY_BACKWARD", split)
     counts = _count_launches(monkeypatch)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 34)
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
-    assert counts == ({"decayed_scores": 0, "scores_only": 1} if switch else {"decayed_scores": 2, "scores_only": 0})
+    fused_forward = switch and split
+    assert counts == ({"decayed_scores": 0, "scores_only": 1} if fused_forward
+                      else {"decayed_scores": 2, "scores_only": 0})
+
+
+def _kept_forward(inputs, kwargs, chunk):
+    """(o, final state, Kept) of a forward without decayed_scores (the caller's `fused` fixture)."""
+    o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
+    assert kept.kdot is None
+    return o, state, kept
 
 
 @requires_triton
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", [CASES[0], CASES[4]], ids=[IDS[0], IDS[4]])
-def test_unfused_score_backward_without_kdot(monkeypatch, fused, name, sizes, gate, options, dtype, chunk):
-    """plan.FUSED_SCORES_BACKWARD off: wy_backward stores dKdot for decayed_scores_backward and takes
-    dbeta's Kdot term from the keys (READ_KDOT off)."""
-    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_BACKWARD", False)
+def test_unfused_score_backward_given_no_kdot(monkeypatch, fused, name, sizes, gate, options, dtype, chunk):
+    """Intermediates kept without Kdot, then plan.FUSED_SCORES_BACKWARD off (so the single wy_backward,
+    which stores dKdot for decayed_scores_backward): decayed_scores forms Kdot again, once, and the
+    gradients match the float64 recurrence's."""
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 35)
-    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+    inputs = kernel_inputs(inputs, dtype)
+    _, _, kept = _kept_forward(inputs, kwargs, chunk)
+    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_BACKWARD", False)
+    counts = _count_launches(monkeypatch)
+    do, dht = random_output_gradients(inputs, dtype)
+    _, _, grads_ref = float64_reference(inputs, kwargs, do, dht)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    grads = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=kept)
+    assert counts == {"decayed_scores": 1, "scores_only": 0}
+    _check_gradients(grads, grads_ref, dtype, "unfused")
+
+
+def _check_gradients(grads, grads_ref, dtype, label):
+    for grad_name, grad_ref in grads_ref.items():
+        error = relative_rms_error(grads[grad_name], grad_ref)
+        limit = TOLERANCES[dtype][2 if grad_name in ("g", "beta") else 1]
+        assert error < limit, f"{label}: d{grad_name} {error:.2e}"
 
 
 @requires_triton
@@ -208,18 +236,15 @@ KEPT_CASES = [CASES[0], CASES[2], CASES[3]]
 
 
 @requires_triton
-@pytest.mark.parametrize("split", [True, False], ids=["split", "single"])
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", KEPT_CASES, ids=[c[0] for c in KEPT_CASES])
-def test_kept_scores_equal_the_recomputed_ones(monkeypatch, fused, split, name, sizes, gate, options, dtype, chunk):
+def test_kept_scores_equal_the_recomputed_ones(fused, name, sizes, gate, options, dtype, chunk):
     """A forward that keeps its intermediates has the output kernel store P (the intermediates' dtype,
     no Kdot); the backward with them equals the one that recomputes P in the P-only mode, bit for bit."""
-    monkeypatch.setattr(kernel_plan, "SPLIT_WY_BACKWARD", split)
     inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 36)
     inputs = kernel_inputs(inputs, dtype)
-    o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
+    o, state, kept = _kept_forward(inputs, kwargs, chunk)
     o_plain, state_plain = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk)
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
-    assert kept.kdot is None
     assert kept.scores.dtype == intermediate_dtype_for(dtype) and kept.inverse.dtype == torch.float32
     do, dht = random_output_gradients(inputs, dtype)
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
@@ -234,11 +259,14 @@ def test_kept_scores_equal_the_recomputed_ones(monkeypatch, fused, split, name, 
 @requires_triton
 @pytest.mark.parametrize("forward_switch", [True, False], ids=["kept-without-kdot", "kept-with-kdot"])
 def test_kept_intermediates_serve_either_switch_setting(monkeypatch, forward_switch):
-    """Intermediates kept with the switch one way serve a backward with it the other way (Kdot read
-    where kept, taken from the keys where not; P in either dtype)."""
+    """Intermediates kept with the switch one way serve a backward with it the other way, split or
+    single (the single wy_backward reads Kdot: kept, or formed again by decayed_scores; P in either
+    dtype)."""
     sizes, gate, options, dtype, chunk = (1, 70, 1, 2, 32, 48), "scalar", {"initial_state": True}, torch.float16, 32
     inputs, kwargs = build_case(sizes, gate, options, seed=37)
     inputs = kernel_inputs(inputs, dtype)
+    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_BACKWARD", True)
+    monkeypatch.setattr(kernel_plan, "SPLIT_WY_BACKWARD", True)
     monkeypatch.setattr(kernel_plan, "FUSED_SCORES_FORWARD", forward_switch)
     _, _, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
     assert (kept.kdot is None) == forward_switch
@@ -251,10 +279,7 @@ def test_kept_intermediates_serve_either_switch_setting(monkeypatch, forward_swi
         for given in (kept, kept[:3]):
             grads = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht,
                                          intermediates=given)
-            for grad_name, grad_ref in grads_ref.items():
-                error = relative_rms_error(grads[grad_name], grad_ref)
-                limit = TOLERANCES[dtype][2 if grad_name in ("g", "beta") else 1]
-                assert error < limit, f"split {split}, {len(given)} kept: d{grad_name} {error:.2e}"
+            _check_gradients(grads, grads_ref, dtype, f"split {split}, {len(given)} kept")
 
 
 def test_kept_kdot_is_required_only_with_channel_gates():

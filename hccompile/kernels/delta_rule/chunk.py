@@ -509,13 +509,21 @@ def chunk_delta_rule_bwd(
         launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,
                                  dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale))
     elif plan.num_chunks:
+        kdot = fwd.kdot
+        if kdot is None:
+            # Intermediates kept by a forward without decayed_scores (plan.fused_scores_forward), a
+            # backward whose plan takes the single wy_backward (switches changed in between): it reads
+            # Kdot, formed again here (P into a scratch: the kept one serves).
+            kdot = buffer(batch, time, value_heads, chunk)
+            launch_decayed_scores(plan, fwd.q, fwd.k, cum_arg, kdot, buffer(batch, time, value_heads, chunk),
+                                  plan.num_chunks, table, seqlens)
         plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](
-            fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.kdot if fwd.kdot is not None else plan.dummy,
+            fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, kdot,
             fwd.u, du, fwd.h, dh, dv, dbeta, dq_heads, dk_heads, dcum, dkdot, dscores,
             *fwd.q.stride(), *fwd.k.stride(), *v.stride(), *beta.stride(), *do.stride(), *dv.stride(),
             *dbeta.stride(), table, seqlens,
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
-            BK=block_k, BV=block_v, FUSE_SCORES=fused_scores, READ_KDOT=fwd.kdot is not None,
+            BK=block_k, BV=block_v, FUSE_SCORES=fused_scores,
             **WY_BACKWARD_OPTIONS, **common,
         )
         if not fused_scores:

@@ -931,16 +931,17 @@ class CPBackward(CPForward):
                                      self.dq_heads, self.dk_heads, self.dcum, last - first, table,
                                      geometry.cu_seqlens, local.scale)
             return
+        # kplan.fused_scores_forward only with the split: the single kernel's forward kept Kdot
+        assert intra.kdot is not None, "wy.py's wy_backward reads Kdot (decayed_scores writes it)"
         _wy_backward_kernel[(last - first, problem.value_heads)](
-            intra.q, intra.k, local.v, local.beta, self.do, cum, intra.inverse,
-            intra.kdot if intra.kdot is not None else kplan.dummy, self.u, self.du,
+            intra.q, intra.k, local.v, local.beta, self.do, cum, intra.inverse, intra.kdot, self.u, self.du,
             self.h[first:], self.dh[first:], self.dv, self.dbeta, self.dq_heads, self.dk_heads, self.dcum,
             self.dkdot, self.dscores,
             *intra.q.stride(), *intra.k.stride(), *local.v.stride(), *local.beta.stride(), *self.do.stride(),
             *self.dv.stride(), *self.dbeta.stride(), table, geometry.cu_seqlens,
             problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
             problem.value_dim, local.scale, BK=block_k, BV=block_v, FUSE_SCORES=self.fused_scores,
-            READ_KDOT=intra.kdot is not None, **WY_BACKWARD_OPTIONS, **common,
+            **WY_BACKWARD_OPTIONS, **common,
         )
         if not self.fused_scores:
             launch_scores_backward(kplan, intra.q, intra.k, cum, self.dkdot, self.dscores, self.dq_heads,

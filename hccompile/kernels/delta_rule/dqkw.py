@@ -182,23 +182,24 @@ if triton is not None:
             tl.store(dg_ptr + tokens * HV, dg, mask=valid)
 
 
-# Launch options, chosen for registers, not yet timed on a GPU. Compiled for sm_90 on the CPU (Triton
-# 3.9, bf16, scalar gate, B1 T32768 H16 D128's specializations; ptxas's resource usage): BK = BV = 64
-# at 4 warps took 255 registers and spilled 352 bytes per thread (496 with dS beside the first key
-# tile's pass), 8 warps 242 and none; BK = 32, BV = 64 at 4 warps 254 and none (BK = BV = 32 252),
-# two programs per SM where wy_backward (255 at 8 warps) fits one. One and three stages did not change
-# the registers. Key tiles of DQKW_BLOCK_K: K = 128 takes four passes over the values (do, u, du
-# read again from L2 each time, h and dh once).
-DQKW_BLOCK_K = 32
+# Launch options: the first choice (BK 32, 4 warps, 2 stages, for registers) gave wrong dq and dk on
+# the H100 (Triton 3.6) at bf16 and fp16, chunk 64, K 60 and 100 with GVA: relative RMS 2.7-3.8 in dq,
+# wrong in rows 16-63 of each chunk only, in dS K and its transpose (the wgmmas taking dS from
+# registers against a 64-byte-swizzled key tile). Right there (benchmarks/diag_wy_split.py, session
+# 24): BK 64 at 4 warps, BK 32 at 8 or 2 warps, chunk 32, and these, wy.py's wy_backward's options.
+# Timed at GDN B1 T32768 H16 D128 bf16, the whole forward + backward with R2's forward: 5.02-5.10 ms,
+# BK 64 at 4 warps 2 stages 5.18-5.19, the wrong first choice 4.92-4.96. sm_90 registers (Triton 3.9,
+# ptxas): BK 64 at 8 warps 242, no spill.
+DQKW_BLOCK_K = 64
 DQKW_BLOCK_V = 64
-DQKW_STAGES = 2
-DQKW_OPTIONS = {"num_warps": 4, "num_stages": DQKW_STAGES}
+DQKW_STAGES = 1
+DQKW_OPTIONS = {"num_warps": 8, "num_stages": DQKW_STAGES}
 # Off: dS stays in registers, both products take it from there (dS^T through tl.trans). On: a round
 # trip through a [chunks, HV, BT, BT] scratch in the products' dtype (2 BT^2 bytes per program, read
 # back from L2), as FLA's chunk_bwd_kernel_dqkwg does on Hopper against a Triton 3.4-3.7 miscompile of
-# tl.trans on a wgmma result (fla-org/flash-linear-attention#640, #826). A candidate workaround for
-# the split's bf16 chunk-64 errors on the H100 (Triton 3.6), not yet run on a GPU (its ds-memory rows in
-# benchmarks/diag_wy_split.py say whether it helps). Read at launch time.
+# tl.trans on a wgmma result (fla-org/flash-linear-attention#640, #826). Not a workaround for the
+# errors above: on the H100 (Triton 3.6, BK 32, 4 warps) it was wrong too (dq 1.3 relative RMS) and
+# then made an illegal memory access (benchmarks/diag_wy_split.py, session 24). Read at launch time.
 DQKW_SCORES_VIA_MEMORY = False
 
 

@@ -81,9 +81,9 @@ SPLIT_WY_BACKWARD = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD", "1"
 # P = (Q K^T) o D as FLA's chunk_fwd_o does (output.py); neither matrix goes through memory. A forward
 # that keeps its intermediates has the output kernel store P in the intermediates' dtype (every
 # consumer rounds P to it before its products), and a backward that recomputes the forward runs the
-# output kernel in a P-only mode. Kdot is then nowhere in memory: the backward's WY kernels take its
-# terms from K (wy_bwd.py always; wy.py's single wy_backward with READ_KDOT off). Off: decayed_scores
-# writes Kdot and P (fp32), as it always does for per-channel gates.
+# output kernel in a P-only mode. Kdot is then nowhere in memory: wy_bwd.py takes its terms from K, so
+# this holds only with the split backward (SPLIT_WY_BACKWARD, FUSED_SCORES_BACKWARD). Off: decayed_scores
+# writes Kdot and P (fp32), as it always does for per-channel gates and the single wy_backward.
 # HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD=0 (read at import) turns it off; the attribute is read when
 # a Plan is made (and by the op's fake for the kept layout), so benchmarks time both in one process.
 FUSED_SCORES_FORWARD = os.environ.get("HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD", "1") != "0"
@@ -153,10 +153,13 @@ def kept_state_rows(batch, time, chunk_size: int, num_sequences: int | None = No
     return max(rows, 2)
 
 
-def fused_scores_forward_for(gate: str, switch: bool | None = None) -> bool:
-    """Plan.fused_scores_forward for a gate kind; `switch` None reads FUSED_SCORES_FORWARD now (the
-    ops' fakes ask it without a plan)."""
-    return (FUSED_SCORES_FORWARD if switch is None else switch) and gate != "channel"
+def fused_scores_forward_for(gate: str, switch: bool | None = None, split: bool | None = None) -> bool:
+    """Plan.fused_scores_forward for a gate kind; `switch` and `split` None read FUSED_SCORES_FORWARD
+    and SPLIT_WY_BACKWARD now (the ops' fakes ask it without a plan). Only with the split backward:
+    wy.py's single wy_backward reads Kdot from memory (see Plan.fused_scores_forward)."""
+    switch = FUSED_SCORES_FORWARD if switch is None else switch
+    split = SPLIT_WY_BACKWARD if split is None else split
+    return switch and split and FUSED_SCORES_BACKWARD and gate != "channel"
 
 
 def normed_qk_dtype_for(input_dtype: torch.dtype) -> torch.dtype:
@@ -241,8 +244,13 @@ class Plan:
     def fused_scores_forward(self) -> bool:
         """Whether the forward forms Kdot in wy_solve and P in the output kernel instead of launching
         decayed_scores (FUSED_SCORES_FORWARD, as it was when the plan was made; never with
-        per-channel gates, whose decays take sub-chunk programs)."""
-        return fused_scores_forward_for(self.problem.gate, self.fused_forward_switch)
+        per-channel gates, whose decays take sub-chunk programs), only where the backward is split
+        (split_wy_backward): wy_bwd.py takes L's terms from K, while wy.py's single wy_backward reads
+        Kdot. Its variant taking them from K was wrong on the H100 (Triton 3.6, GDN B1 T32768 H16
+        D128 bf16: gradients off by 0.22 relative RMS against the Kdot-reading kernels'; session 24),
+        so it was removed; a backward given intermediates without Kdot whose plan takes the single
+        kernel has decayed_scores form Kdot again (chunk.py)."""
+        return fused_scores_forward_for(self.problem.gate, self.fused_forward_switch, self.split_wy_switch)
 
     @property
     def scores_dtype(self) -> torch.dtype:

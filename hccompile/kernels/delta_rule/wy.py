@@ -312,48 +312,6 @@ if triton is not None:
             _store_rows(u_ptr + (batch * T) * HV * V + head * V, u, tokens, vc, HV * V, 1, valid, V)
 
     @triton.jit
-    def _kdot_terms_from_keys(k_ptr, cum_ptr, dk_ptr, dg_ptr, dbeta_ptr, dkdot_ptr, d_lower, beta, dbeta, dg_scalar,
-                              tokens, valid, batch, head, stride_kt, stride_kk, stride_dbb, stride_dbt, stride_dbh,
-                              HV, K, dot_dtype, GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr, FUSE_SCORES: tl.constexpr):
-        """wy_backward's tail without Kdot in memory (READ_KDOT off), given dL (strictly lower, fp32):
-        per key tile R = (dL o D) K, dbeta += rowsum(K o R); with FUSE_SCORES also
-        C = (diag(beta) dL o D)^T K, dk += beta R + C (added to the stored dk) and
-        dG += rowsum(K o (beta R - C)) (stored with dg_scalar, the key loop's rows). Without
-        FUSE_SCORES, dKdot = diag(beta) dL is stored for decayed_scores_backward as with READ_KDOT.
-        Stores dbeta."""
-        if GATE == 1:
-            d_rows = d_lower * _pair_decays(cum_ptr, tokens, valid, HV, BT)
-        else:
-            d_rows = d_lower
-        if FUSE_SCORES:
-            d_cols = tl.trans(d_rows * beta[:, None]).to(dot_dtype)
-            # Each thread reads back dk elements other threads of this program stored.
-            tl.debug_barrier()
-        else:
-            local = tl.arange(0, BT)
-            _store_rows(dkdot_ptr, d_lower * beta[:, None], tokens, local, HV * BT, 1, valid, BT)
-        d_rows = d_rows.to(dot_dtype)
-        for k0 in range(0, K, BK):
-            kc = k0 + tl.arange(0, BK)
-            k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-            k_f32 = k_tile.to(tl.float32)
-            rows = _dot(d_rows, k_tile, dot_dtype, DOT_PRECISION)
-            dbeta += tl.sum(k_f32 * rows, axis=1)
-            if FUSE_SCORES:
-                cols = _dot(d_cols, k_tile, dot_dtype, DOT_PRECISION)
-                dk_rows = beta[:, None] * rows
-                dk = _load_rows(dk_ptr, tokens, kc, HV * K, 1, valid, K)
-                _store_rows(dk_ptr, dk + dk_rows + cols, tokens, kc, HV * K, 1, valid, K)
-                if GATE == 1:
-                    dg_scalar += tl.sum(k_f32 * (dk_rows - cols), axis=1)
-        tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
-                 dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
-        if FUSE_SCORES:
-            if GATE == 1:
-                tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
-
-    @triton.jit
     def _wy_backward_kernel(
         q_ptr, k_ptr, v_ptr, beta_ptr, do_ptr, cum_ptr, inverse_ptr, kdot_ptr, u_ptr, du_ptr, h_ptr, dh_ptr,
         dv_ptr, dbeta_ptr, dq_ptr, dk_ptr, dg_ptr, dkdot_ptr, dscores_ptr,
@@ -373,7 +331,6 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FUSE_SCORES: tl.constexpr,
-        READ_KDOT: tl.constexpr = True,
     ):
         """Per chunk and value head, everything but the pairwise-decay terms.
 
@@ -389,12 +346,6 @@ if triton is not None:
         dP K to dq and dP^T Q to dk before it stores them. dKdot is complete only after the key
         loop (whose dW terms are part of dA): a last pass over the key tiles adds its products to
         the stored dk.
-
-        Without READ_KDOT (no gate or a scalar one; the forward kept no Kdot: plan.fused_scores_forward)
-        kdot_ptr is not read: dbeta's term rowsum(dL o Kdot) is taken from the keys as wy_bwd.py does,
-        rowsum(K o R) with R = (dL o D) K per key tile, and with FUSE_SCORES the same R and
-        C = (diag(beta) dL o D)^T K give dk += beta R + C and dG += rowsum(K o (beta R - C)): two
-        products per key tile, as many as the pair they replace.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -540,46 +491,39 @@ if triton is not None:
         d_lower = -tl.dot(tl.dot(tl.trans(inverse), d_inverse, input_precision=DOT_PRECISION), tl.trans(inverse),
                           input_precision=DOT_PRECISION)
         d_lower = tl.where((local[:, None] > local[None, :]) & valid[:, None], d_lower, 0.0)
-        if not READ_KDOT:
-            tl.static_assert(GATE != 2, "per-channel gates keep Kdot (decayed_scores writes it)")
-            _kdot_terms_from_keys(k_ptr, cum_ptr, dk_ptr + key_offset, dg_ptr, dbeta_ptr, dkdot_ptr + square_offset,
-                                  d_lower, beta, dbeta, dg_scalar, tokens, valid, batch, head, stride_kt, stride_kk,
-                                  stride_dbb, stride_dbt, stride_dbh, HV, K, dot_dtype, GATE, BT, BK, DOT_PRECISION,
-                                  FUSE_SCORES)
+        kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+        kdot = tl.where(local[:, None] > local[None, :], kdot, 0.0)
+        dbeta += tl.sum(d_lower * kdot, axis=1)
+        tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
+                 dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+        d_kdot = d_lower * beta[:, None]
+        if FUSE_SCORES:
+            if GATE == 1:
+                # Formed again (BT gate loads, BT^2 exps), not kept from dP's: one [BT, BT] fp32 tile
+                # fewer live through the key loop of a kernel already at 255 registers.
+                d_kdot *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
+            # dKdot is strictly lower, so dKdot + dKdot^T holds each of its elements once (no
+            # rounding added): one product per key tile gives dk both the row role (dKdot K) and
+            # the column role (dKdot^T K); dG's k (rows - columns) takes one more with the difference.
+            d_kdot_t = tl.trans(d_kdot)
+            d_kdot_both = (d_kdot + d_kdot_t).to(dot_dtype)
+            if GATE == 1:
+                d_kdot_rows_less_cols = (d_kdot - d_kdot_t).to(dot_dtype)
+            # Each thread reads back dk elements other threads of this program stored.
+            tl.debug_barrier()
+            for k0 in range(0, K, BK):
+                kc = k0 + tl.arange(0, BK)
+                k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                dk = _load_rows(dk_ptr + key_offset, tokens, kc, HV * K, 1, valid, K)
+                dk += _dot(d_kdot_both, k_tile, dot_dtype, DOT_PRECISION)
+                _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
+                if GATE == 1:
+                    dk_rows_less_cols = _dot(d_kdot_rows_less_cols, k_tile, dot_dtype, DOT_PRECISION)
+                    dg_scalar += tl.sum(k_tile.to(tl.float32) * dk_rows_less_cols, axis=1)
+            if GATE == 1:
+                tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
         else:
-            kdot = _load_rows(kdot_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
-            kdot = tl.where(local[:, None] > local[None, :], kdot, 0.0)
-            dbeta += tl.sum(d_lower * kdot, axis=1)
-            tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
-                     dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
-            d_kdot = d_lower * beta[:, None]
-            if FUSE_SCORES:
-                if GATE == 1:
-                    # Formed again (BT gate loads, BT^2 exps), not kept from dP's: one [BT, BT] fp32 tile
-                    # fewer live through the key loop of a kernel already at 255 registers.
-                    d_kdot *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
-                # dKdot is strictly lower, so dKdot + dKdot^T holds each of its elements once (no
-                # rounding added): one product per key tile gives dk both the row role (dKdot K) and
-                # the column role (dKdot^T K); dG's k (rows - columns) takes one more with the difference.
-                d_kdot_t = tl.trans(d_kdot)
-                d_kdot_both = (d_kdot + d_kdot_t).to(dot_dtype)
-                if GATE == 1:
-                    d_kdot_rows_less_cols = (d_kdot - d_kdot_t).to(dot_dtype)
-                # Each thread reads back dk elements other threads of this program stored.
-                tl.debug_barrier()
-                for k0 in range(0, K, BK):
-                    kc = k0 + tl.arange(0, BK)
-                    k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-                    dk = _load_rows(dk_ptr + key_offset, tokens, kc, HV * K, 1, valid, K)
-                    dk += _dot(d_kdot_both, k_tile, dot_dtype, DOT_PRECISION)
-                    _store_rows(dk_ptr + key_offset, dk, tokens, kc, HV * K, 1, valid, K)
-                    if GATE == 1:
-                        dk_rows_less_cols = _dot(d_kdot_rows_less_cols, k_tile, dot_dtype, DOT_PRECISION)
-                        dg_scalar += tl.sum(k_tile.to(tl.float32) * dk_rows_less_cols, axis=1)
-                if GATE == 1:
-                    tl.store(dg_ptr + tokens * HV, dg_scalar, mask=valid)
-            else:
-                _store_rows(dkdot_ptr + square_offset, d_kdot, tokens, local, HV * BT, 1, valid, BT)
+            _store_rows(dkdot_ptr + square_offset, d_kdot, tokens, local, HV * BT, 1, valid, BT)
 
 
 # The options below were timed with benchmarks/tune_delta_rule.py (H100, Triton 3.6, B4 T4096 H16
