@@ -40,16 +40,17 @@ for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", 
 BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_ptr", "h_ptr", "dh_ptr", "dw_ptr",
                  "dv_ptr", "dbeta_ptr", "w_ptr", "kg_ptr", "o_ptr"}
 # name: (kernel, constexprs beyond the common ones, pointers whose dtype differs from BF16_POINTERS')
-KERNELS = {"dqkw": (dqkw._dqkw_kernel, {}, {}), "wy_bwd": (wy_bwd._wy_bwd_kernel, {}, {}),
+OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False}
+KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False}, {}), "wy_bwd": (wy_bwd._wy_bwd_kernel, {}, {}),
            "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),
-           "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "FORM_KDOT": True}, {}),
-           "wy_solve_kdot": (wy._wy_solve_kernel, {"BC": 16, "FORM_KDOT": False}, {}),
-           "output": (output._output_kernel, {"FORM_SCORES": True}, {}),
-           "output_store": (output._output_kernel, {"FORM_SCORES": True, "STORE_SCORES": True},
+           "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": True}, {}),
+           "wy_solve_kdot": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": False}, {}),
+           "output": (output._output_kernel, {**OUTPUT, "FORM_SCORES": True}, {}),
+           "output_store": (output._output_kernel, {**OUTPUT, "FORM_SCORES": True, "STORE_SCORES": True},
                             {"scores_ptr": "*bf16"}),
-           "output_scores": (output._output_kernel, {"FORM_SCORES": True, "SCORES_ONLY": True},
+           "output_scores": (output._output_kernel, {**OUTPUT, "FORM_SCORES": True, "SCORES_ONLY": True},
                              {"scores_ptr": "*bf16"}),
-           "output_read": (output._output_kernel, {}, {})}
+           "output_read": (output._output_kernel, OUTPUT, {})}
 
 
 def specialize(kernel, constexprs, pointers=None):

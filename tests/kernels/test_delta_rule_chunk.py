@@ -373,7 +373,7 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
         *beta.stride(), table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size,
         problem.key_dim, problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
         BK=kernel_plan.block_size(problem.key_dim), BV=kernel_plan.block_size(problem.value_dim),
-        DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen, FORM_KDOT=form_kdot,
+        DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen, SOLVE=True, FORM_KDOT=form_kdot,
     )
     kdots = fwd.kdot
     if form_kdot:

@@ -108,7 +108,7 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        SCORES_VIA_MEMORY: tl.constexpr = False,
+        SCORES_VIA_MEMORY: tl.constexpr,
     ):
         """One program per (chunk, value head): see the module docstring. dq, dk (partial) and dW
         are [B, T, HV, K] (dq, dk fp32, dW the intermediates' dtype), dG's partial fp32 [B, T, HV, 1].

@@ -43,9 +43,9 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        FORM_SCORES: tl.constexpr = False,
-        STORE_SCORES: tl.constexpr = False,
-        SCORES_ONLY: tl.constexpr = False,
+        FORM_SCORES: tl.constexpr,
+        STORE_SCORES: tl.constexpr,
+        SCORES_ONLY: tl.constexpr,
     ):
         """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile; grid (chunks x value
         tiles, value heads).
@@ -150,7 +150,7 @@ def launch_output(plan: Plan, q, k, cum, h, scores, u, o, num_chunks, table, seq
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, float(scale), GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim),
         BV=block_v, IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision, FORM_SCORES=form_scores,
-        STORE_SCORES=store_scores,
+        STORE_SCORES=store_scores, SCORES_ONLY=False,
     )
 
 
@@ -165,5 +165,5 @@ def launch_scores_only(plan: Plan, q, k, cum, scores, num_chunks, table, seqlens
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, 1.0, GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim),
         BV=block_size(problem.value_dim), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-        FORM_SCORES=True, SCORES_ONLY=True,
+        FORM_SCORES=True, STORE_SCORES=False, SCORES_ONLY=True,
     )

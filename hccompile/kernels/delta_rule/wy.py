@@ -165,8 +165,8 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        SOLVE: tl.constexpr = True,
-        FORM_KDOT: tl.constexpr = False,
+        SOLVE: tl.constexpr,
+        FORM_KDOT: tl.constexpr,
     ):
         """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V;
         with a channel gate also the keys decayed to the chunk's end, K e^(G_last - G), in kg_ptr
