@@ -71,7 +71,7 @@ VARIANTS = [
 # stages1 only on request: test_split_backward_is_deterministic already saw stages 1, 2 and 3 fail alike.
 DEFAULT_VARIANTS = [v[0] for v in VARIANTS if v[0] != "stages1"]
 MODES = ("all", "h=0", "u=0")
-# wy_bwd.py's launches: label, BK, options (the default since session 24 is bk32-w2)
+# wy_bwd.py's launches: label, BK, options (the default since session 24 is bk64-w4)
 WY_BWD_VARIANTS = [("bk32-w4", 32, {"num_warps": 4, "num_stages": 2}),
                    ("bk32-w2", 32, {"num_warps": 2, "num_stages": 2}),
                    ("bk32-w8", 32, {"num_warps": 8, "num_stages": 2}),

@@ -130,15 +130,18 @@ if triton is not None:
 
 # Launch options. Compiled for sm_90 on the CPU (Triton 3.9, bf16, scalar gate, B1 T32768 H16 D128's
 # specializations; ptxas's resource usage): BK = BV = 64 at 4 warps took 255 registers and spilled 152
-# bytes per thread (BV = 32: 80), 8 warps 226 and none; BK = 32, BV = 64 at 4 warps 218 and none. But
-# on the H100 (Triton 3.6) BK 32 at 4 warps, and at 8, gave wrong dbeta and dk (relative RMS 0.8-1.6)
-# for the plain delta rule at K 100, V 60, varlen, GVA, chunk 64 (right with a scalar gate at K 60,
-# V 100); at 2 warps (mma.sync, no wgmma) right in both (benchmarks/diag_wy_split.py, session 24).
-# The products are those of dqkw.py's error (a [BT, BT] register operand against a key tile).
-WY_BWD_BLOCK_K = 32
+# bytes per thread (BV = 32: 80), 8 warps 226 and none; BK = 32, BV = 64 at 4 warps 218 and none, at 2
+# warps 255 and 504 bytes. On the H100 (Triton 3.6) BK 32 at 4 warps, and at 8, gave wrong dbeta and dk
+# (relative RMS 0.8-1.6) for the plain delta rule at K 100, V 60, varlen, GVA, chunk 64 (right with a
+# scalar gate at K 60, V 100): the products of dqkw.py's error (a [BT, BT] register operand against a
+# 64-byte-swizzled key tile). Right in both: BK 32 at 2 warps (mma.sync), BK 64 at 4 warps and at 8
+# (benchmarks/diag_wy_split.py, session 24). Timed in one process at GDN B1 T32768 H16 D128 bf16 (the
+# whole forward + backward, dqkw at its options below; one round): BK 64 at 4 warps 2 stages 4.98 ms,
+# BK 32 at 2 warps 5.14, BK 64 at 8 warps 1 stage 5.19 (main's single wy_backward: 5.49).
+WY_BWD_BLOCK_K = 64
 WY_BWD_BLOCK_V = 64
 WY_BWD_STAGES = 2
-WY_BWD_OPTIONS = {"num_warps": 2, "num_stages": WY_BWD_STAGES}
+WY_BWD_OPTIONS = {"num_warps": 4, "num_stages": WY_BWD_STAGES}
 
 
 def launch_wy_bwd(plan: Plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table,
