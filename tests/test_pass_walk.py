@@ -93,3 +93,34 @@ def test_the_closures_and_ancestors_are_walks():
     assert M.upstream(n["c"]) == {n["c"], n["a"], n["b"], n["x"], n["y"]}
     # stopping at b keeps b but not y; the order is the graph's
     assert M.ancestors(n["c"], stop=[n["b"]]) == [n["x"], n["a"], n["b"], n["c"]]
+
+
+@pytest.mark.parametrize("target, op", [(operator.iadd, "call_function"), ("add_", "call_method"),
+                                        ("aten.add_.Tensor", "call_function")])
+def test_fake_value_on_real_examples_leaves_them_unchanged(target, op):
+    """A graph recorded by running it carries real tensors as example values: computing a created
+    node's value with an in-place target works on copies, not on the graph's own values."""
+    import torch
+
+    if target == "aten.add_.Tensor":
+        target = torch.ops.aten.add_.Tensor
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    x.meta["example_value"], y.meta["example_value"] = torch.ones(3), torch.full((3,), 2.0)
+    node = g.create_node(op, target, (x, y))
+    assert M._mutates(node)
+    value = M.fake_value(node)
+    torch.testing.assert_close(value, torch.full((3,), 3.0))
+    torch.testing.assert_close(x.meta["example_value"], torch.ones(3))
+
+
+def test_fake_value_reads_out_of_place_targets_as_they_are():
+    import torch
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["example_value"] = torch.arange(6.0).reshape(2, 3)
+    node = g.call_method("transpose", (x, 0, 1))
+    assert not M._mutates(node) and not M._mutates(g.call_function(operator.is_, (x, x)))
+    value = M.fake_value(node)
+    assert value.shape == (3, 2) and value.data_ptr() == x.meta["example_value"].data_ptr()  # a view, no copy

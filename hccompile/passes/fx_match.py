@@ -466,18 +466,42 @@ def fake_value(node: fx.Node, fake_mode: Any = None) -> Any:
     inputs, and a user's pack hook (e.g. one reading data_ptr()) failed on them, undoing the pass."""
     args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
     kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value"))
-    flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    flat = [a for a in leaves if isinstance(a, torch.Tensor)]
     mode = next((a.fake_mode for a in flat if hasattr(a, "fake_mode")), None) or fake_mode
     if mode is None:
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         if not flat or not all(isinstance(v, (torch.Tensor, int)) for v in leaves):
             return None
+        if _mutates(node):
+            # real example values are the graph's own: an in-place target works on copies
+            args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
         with torch.no_grad():
             return _call(node, args, kwargs)
     from torch._dispatch.python import enable_python_dispatcher
 
     with mode, enable_python_dispatcher(), torch.autograd.graph.saved_tensors_hooks(_detached, _same):
         return _call(node, args, kwargs)
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether `node`'s target may write an input: a mutable aten schema, an in-place method or
+    function (`add_`), an in-place operator (`operator.iadd`), or an `out=` argument."""
+    target = node.target
+    if "out" in node.kwargs:
+        return True
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", target)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if getattr(target, "__module__", None) == "_operator":
+        return name in _IN_PLACE_OPERATORS
+    return name.endswith("_") and not name.startswith("__")
+
+
+_IN_PLACE_OPERATORS = frozenset(f"i{name}" for name in (
+    "add", "and", "concat", "floordiv", "lshift", "matmul", "mod", "mul", "or", "pow", "rshift", "sub", "truediv",
+    "xor"))
 
 
 def _call(node: fx.Node, args: Any, kwargs: Any) -> Any:
