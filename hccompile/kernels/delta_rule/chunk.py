@@ -261,13 +261,9 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
 
 
 def _sweep_options(plan: Plan, block_k_full: int, k_dtype: torch.dtype, direction: str) -> dict[str, int]:
-    """The launch options of the forward or backward state sweep, as timed for this gate. Timed with half
-    intermediates only: with fp32 ones (BF16_INTERMEDIATES off) three stages took 245 KiB of shared memory
-    (KDA forward) and 4 warps spilled 0.9-1.1 KiB per thread (GDN backward) on sm_90."""
-    if plan.intermediate_dtype == torch.float32:
-        return state_launch_options(block_k_full, k_dtype)
-    channel = plan.gate_code == GATE_CODES["channel"]
-    return state_launch_options(block_k_full, k_dtype, timed_sweep=(channel, direction))
+    """The launch options of the forward or backward state sweep (state.state_launch_options' timed rule)."""
+    return state_launch_options(block_k_full, k_dtype, timed_sweep=(plan.gate_code == GATE_CODES["channel"], direction),
+                                intermediates=plan.intermediate_dtype)
 
 
 def plan_kept_state_rows(plan: Plan):

@@ -238,12 +238,15 @@ def state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device
     return narrow_for_occupancy(widest, walks, value_dim, device, floor=MIN_BACKWARD_SWEEP_TILE)
 
 
-def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: tuple[bool, str] | None = None
-                         ) -> dict[str, int]:
+def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: tuple[bool, str] | None = None,
+                         intermediates: torch.dtype | None = None) -> dict[str, int]:
     """num_warps and num_stages of the sequential state kernels; `dtype` is the one of the k they read
     (the input's, or the intermediates' after the in-kernel l2norm). `timed_sweep` = (per-channel gate,
-    "forward" or "backward") for chunk.py's two sweeps, whose options at K = 128 with half inputs were
-    timed on the H100; CP's summary kernels, fp32 and K > 128 take the untimed rule.
+    "forward" or "backward") for chunk.py's two sweeps, whose options at K = 128 with half inputs and
+    half `intermediates` (w, u, h) were timed on the H100; CP's summary kernels, fp32 and K > 128 take
+    the untimed rule, and so do fp32 intermediates (BF16_INTERMEDIATES off), untimed: with them three
+    stages took 245 KiB of shared memory (KDA forward) and 4 warps spilled 0.9-1.1 KiB per thread (GDN
+    backward) on sm_90.
 
     They hold [chunk, K] tiles of the whole key dim: more warps mean fewer spills. Each
     software-pipelining stage keeps another copy of those tiles in shared memory; compiled
@@ -253,7 +256,7 @@ def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: 
     """
     two_stages = block_k_full <= 64 or (block_k_full == 128 and dtype != torch.float32)
     untimed = {"num_warps": 4 if block_k_full <= 64 else 8, "num_stages": 2 if two_stages else 1}
-    if timed_sweep is None or block_k_full != 128 or not two_stages:
+    if timed_sweep is None or block_k_full != 128 or not two_stages or intermediates == torch.float32:
         return untimed
     channel, direction = timed_sweep
     # A sweep is a chain of dependent [BT, K] x [K, BV] steps whose per-step latency, not its spills, sets
