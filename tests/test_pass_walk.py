@@ -124,3 +124,61 @@ def test_fake_value_reads_out_of_place_targets_as_they_are():
     assert not M._mutates(node) and not M._mutates(g.call_function(operator.is_, (x, x)))
     value = M.fake_value(node)
     assert value.shape == (3, 2) and value.data_ptr() == x.meta["example_value"].data_ptr()  # a view, no copy
+
+
+@pytest.mark.parametrize("index, rank, expected", [
+    ((slice(None), 3, None, slice(2, 5)), 3, [(1, "int", 3, 1), (2, "new", None, 2), (2, "slice", (2, 5), 3)]),
+    ((Ellipsis, slice(0, 4)), 4, [(3, "slice", (0, 4), 1)]),
+    (slice(-3, None), 2, [(0, "slice", (-3, None), None)]),
+    ((slice(None), slice(0, None)), 2, []),  # whole slices restrict nothing
+    (2, 3, [(0, "int", 2, None)]),
+    (slice(None, None, 2), 2, None),  # a step
+    ((Ellipsis, 1, Ellipsis), 3, None),
+    ((True,), 1, None),
+    ([0, 1], 1, None),
+])
+def test_index_items_read_every_spelling_of_an_index_once(index, rank, expected):
+    assert M.index_items(index, rank) == expected
+
+
+def _recorded(fn, *shapes):
+    """fn traced with real example values on its nodes (as a graph recorded by running it)."""
+    import torch
+
+    gm = fx.symbolic_trace(fn)
+    values = {}
+    args = iter(torch.randn(*s) for s in shapes)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            values[n] = next(args)
+        elif n.op != "output":
+            values[n] = M._call(n, *fx.node.map_arg((n.args, n.kwargs), values.__getitem__))
+        n.meta["example_value"] = values.get(n)
+    return gm
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (lambda x: x[:, 2:6], ("x", 1, "slice", (2, 6), ("tuple", 1, 1))),
+    (lambda x: x[3], ("x", 0, "int", 3, ("arg", 1))),
+    (lambda x: x.narrow(1, 4, 3), ("x", 1, "slice", (4, 7), ("arg", 2))),
+    (lambda x: x.select(1, 5), ("x", 1, "int", 5, ("arg", 2))),
+    (lambda x: x.unbind(1)[2], ("x", 1, "int", 2, ("arg", 1))),
+    (lambda x: x.split(3, 1)[2], ("x", 1, "slice", (6, 8), ("arg", 1))),
+    (lambda x: x.split([2, 5, 1], 1)[1], ("x", 1, "slice", (2, 7), ("arg", 1))),
+])
+def test_index_entries_of_each_slicing_node(fn, expected):
+    gm = _recorded(fn, (4, 8))
+    node = list(gm.graph.nodes)[-2]
+    (entry,) = M.index_entries(node)
+    assert (entry.base.name, *entry[1:]) == expected
+
+
+def test_index_entries_refuse_what_they_cannot_read():
+    import torch
+
+    gm = _recorded(lambda x, i: x[i.long()], (4, 8), (2,))
+    node = list(gm.graph.nodes)[-2]
+    assert M.index_entries(node) == []  # a tensor index
+    gm = _recorded(lambda x: x[:, ::2], (4, 8))
+    assert M.index_entries(list(gm.graph.nodes)[-2]) == []
+    assert torch.is_tensor(list(gm.graph.nodes)[-2].meta["example_value"])

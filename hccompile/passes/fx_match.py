@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -213,6 +213,96 @@ def example(node: Any) -> Any:
 def ndim(node: Any) -> int | None:
     ev = example(node)
     return ev.dim() if isinstance(ev, torch.Tensor) else None
+
+
+class IndexEntry(NamedTuple):
+    """One restricting entry of a slicing node: `base`'s `axis` taken at one position ("int": `value`
+    the int) or over an interval ("slice": `value` (start, stop), unit step, int or None bounds);
+    "new" is a None (a new axis, `axis` the base's axis it precedes). `mask` says where the entry sits in
+    the node's args, for comparing nodes that differ only in it: ("tuple", arg, position) or ("arg", arg)."""
+    base: fx.Node
+    axis: int
+    kind: str
+    value: Any
+    mask: tuple
+
+
+def index_items(index: Any, rank: int) -> list[tuple[int, str, Any, int | None]] | None:
+    """(axis, kind, value, position in the index tuple or None) for each restricting entry of a
+    getitem / setitem `index` on a tensor of `rank` dims (kinds as IndexEntry's; whole slices are no
+    entries); None where an entry is anything else (a tensor, a node, a bool, a list, a step, a
+    symbolic bound) or Ellipsis appears twice. The one reading of "an index" the passes share."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if sum(e is Ellipsis for e in entries) > 1:
+        return None
+    consuming = sum(e is not None and e is not Ellipsis for e in entries)
+    axis, out = 0, []
+    for position, e in enumerate(entries):
+        where = position if isinstance(index, tuple) else None
+        if e is None:
+            out.append((axis, "new", None, where))
+        elif e is Ellipsis:
+            axis += rank - consuming
+        elif isinstance(e, int) and not isinstance(e, bool):
+            out.append((axis, "int", e, where))
+            axis += 1
+        elif isinstance(e, slice):
+            if not all(b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in (e.start, e.stop)) \
+                    or e.step not in (None, 1):
+                return None
+            if not (e.start in (None, 0) and e.stop is None):
+                out.append((axis, "slice", (e.start, e.stop), where))
+            axis += 1
+        else:
+            return None
+    return out
+
+
+def index_entries(node: fx.Node) -> list[IndexEntry]:
+    """The restricting entries of a slicing node: x[...] on a tensor, a piece of unbind or split,
+    select, narrow ([] for any other node, and for an index index_items cannot read)."""
+    name = spelling(node)
+    if name == "getitem" and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
+        x, index = node.args
+        ev = example(x)
+        if isinstance(ev, torch.Tensor):
+            items = index_items(index, ev.dim())
+            return [IndexEntry(x, axis, kind, value, ("arg", 1) if where is None else ("tuple", 1, where))
+                    for axis, kind, value, where in items or ()]
+        source = x.args[0] if x.args and isinstance(x.args[0], fx.Node) else None
+        if source is None or not isinstance(index, int) or isinstance(index, bool):
+            return []
+        if spelling(x) == "unbind":
+            return [IndexEntry(source, arg(x, 1, "dim", 0), "int", index, ("arg", 1))]
+        if spelling(x) == "split":
+            return _split_piece(x, source, index)
+        return []
+    if name == "select" and len(node.args) == 3 and isinstance(node.args[0], fx.Node) and \
+            all(isinstance(a, int) and not isinstance(a, bool) for a in node.args[1:]):
+        return [IndexEntry(node.args[0], node.args[1], "int", node.args[2], ("arg", 2))]
+    if name == "narrow" and isinstance(node.args[0], fx.Node):
+        dim, start, length = (arg(node, i, key) for i, key in ((1, "dim"), (2, "start"), (3, "length")))
+        if all(isinstance(a, int) and not isinstance(a, bool) for a in (dim, start, length)) and len(node.args) == 4:
+            return [IndexEntry(node.args[0], dim, "slice", (start, start + length), ("arg", 2))]
+    return []
+
+
+def _split_piece(split: fx.Node, source: fx.Node, index: int) -> list[IndexEntry]:
+    """Piece `index` of split(source, size or sizes, dim) as a slice of `source`."""
+    size = arg(split, 1, "split_size_or_sections" if split.op == "call_function" else "split_size")
+    dim = arg(split, 2, "dim", 0)
+    ev = example(source)
+    if not isinstance(ev, torch.Tensor) or not isinstance(dim, int) or isinstance(dim, bool):
+        return []
+    length = size_hint(ev.shape[dim % ev.dim()])
+    if isinstance(size, int) and not isinstance(size, bool):
+        start = index * size
+        stop = min(start + size, length)
+    elif isinstance(size, (list, tuple)) and all(isinstance(s, int) for s in size):
+        start, stop = sum(size[:index]), sum(size[:index + 1])
+    else:
+        return []
+    return [IndexEntry(source, dim, "slice", (start, stop), ("arg", 1))]
 
 
 def permutation_of(node: fx.Node) -> tuple[fx.Node, list[int]] | None:

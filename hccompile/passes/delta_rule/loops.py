@@ -9,11 +9,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
+from .. import fx_match as M
 from ..fx_match import Refusal, walk
-from .vocabulary import _Index, _POSITIONAL, _POST, _describe, _example, _mutated_operand, _name, _shape
+from .vocabulary import _Index, _POSITIONAL, _POST, _describe, _mutated_operand, _name, _shape
 
 # Nodes an iteration may compute for the next one before reading its slices (S = S.clone() ...).
 MAX_ROTATION = 8
@@ -45,53 +45,14 @@ class _Family:
     last: float
 
 
-def _index_entries(idx: _Index, node: fx.Node) -> list[tuple[fx.Node, int, str, Any, tuple]]:
-    """(base, axis, kind, value, mask) for each integer or interval index in a slicing node."""
-    name = idx.name(node)
-    if name == "getitem" and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
-        x, index = node.args
-        ev = _example(x)
-        if isinstance(ev, torch.Tensor):
-            entries = index if isinstance(index, tuple) else (index,)
-            consuming = 0
-            for e in entries:
-                if isinstance(e, fx.Node) or isinstance(e, bool) or (isinstance(e, (list, torch.Tensor))):
-                    return []
-                if e is not None and e is not Ellipsis:
-                    consuming += 1
-            axis, out = 0, []
-            for p, e in enumerate(entries):
-                if e is None:
-                    continue
-                if e is Ellipsis:
-                    axis += ev.dim() - consuming
-                    continue
-                mask = ("tuple", 1, p) if isinstance(index, tuple) else ("arg", 1)
-                if isinstance(e, int):
-                    out.append((x, axis, "int", e, mask))
-                elif isinstance(e, slice):
-                    if all(s is None or isinstance(s, int) for s in (e.start, e.stop, e.step)) and \
-                            e.step in (None, 1) and not (e.start in (None, 0) and e.stop is None):
-                        out.append((x, axis, "slice", (e.start, e.stop), mask))
-                axis += 1
-            return out
-        src = x
-        if idx.name(src) == "unbind" and isinstance(index, int) and src.args and isinstance(src.args[0], fx.Node):
-            dim = src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)
-            return [(src.args[0], dim, "int", index, ("arg", 1))]
-        return []
-    if name == "select" and len(node.args) == 3 and isinstance(node.args[0], fx.Node) and \
-            isinstance(node.args[1], int) and isinstance(node.args[2], int):
-        return [(node.args[0], node.args[1], "int", node.args[2], ("arg", 2))]
-    return []
-
-
 def _find_families(idx: _Index) -> list[_Family]:
     groups: dict[tuple, list[tuple[float, Any, fx.Node, tuple]]] = defaultdict(list)
     for n in idx.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
-        for base, axis, kind, value, mask in _index_entries(idx, n):
+        for base, axis, kind, value, mask in M.index_entries(n):
+            if kind == "new":
+                continue
             shape = _shape(base)
             if shape is None:
                 continue

@@ -21,69 +21,23 @@ from .quadratic import Candidate, Operand, _walk_operand
 # The block loop (lightning attention 2's reference, unrolled by Dynamo)
 
 
-def _index_tuple(index: Any, rank: int) -> list[Any] | None:
-    """A getitem index as one entry per dim (slices only), or None."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if any(i is None or not isinstance(i, (slice, type(Ellipsis))) for i in items):
-        return None
-    if sum(i is Ellipsis for i in items) > 1:
-        return None
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        items = items[:at] + [slice(None)] * (rank - len(items) + 1) + items[at + 1:]
-    return items + [slice(None)] * (rank - len(items))
-
-
 def _time_slice(node: Any) -> tuple[fx.Node, int, int, int] | None:
-    """(source, dim, start, stop) when `node` is a contiguous slice of `source` along one dim,
-    seen through casts and contiguous()."""
+    """(source, dim, start, stop) when `node` is a contiguous slice of `source` along one dim (an
+    index, narrow, or a piece of split: fx_match.index_entries), seen through casts and contiguous()."""
     while _kind(node) in ("cast", "contiguous"):
         node = node.args[0]
     if not isinstance(node, fx.Node):
         return None
-    k = _kind(node)
-    if k == "getitem":
-        src, index = node.args
-        if _kind(src) == "split":
-            return _split_piece(src, index)
-        shape = _shape(src)
-        if shape is None:
-            return None
-        items = _index_tuple(index, len(shape))
-        if items is None or len(items) != len(shape):
-            return None
-        sliced = [(d, s) for d, s in enumerate(items) if s != slice(None)]
-        if len(sliced) != 1:
-            return None
-        d, s = sliced[0]
-        if s.step not in (None, 1) or not all(isinstance(x, (int, type(None))) for x in (s.start, s.stop)):
-            return None
-        start, stop, _ = s.indices(shape[d])
-        return src, d, start, stop
-    if k == "narrow":
-        src = node.args[0]
-        dim, start, length = (M.arg(node, i, name) for i, name in ((1, "dim"), (2, "start"), (3, "length")))
-        shape = _shape(src)
-        if shape is None or not all(isinstance(x, int) for x in (dim, start, length)):
-            return None
-        return src, dim % len(shape), start, start + length
-    return None
-
-
-def _split_piece(split: fx.Node, index: Any) -> tuple[fx.Node, int, int, int] | None:
-    src = split.args[0]
-    size = M.arg(split, 1, "split_size_or_sections" if split.op == "call_function" else "split_size")
-    dim = M.arg(split, 2, "dim", 0)
+    entries = M.index_entries(node)
+    if len(entries) != 1 or entries[0].kind != "slice":
+        return None
+    src, dim, _, bounds, _ = entries[0]
     shape = _shape(src)
-    if shape is None or not isinstance(index, int) or not isinstance(dim, int):
+    if shape is None:
         return None
     dim %= len(shape)
-    if isinstance(size, int):
-        start = index * size
-        return src, dim, start, min(start + size, shape[dim])
-    if isinstance(size, (list, tuple)) and all(isinstance(s, int) for s in size):
-        return src, dim, sum(size[:index]), sum(size[:index + 1])
-    return None
+    start, stop, _ = slice(*bounds).indices(shape[dim])
+    return src, dim, start, stop
 
 
 def _operand_time_slice(op: Operand, time: str) -> tuple[fx.Node, int, int] | None:
@@ -201,13 +155,11 @@ def _block_loop(q_src, k_src, v_src, ql, kl, vl, target, blocks, facts: _Facts) 
         if not _is_fresh(buf) or shape is None or len(shape) != len(labels):
             raise Refusal("the blocks are written into a tensor that is not created in the graph")
         for (start, stop, _, asm) in blocks:
-            items = _index_tuple(asm[1].args[1], len(shape))
-            if items is None:
+            items = M.index_items(asm[1].args[1], len(shape))
+            if items is None or any(kind != "slice" for _, kind, _, _ in items):
                 raise Refusal("an output write is not a slice")
-            sl = [(d, s) for d, s in enumerate(items) if s != slice(None)]
-            if len(sl) != 1 or sl[0][0] != labels.index("t") or \
-                    sl[0][1].step not in (None, 1) or \
-                    sl[0][1].indices(shape[sl[0][0]])[:2] != (start, stop):
+            if len(items) != 1 or items[0][0] != labels.index("t") or \
+                    slice(*items[0][2]).indices(shape[items[0][0]])[:2] != (start, stop):
                 raise Refusal("an output write does not cover its block's positions along time")
         facts.refresh_order()
         last = max(writes, key=facts.order.__getitem__)
