@@ -5,7 +5,7 @@ rel_rms_error, evaluate)."""
 from __future__ import annotations
 
 import operator
-from collections import deque
+from collections import ChainMap, deque
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
@@ -442,6 +442,51 @@ def run_node(gm: fx.GraphModule, n: fx.Node, value_of: Callable[[fx.Node], Any],
     raise ValueError(f"cannot evaluate {n.op} node {n.name}")
 
 
+class Evaluator:
+    """Node values at compile time, the one evaluator of the passes: each node computed once
+    (`env`), in the order given, by run_node. What differs between passes is a policy, passed in:
+    `admit(node)` raises ValueError for a node the caller will not run (random work, an in-place
+    write it does not allow); `outside(node)` gives the value of a node not to be run (a stand-in),
+    or NotImplemented to run it; `known` is read through and never written (another evaluation's
+    memo: values computed here stay here)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any] | None = None, *,
+                 admit: Callable[[fx.Node], None] | None = None,
+                 outside: Callable[[fx.Node], Any] | None = None,
+                 known: dict[fx.Node, Any] | None = None,
+                 placeholders: list[fx.Node] | None = None):
+        self.gm, self.example_inputs = gm, example_inputs
+        self.admit, self.outside = admit, outside
+        self.placeholders = placeholders
+        self.env: Any = ChainMap({}, known) if known is not None else {}
+
+    def run(self, needed: Iterable[fx.Node]) -> None:
+        """Values for `needed` (in an order where a node follows what it reads) not known yet."""
+        for n in needed:
+            if n in self.env:
+                continue
+            if self.outside is not None:
+                value = self.outside(n)
+                if value is not NotImplemented:
+                    self.env[n] = value
+                    continue
+            if self.admit is not None:
+                self.admit(n)
+            if self.placeholders is None and n.op == "placeholder":
+                self.placeholders = [p for p in self.gm.graph.nodes if p.op == "placeholder"]
+            self.env[n] = run_node(self.gm, n, self.env.__getitem__, self.example_inputs, self.placeholders)
+
+    def values(self, wanted: Iterable[fx.Node]) -> list[Any]:
+        return [self.env[w] for w in wanted]
+
+
+def refuse_impure(n: fx.Node) -> None:
+    """Evaluator's `admit` for probes: no random or mutating work."""
+    why = is_impure(n)
+    if why:
+        raise ValueError(f"probe region contains a {why}")
+
+
 def evaluate(gm: fx.GraphModule, wanted: list[fx.Node], overrides: dict[fx.Node, Any],
              example_inputs: list[Any], max_nodes: int = 256) -> list[Any]:
     """Evaluate only what `wanted` needs, with `overrides` standing in for some nodes and the real
@@ -457,16 +502,10 @@ def evaluate(gm: fx.GraphModule, wanted: list[fx.Node], overrides: dict[fx.Node,
     needed.sort(key=order.__getitem__)
     if len(needed) > max_nodes:
         raise ValueError(f"probe region has {len(needed)} nodes (limit {max_nodes})")
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    env: dict[fx.Node, Any] = dict(overrides)
-    for n in needed:
-        if n in env:
-            continue
-        why = is_impure(n)
-        if why:
-            raise ValueError(f"probe region contains a {why}")
-        env[n] = run_node(gm, n, env.__getitem__, example_inputs, placeholders)
-    return [env[w] for w in wanted]
+    evaluator = Evaluator(gm, example_inputs, admit=refuse_impure)
+    evaluator.env.update(overrides)
+    evaluator.run(needed)
+    return evaluator.values(wanted)
 
 
 def _is_fake(t: torch.Tensor) -> bool:

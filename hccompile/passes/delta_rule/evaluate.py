@@ -22,7 +22,21 @@ class _Evaluator:
 
     def __init__(self, gm: fx.GraphModule, idx: _Index, region: _Region, inputs: dict[fx.Node, Any]):
         self.gm, self.idx, self.region = gm, idx, region
-        self.env: dict[fx.Node, Any] = dict(inputs)
+        # placeholders come in `inputs` or as stand-ins, never from the example inputs
+        self.evaluator = M.Evaluator(gm, outside=self._outside)
+        self.env: dict[fx.Node, Any] = self.evaluator.env
+        self.env.update(inputs)
+
+    def _outside(self, n: fx.Node) -> Any:
+        """A stand-in for a node outside the region, or for a number (a size, a SymInt), else
+        NotImplemented: the node is run."""
+        if n not in self.region.nodes:
+            return self._standin(n)
+        ev = _example(n)
+        if isinstance(ev, (torch.SymInt, torch.SymFloat)) or (n.op != "placeholder" and isinstance(ev, (int, float))
+                                                               and not isinstance(ev, bool)):
+            return self._standin(n)
+        return NotImplemented
 
     def _standin(self, n: fx.Node) -> Any:
         """Value for a node outside the region (read for metadata only): NaN-filled, so a data use
@@ -51,18 +65,5 @@ class _Evaluator:
             starts += self.idx.mutators_before(w, self.idx.pos[w] + 0.5 if read_pos is None else read_pos)
         # Values already known are not recomputed; nodes outside the region are stood in for, not entered.
         needed = set(M.walk(starts, reads, skip=self.env.__contains__, stop=lambda n: n not in self.region.nodes))
-        for n in sorted(needed, key=lambda x: self.idx.pos[x]):
-            if n in self.env:
-                continue
-            if n not in self.region.nodes:
-                self.env[n] = self._standin(n)
-                continue
-            ev = _example(n)
-            if isinstance(ev, (torch.SymInt, torch.SymFloat)) or (n.op != "placeholder" and
-                                                                   isinstance(ev, (int, float)) and
-                                                                   not isinstance(ev, bool)):
-                self.env[n] = self._standin(n)
-                continue
-            # placeholders come in `inputs` or as stand-ins, never from the example inputs
-            self.env[n] = M.run_node(self.gm, n, self.env.__getitem__)
+        self.evaluator.run(sorted(needed, key=lambda x: self.idx.pos[x]))
         return [self.env[w] for w in wanted]

@@ -132,12 +132,8 @@ class _Facts:
         memo=False, the evaluated nodes too."""
         overrides = dict(overrides or {})
         needed = self.region(wanted, stop=set(overrides) | (set(self._memo) if memo else set()))
-        env: dict[fx.Node, Any] = overrides
 
-        def value_of(n: fx.Node) -> Any:
-            return env[n] if n in env else self._memo[n]
-
-        for n in needed:
+        def admit(n: fx.Node) -> None:
             target = _mutation_target(n)
             if target is not None:
                 if memo or not _is_fresh(target):
@@ -147,8 +143,13 @@ class _Facts:
                 why = _impurity(n)
                 if why:
                     raise ValueError(f"probe region contains a {why}")
-            env[n] = M.run_node(self.gm, n, value_of, self.ctx.example_inputs, self.placeholders)
-            if memo:
-                self._memo[n] = env[n]
-        values = [env[w] if w in env else self._memo[w] for w in wanted]
+
+        # The memo serves memo=True only: with overrides every needed node is recomputed from them.
+        evaluator = M.Evaluator(self.gm, self.ctx.example_inputs, admit=admit,
+                                known=self._memo if memo else None, placeholders=self.placeholders)
+        evaluator.env.update(overrides)
+        evaluator.run(needed)
+        if memo:
+            self._memo.update((n, evaluator.env[n]) for n in needed)
+        values = evaluator.values(wanted)
         return values, needed
