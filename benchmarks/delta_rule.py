@@ -47,7 +47,8 @@ TWO_KERNELS_NOTE = ("plan.FUSED_SCORES_BACKWARD=False (HCCOMPILE_DELTA_RULE_FUSE
                     "decayed_scores_backward takes the gradients through Kdot and P, as before wy_backward did")
 OURS_SINGLE_WY = "ours, single wy_backward"
 SINGLE_WY_NOTE = ("plan.SPLIT_WY_BACKWARD=False (HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD=0): wy.py's single "
-                  "wy_backward kernel instead of dqkw.py + wy_bwd.py")
+                  "wy_backward kernel instead of dqkw.py + wy_bwd.py, and so decayed_scores in the forward (the "
+                  "single kernel reads Kdot): the kernels before session 24")
 OURS_SCORES_KERNEL = "ours, decayed_scores forward"
 SCORES_KERNEL_NOTE = ("plan.FUSED_SCORES_FORWARD=False (HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD=0): the forward "
                       "launches decayed_scores (Kdot and P through memory, fp32) instead of forming Kdot in wy_solve "
