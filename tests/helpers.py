@@ -102,3 +102,33 @@ def inductor_step(compiled, inputs, cotangents):
 
     outputs, codes = run_and_get_code(step)
     return outputs, "\n".join(codes)
+
+
+def count_pass_work(monkeypatch, pass_cls) -> list[int]:
+    """Make each run of `pass_cls` append to the returned list the number of calls of the passes' own
+    functions (hccompile/passes/...) it made: a deterministic measure of a pass's work, where its time
+    on a loaded machine is not (no timed assertions in tests)."""
+    import os
+    import sys
+
+    passes = os.path.join("hccompile", "passes")
+    run = pass_cls.run
+    counts: list[int] = []
+
+    def counted(self, gm, ctx, record):
+        count = [0]
+
+        def profile(frame, event, arg):
+            if event == "call" and passes in frame.f_code.co_filename:
+                count[0] += 1
+
+        previous = sys.getprofile()
+        sys.setprofile(profile)
+        try:
+            return run(self, gm, ctx, record)
+        finally:
+            sys.setprofile(previous)
+            counts.append(count[0])
+
+    monkeypatch.setattr(pass_cls, "run", counted)
+    return counts

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import helpers
 from helpers import Collect, fwd_bwd, rel_err
 
 import hccompile.passes.linear_attn as LA
@@ -413,32 +414,11 @@ def small_block_loop(q, k, v):
 
 def test_block_loop_pass_work_grows_linearly(monkeypatch):
     """Dynamo unrolls the loop; the pass (matching, grouping, probing) stays linear in its length:
-    counted in calls of the passes' own functions (deterministic, unlike its time on a loaded
-    machine, which made the timed form of this test fail under the CPU suite)."""
-    import os
-    import sys
-
+    counted in calls of the passes' own functions (helpers.count_pass_work; its time on a loaded
+    machine made the timed form of this test fail under the CPU suite)."""
     from hccompile.passes.linear_attn import LinearAttentionPass
 
-    run = LinearAttentionPass.run
-    passes = os.path.join("hccompile", "passes")  # the pass's own functions, not torch's or sympy's
-    calls = []
-
-    def counted(self, gm, ctx, record):
-        count = [0]
-
-        def profile(frame, event, arg):
-            if event == "call" and passes in frame.f_code.co_filename:
-                count[0] += 1
-
-        sys.setprofile(profile)
-        try:
-            return run(self, gm, ctx, record)
-        finally:
-            sys.setprofile(None)
-            calls.append(count[0])
-
-    monkeypatch.setattr(LinearAttentionPass, "run", counted)
+    calls = helpers.count_pass_work(monkeypatch, LinearAttentionPass)
 
     def pass_work(blocks):
         be = Collect(compiler="aot_eager")
