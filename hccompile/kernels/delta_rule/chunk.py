@@ -350,7 +350,8 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
     kept = Kept(*given)
     square = (problem.batch, problem.time, problem.value_heads, chunk_size)
     # P as decayed_scores stores it (fp32) or as the output kernel does (the intermediates' dtype);
-    # Kdot may be absent without per-channel gates (the backward's kernels then take its terms from K).
+    # Kdot may be absent without per-channel gates (the split backward takes its terms from K; the single
+    # wy_backward has decayed_scores form it again).
     expected = [("scores", square, (torch.float32, intermediate_dtype_for(q.dtype))),
                 ("inverse", square, torch.float32)]
     if kept.kdot is not None:
