@@ -30,11 +30,11 @@ SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
 
 @contextlib.contextmanager
 def _recording(calls: list):
-    from . import chunk, cp, gate_cumsum, output, qk_l2norm, scores, state, wy
+    from . import chunk, cp, dqkw, gate_cumsum, output, qk_l2norm, scores, state, wy, wy_bwd
 
     patched = []
     # Every module that launches a kernel looks it up in its own globals: all of them are patched.
-    for module in (chunk, cp, gate_cumsum, output, qk_l2norm, scores, state, wy):
+    for module in (chunk, cp, dqkw, gate_cumsum, output, qk_l2norm, scores, state, wy, wy_bwd):
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"):
                 patched.append((module, name, value))

@@ -72,6 +72,15 @@ if triton is not None:
         return batch, start, tl.minimum(eos - start, BT)
 
     @triton.jit
+    def _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+        """(batch, first token, valid rows) of global chunk `pid_chunk`, varlen or fixed-length."""
+        if IS_VARLEN:
+            batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
+        return batch, start, length
+
+    @triton.jit
     def _load_rows(ptr, rows, cols, stride_row, stride_col, row_mask, n_cols):
         """ptr[rows, cols] as fp32, zero outside row_mask and [0, n_cols)."""
         ptrs = ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :] * stride_col
