@@ -9,7 +9,7 @@ import torch
 
 from hccompile.kernels.delta_rule import chunk as chunk_kernels
 from hccompile.kernels.delta_rule import dqkw, wy_bwd
-from hccompile.kernels.delta_rule import chunk_delta_rule_bwd, chunk_delta_rule_fwd, check_delta_rule_inputs
+from hccompile.kernels.delta_rule import chunk_delta_rule_fwd, check_delta_rule_inputs
 from hccompile.kernels.delta_rule import plan as kernel_plan
 from hccompile.kernels.delta_rule.dqkw import launch_dqkw
 from hccompile.kernels.delta_rule.plan import intermediate_dtype_for, make_plan
@@ -17,8 +17,8 @@ from hccompile.kernels.delta_rule.reference import dqkw_ref, wy_bwd_ref
 from hccompile.kernels.delta_rule.wy_bwd import launch_wy_bwd
 
 from test_delta_rule import build_case
-from test_delta_rule_chunk import (DEVICE, TOLERANCES, check_forward_and_backward, float64_reference,
-                                   kernel_inputs, random_output_gradients, relative_rms_error, requires_triton)
+from test_delta_rule_chunk import (DEVICE, TOLERANCES, check_forward_and_backward, check_repeated_backward,
+                                   kernel_inputs, relative_rms_error, requires_triton)
 
 # Three sequences in one varlen row: a partial chunk, a single token, and one spanning chunks.
 VARLEN = {"cu_seqlens": torch.tensor([0, 37, 38, 80], dtype=torch.int32), "initial_state": True,
@@ -176,22 +176,7 @@ def test_split_backward_is_deterministic(monkeypatch, stages, name, sizes, gate,
     if stages is not None:
         monkeypatch.setitem(dqkw.DQKW_OPTIONS, "num_stages", stages)
         monkeypatch.setitem(wy_bwd.WY_BWD_OPTIONS, "num_stages", stages)
-    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 3)
-    inputs = kernel_inputs(inputs, dtype)
-    do, dht = random_output_gradients(inputs, dtype)
-    _, _, grads_ref = float64_reference(inputs, kwargs, do, dht)
-    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
-    first = None
-    for _ in range(8 if DEVICE == "cuda" else 2):
-        grads = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
-        for grad_name in ("k", "beta"):
-            error = relative_rms_error(grads[grad_name], grads_ref[grad_name])
-            assert error < TOLERANCES[dtype][1 if grad_name == "k" else 2], f"d{grad_name}: {error:.2e}"
-        if first is None:
-            first = grads
-        for grad_name, grad in grads.items():
-            if grad is not None:
-                assert torch.equal(grad, first[grad_name]), f"d{grad_name} differs between runs"
+    check_repeated_backward(sizes, gate, options, dtype, chunk, checked=("k", "beta"))
 
 
 def test_references_stay_on_their_inputs_device():
