@@ -1,6 +1,7 @@
 """Shared test helpers: compile with hc and collect the per-graph reports."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -132,3 +133,43 @@ def count_pass_work(monkeypatch, pass_cls) -> list[int]:
 
     monkeypatch.setattr(pass_cls, "run", counted)
     return counts
+
+
+def rerun_without_interpreter(test_file: str) -> None:
+    """Run `test_file`'s tests in a fresh pytest process without TRITON_INTERPRET: under the
+    interpreter (make test) kernels are interpreted functions, which neither torch's tracing nor
+    its mutation analysis can read."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+                            env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-2000:]
+
+
+@contextlib.contextmanager
+def kernel_target():
+    """Triton IR needs a target, not a GPU: without one, an H100's (torch's mutation analysis of a
+    traced launch compiles the kernel to Triton IR; were that to fail, torch would take every
+    tensor argument as written, inputs included)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if torch.cuda.is_available():
+        yield
+        return
+
+    class H100Target:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver = triton.runtime.driver
+    previous = driver._active
+    driver.set_active(H100Target())
+    try:
+        yield
+    finally:
+        driver._active = previous

@@ -8,15 +8,14 @@ the sequence length that some length from 16 on fails (one graph for every lengt
 not a GPU: the GPU suite runs these, and so does a CPU machine with the CUDA wheel."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
+
+import helpers
 
 triton = pytest.importorskip("triton")
 
@@ -31,38 +30,11 @@ needs_compiled_kernels = pytest.mark.skipif(INTERPRETED, reason="run by test_in_
 
 @pytest.mark.skipif(not INTERPRETED, reason="the checks run in this process")
 def test_in_a_process_without_the_interpreter():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=env, capture_output=True, text=True, timeout=1800)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-2000:]
+    helpers.rerun_without_interpreter(__file__)
 
 
 class _Traced(Exception):
     pass
-
-
-@contextlib.contextmanager
-def _kernel_target():
-    """Tracing compiles each launched kernel to Triton IR to find the tensors it stores to
-    (torch's mutation analysis); the IR needs a target, not a GPU: without one, an H100's. (Were
-    the analysis to fail, torch would take every tensor argument as written, inputs included.)"""
-    if torch.cuda.is_available():
-        yield
-        return
-    from triton.backends.compiler import GPUTarget
-
-    class H100Target:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    driver = triton.runtime.driver
-    previous = driver._active
-    driver.set_active(H100Target())
-    try:
-        yield
-    finally:
-        driver._active = previous
 
 
 def trace(fn, *shapes_and_dtypes, ints=()):
@@ -83,7 +55,7 @@ def trace(fn, *shapes_and_dtypes, ints=()):
         graphs.append(gm)
         raise _Traced
 
-    with warnings.catch_warnings(), _kernel_target():
+    with warnings.catch_warnings(), helpers.kernel_target():
         warnings.simplefilter("ignore")
         try:
             aot_function(fn, fw_compiler=capture, dynamic=True)(*fakes)

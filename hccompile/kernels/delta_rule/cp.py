@@ -280,7 +280,9 @@ if triton is not None:
         pid_v = tl.program_id(2)
         # the chunk table's sequence is the segment (one varlen row of segments)
         segment = tl.load(chunk_table_ptr + 2 * pid_chunk).to(tl.int64)
-        _, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
+        chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+        _, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + segment),
+                                                tl.load(cu_seqlens_ptr + segment + 1), BT)
         kc = tl.arange(0, BKF)
         vc = pid_v * BV + tl.arange(0, BV)
         local = tl.arange(0, BT)

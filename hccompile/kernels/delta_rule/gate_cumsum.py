@@ -23,7 +23,7 @@ ACTIVATION_NONE, ACTIVATION_SOFTPLUS, ACTIVATION_SIGMOID = 0, 1, 2
 
 
 if triton is not None:
-    from .tiles import _chunk_coords, _load_rows, _store_rows
+    from .tiles import _load_rows, _row_chunk_coords, _store_rows, _varlen_chunk_coords
 
     @triton.jit
     def _activation_input(g, A_log_ptr, dt_bias_ptr, head, cols, GK):
@@ -60,7 +60,13 @@ if triton is not None:
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         pid_k = tl.program_id(2)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         local = tl.arange(0, BT)
         cols = pid_k * BK + tl.arange(0, BK)
         valid = local < length
@@ -100,7 +106,13 @@ if triton is not None:
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         pid_k = tl.program_id(2)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         local = tl.arange(0, BT)
         cols = pid_k * BK + tl.arange(0, BK)
         valid = local < length

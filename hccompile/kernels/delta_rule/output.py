@@ -26,7 +26,8 @@ def output_grid(num_chunks, value_heads: int, value_dim: int, block_v: int) -> t
 
 
 if triton is not None:
-    from .tiles import (_chunk_coords, _dot, _gate_offset, _load_rows, _load_stored_rows, _pair_decays, _store_rows)
+    from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _pair_decays, _row_chunk_coords,
+                        _store_rows, _varlen_chunk_coords)
 
     @triton.jit
     def _output_kernel(
@@ -69,7 +70,13 @@ if triton is not None:
             pid_chunk = tl.program_id(0) // value_tiles
             pid_v = tl.program_id(0) % value_tiles
         head = tl.program_id(1).to(tl.int64)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
         k_ptr += batch * stride_kb + key_head * stride_kh

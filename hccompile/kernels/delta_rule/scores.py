@@ -39,8 +39,8 @@ FACTOR_SPAN_LIMIT = 40.0
 
 
 if triton is not None:
-    from .tiles import (_chunk_coords, _dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector, _pair_decays,
-                        _store_rows)
+    from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector, _pair_decays,
+                        _row_chunk_coords, _store_rows, _varlen_chunk_coords)
 
     # Levels of the diagonal blocks' split (_level_factors): SUB_CHUNK halved down to single rows.
     SPLIT_LEVELS = tl.constexpr(SUB_CHUNK.bit_length() - 1)
@@ -202,7 +202,13 @@ if triton is not None:
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         block_i = tl.program_id(2)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
         k_ptr += batch * stride_kb + key_head * stride_kh
@@ -439,7 +445,13 @@ if triton is not None:
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         block_b = tl.program_id(2)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
         k_ptr += batch * stride_kb + key_head * stride_kh

@@ -67,7 +67,7 @@ if triton is not None:
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
         if IS_VARLEN:
-            batch, bos, eos = _varlen_bounds(seq, cu_seqlens_ptr)
+            batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
         else:
             batch, bos, eos = _row_bounds(seq, T)
         if IS_VARLEN:
@@ -154,7 +154,7 @@ if triton is not None:
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
         if IS_VARLEN:
-            batch, bos, eos = _varlen_bounds(seq, cu_seqlens_ptr)
+            batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
         else:
             batch, bos, eos = _row_bounds(seq, T)
         if IS_VARLEN:

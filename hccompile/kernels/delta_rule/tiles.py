@@ -1,8 +1,9 @@
 """The @triton.jit helpers the delta-rule kernels share (every step file's and cp.py's).
 
 A program addresses token rows of [B, T, H, D] tensors and of the [B, T, HV, BT] intra-chunk
-matrices: _row_chunk_coords finds its chunk in a fixed-length batch, _varlen_chunk_coords through the
-varlen chunk table (a cu_seqlens span of batch 0), _gate_offset its head's cumulative gates. Loads are
+matrices: _row_chunk_coords finds its chunk in a fixed-length batch, _varlen_chunk_coords from the
+varlen chunk table's entry and its sequence's cu_seqlens span (of batch 0), which the kernel loads
+(see the note above _varlen_bounds), _gate_offset its head's cumulative gates. Loads are
 zero outside the valid rows and columns, so partial chunks and head dims below the tile width need no
 special case.
 _dot is every product over K, V or the chunk: fp32 accumulation, operands rounded to the dtype of the
@@ -36,18 +37,18 @@ if triton is not None:
         intermediates (half for half inputs: tensor-core rate; fp32 with ieee otherwise)."""
         return dot(a.to(dtype), b.to(dtype), DOT_PRECISION, UPCAST_DOT_OPERANDS)
 
-    # A pointer passed into a jit helper makes torch's mutation analysis (a traced launch) take the
-    # helper's results as derived from it, so a store at an address built from them counts as a
-    # write to the table or cu_seqlens, and Inductor copies that argument before every launch (11
-    # extra kernels per GDN step). Hence a helper per layout, chosen under IS_VARLEN at each call:
-    # the fixed-length one takes no pointer.
+    # torch's mutation analysis (a traced launch) walks back from each store's address through every
+    # op it is computed from, a jit helper's call included, but not through a load. A table or
+    # cu_seqlens pointer passed into a helper whose results index a store thus counts as written,
+    # and Inductor copies that argument before every launch (11 extra kernels per GDN step). So no
+    # helper takes a pointer to them: each kernel loads the entries itself and passes the values
+    # (tests/kernels/test_delta_rule_launch_writes.py checks every launch on the CPU).
 
     @triton.jit
-    def _varlen_bounds(seq, cu_seqlens_ptr):
-        """(batch, bos, eos) of sequence `seq` of a varlen batch: a cu_seqlens span of batch 0."""
-        bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
-        eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
-        return (seq * 0).to(tl.int64), bos, eos
+    def _varlen_bounds(seq, bos, eos):
+        """(batch, bos, eos) of sequence `seq` of a varlen batch, from its cu_seqlens entries
+        (`bos`, `eos`, loaded by the kernel): a span of batch 0."""
+        return (seq * 0).to(tl.int64), bos.to(tl.int64), eos.to(tl.int64)
 
     @triton.jit
     def _row_bounds(seq, T):
@@ -56,11 +57,10 @@ if triton is not None:
         return seq.to(tl.int64), bos, bos + T
 
     @triton.jit
-    def _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT: tl.constexpr):
-        """(batch, first token, valid rows) of global chunk `pid_chunk` of a varlen batch."""
-        seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
-        chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
-        batch, bos, eos = _varlen_bounds(seq, cu_seqlens_ptr)
+    def _varlen_chunk_coords(chunk, bos, eos, BT: tl.constexpr):
+        """(batch, first token, valid rows) of chunk `chunk` of the sequence [bos, eos) of a
+        varlen batch: the kernel loads the chunk table's entry and the sequence's cu_seqlens."""
+        batch, bos, eos = _varlen_bounds(chunk, bos, eos)
         start = bos + chunk.to(tl.int64) * BT
         return batch, start, tl.minimum(eos - start, BT)
 
@@ -70,15 +70,6 @@ if triton is not None:
         batch, bos, eos = _row_bounds(pid_chunk // NT, T)
         start = bos + (pid_chunk % NT).to(tl.int64) * BT
         return batch, start, tl.minimum(eos - start, BT)
-
-    @triton.jit
-    def _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-        """(batch, first token, valid rows) of global chunk `pid_chunk`, varlen or fixed-length."""
-        if IS_VARLEN:
-            batch, start, length = _varlen_chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, BT)
-        else:
-            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
-        return batch, start, length
 
     @triton.jit
     def _load_rows(ptr, rows, cols, stride_row, stride_col, row_mask, n_cols):

@@ -27,8 +27,8 @@ from .plan import GATE_CODES, Plan
 from .._triton import tl, triton
 
 if triton is not None:
-    from .tiles import (_chunk_coords, _chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows,
-                        _load_vector, _pair_decays, _store_rows)
+    from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector,
+                        _pair_decays, _row_chunk_coords, _store_rows, _varlen_chunk_coords)
 
     @triton.jit
     def _substitution_step(inverse, kdot_ptr, beta_ptr, stride_bt, start, first, length, row_stride, r,
@@ -190,7 +190,13 @@ if triton is not None:
         tl.static_assert(BT // BC <= 4, "wy_solve handles at most four sub-chunks per chunk")
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         k_ptr += batch * stride_kb + key_head * stride_kh
         v_ptr += batch * stride_vb + head * stride_vh
@@ -348,7 +354,13 @@ if triton is not None:
         scale = tl.cast(scale, tl.float32)
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
-        batch, start, length = _chunk_coords(pid_chunk, chunk_table_ptr, cu_seqlens_ptr, T, NT, BT, IS_VARLEN)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         key_head = head // GROUP
         q_ptr += batch * stride_qb + key_head * stride_qh
         k_ptr += batch * stride_kb + key_head * stride_kh
