@@ -8,6 +8,11 @@ row per op and mode for benchmarks/targets.py ("bench": "host").
     python benchmarks/host_overhead.py --ops gdn,kda,floor --shape B4T4096H16D128 --compiled \
         --jsonl benchmarks/results/host_<date>_h100.jsonl --commit <sha>
 
+--static-launch: also the compiled step with Inductor's static CUDA launcher for user-defined Triton
+kernels (`static_launch_user_defined_triton_kernels`, off by default in torch 2.11-2.13): our kernels reach
+Inductor's code as user-defined kernels, launched through Triton's Python launcher unless it is set. Its rows
+carry "static_launch": true; targets.py reads the default configuration's rows only.
+
 --ops floor: a pointwise op under the same compile, the host time torch.compile itself costs per step.
 Every family (issue 24, item 5): gdn, kda, lightning (with decay), linear (causal_linear_attn), htree
 (H/4 KV heads), mhc_post and mhc_aggregate (n = 4 streams of C = H*D, one per token).
@@ -39,14 +44,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--compiled", action="store_true", help="also the step under torch.compile (Inductor)")
+    p.add_argument("--static-launch", action="store_true",
+                   help="also the compiled step with static_launch_user_defined_triton_kernels=True")
     p.add_argument("--jsonl", help="append one row per op and mode here")
     p.add_argument("--commit", default="", help="the measured tree's commit (a copied tree has no .git)")
     args = p.parse_args()
     shape = parse_shape(args.shape)
-    modes = [False, True] if args.compiled else [False]
+    modes = [(False, False)] + ([(True, False)] if args.compiled else []) + \
+        ([(True, True)] if args.static_launch else [])
     for op in args.ops.split(","):
-        for compiled in modes:
-            measure_one(args, op, shape, compiled)
+        for compiled, static in modes:
+            torch._dynamo.reset()  # each mode compiles afresh: the launcher is chosen when kernels load
+            patch = {"static_launch_user_defined_triton_kernels": static} \
+                if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels") else {}
+            if static and not patch:
+                raise SystemExit("--static-launch: this torch's Inductor has no static_launch_user_defined_triton_kernels")
+            with torch._inductor.config.patch(patch):
+                measure_one(args, op, shape, compiled, static)
 
 
 def floor_step_fn(shape: dict, compiled: bool):
@@ -114,7 +128,7 @@ def family_step_fn(op: str, shape: dict, compiled: bool, device: str = "cuda"):
     return step
 
 
-def measure_one(args, op: str, shape: dict, compiled: bool) -> None:
+def measure_one(args, op: str, shape: dict, compiled: bool, static: bool = False) -> None:
     import triton
 
     if op == "floor":
@@ -123,7 +137,7 @@ def measure_one(args, op: str, shape: dict, compiled: bool) -> None:
         step = step_fn(op, shape, compiled=compiled)
     else:
         step = family_step_fn(op, shape, compiled)
-    label = f"{op} {args.shape}" + (" compiled" if compiled else "")
+    label = f"{op} {args.shape}" + (" compiled" if compiled else "") + (" static-launch" if static else "")
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -143,7 +157,7 @@ def measure_one(args, op: str, shape: dict, compiled: bool) -> None:
     if args.jsonl:
         row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__, "commit": args.commit,
-               "bench": "host", "op": op, "shape": args.shape, "compiled": compiled,
+               "bench": "host", "op": op, "shape": args.shape, "compiled": compiled, "static_launch": static,
                "wall_ms": round(wall, 4), "host_ms": round(host, 4)}
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
