@@ -89,10 +89,13 @@ GPU_WHEEL_PACKAGES = depyf==0.20.0 astor dill transformers==5.24.0 hyper-connect
 	torch-einops-utils==0.2.0 einops==0.8.2
 
 .PHONY: gpu-wheels
-# Downloads GPU_WHEELS here (a machine with network), for the device's Python 3.12.
+# Downloads GPU_WHEELS (the suite's) and GPU_BENCH_WHEELS (the benchmarks' peer) here (a machine with
+# network), for the device's Python 3.12.
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: $(GPU_WHEEL_PLATFORMS) -d $(GPU_WHEELS) \
 		$(GPU_WHEEL_PACKAGES)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: $(GPU_WHEEL_PLATFORMS) -d $(GPU_BENCH_WHEELS) \
+		$(GPU_BENCH_PACKAGES)
 
 # Compile caches between device sessions: the suite's time is mostly compiling (Triton kernels and
 # Inductor's graphs, ~14000 worker-seconds on 14 workers at 5a0f717) on a machine that starts cold
@@ -147,6 +150,20 @@ test-gpu:
 # seconds after a shorter wait gave up (session 12 lost a report so).
 GPU_COPY ?= /tmp/hccompile-gpu-suite
 GPU_WAIT_S ?= 540
+
+# The device's benchmark runs (benchmarks/device_runs.sh names them): `make bench-gpu RUNS="delta host"
+# COMMIT=<sha>` with .whl and GPU_BENCH_WHEELS (FLA 0.6.0's wheels, the peer in every table) carried.
+# `make gpu-wheels` downloads both here.
+GPU_BENCH_WHEELS ?= .whl-fla
+GPU_BENCH_PACKAGES = flash-linear-attention==0.6.0 fla-core==0.6.0
+RUNS ?= delta host
+.PHONY: bench-gpu
+bench-gpu:
+	@test -n "$(COMMIT)" || { echo "make bench-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl $(GPU_BENCH_WHEELS)/*.whl
+	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	PYTHONPATH=$(GPU_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} RUNS="$(RUNS)" COMMIT=$(COMMIT) sh benchmarks/device_runs.sh
 
 .PHONY: test-gpu-start test-gpu-wait before-tree
 # hccompile of an earlier commit under .before/ (gitignored: pass carry [".before"] to the device), for
