@@ -204,6 +204,9 @@ test-gpu-wait:
 # CUDA build (~540 MB plus ~5 GB of CUDA packages from PyPI). Where the global pip configuration caps
 # torch below 2.15 (these machines: torch<=2.14.1), lift it for this command only:
 # `PIP_CONSTRAINT=/dev/null make test-2.15`.
+# Being a CUDA build, it also runs the tests that trace our ops on fake CUDA tensors, which the CPU
+# build skips: before a device suite, `make test-2.15 TESTS="tests/test_traced_launch.py"` checks on
+# this machine what made the suite at 680ba4e fail (a launch counted as writing an input or a table).
 .PHONY: test-2.15
 test-2.15:
 	$(MAKE) test VENV=.venv-2.15 TORCH_SPEC=torch==2.15.0

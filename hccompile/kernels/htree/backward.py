@@ -29,7 +29,7 @@ from . import tiles
 from .forward import launch_config
 from .reference import HTreeConfig
 from .tiles import (HTreePlan, build_pooled, candidate_tile, check_kernel_limits, load_values,
-                    make_plan, num_programs, rank_select, rope_table, select_layer, tile_scores)
+                    make_plan, num_programs, rank_select, rope_table, select_layer, tile_nodes, tile_scores)
 
 __all__ = ["htree_backward", "unpool_gradient"]
 
@@ -46,8 +46,9 @@ if triton is not None:
         """Gradients through the merged candidates of one layer; returns the updated dq halves."""
         do_dot = do.to(DOT_DTYPE)
         for p0 in range(0, n, BLOCK_C):
-            positions, valid, nodes, qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
-                p0, n, is_top, parents_ptr, r, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
+            positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
+            qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
+                p0, n, nodes, valid, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
                 pooled_offset, cos_ptr, sin_ptr, cols_k, KH, BLOCK_C, DOT_DTYPE)
             scores = tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION, UPCAST_OPERANDS)
             # Token layer: no selection. Above it, the flags of the candidates (positions < n), masked

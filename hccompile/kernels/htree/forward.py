@@ -43,12 +43,12 @@ if triton is not None:
         """Pass C: online-softmax merge of the layer's candidates that were not selected. A layer
         that selected has its scores in the scratch rows; the token layer computes them."""
         for p0 in range(0, n, BLOCK_C):
+            positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
             if layer > 0:
-                positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
                 scores = load_scores(scores_ptr, positions, valid, row_ok, G_PAD, SELECT_PAD)
             else:
-                positions, valid, nodes, qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
-                    p0, n, is_top, parents_ptr, r, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
+                qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
+                    p0, n, nodes, valid, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
                     pooled_offset, cos_ptr, sin_ptr, cols_k, KH, BLOCK_C, DOT_DTYPE)
                 scores = tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION, UPCAST_OPERANDS)
             # Token layer: no selection, every candidate merges. Above it, the flags of the candidates

@@ -219,18 +219,20 @@ if triton is not None:
         return positions, valid, nodes
 
     @triton.jit
-    def candidate_tile(p0, n, is_top, parents_ptr, r, layer, q1, q2,
+    def candidate_tile(p0, n, nodes, valid, layer, q1, q2,
                        k_ptr, stride_kt, stride_kd, tree_k_ptr, pooled_offset,
                        cos_ptr, sin_ptr, cols_k, KH,
                        BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
-        """One tile of the candidate buffer: positions p0.., whether they are candidates, their
-        node indices, and the rotated query and key halves ready for tl.dot (plus the rotations,
-        which the backward needs to rotate gradients back).
+        """The rotated query and key halves of one tile of the candidate buffer (positions p0..;
+        `nodes`, `valid`: tile_nodes' for it), ready for tl.dot, and the rotations, which the
+        backward needs to rotate gradients back.
 
         Layer 0 reads the token keys (input dtype, strided); pooled layers the float32 tree.
-        Written as one function because the interpreter pays for every nested call.
+        The caller takes the tile's positions and nodes from tile_nodes, not from here: torch's
+        mutation analysis takes what a call returns as derived from every pointer passed to it, so
+        a store at a position returned by a call given k would count as a write to k, an input,
+        which Inductor would copy before every launch (tests/kernels/test_launch_writes.py).
         """
-        positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
         mask = valid[:, None] & (cols_k[None, :] < KH)
         rows = nodes[:, None].to(tl.int64)
         # Names assigned in both branches must have one type: the pointers differ, so two names.
@@ -261,7 +263,7 @@ if triton is not None:
         qr2 = (q1 * sin_q + q2 * cos_q).to(DOT_DTYPE)
         kr1 = (k1 * cos_k - k2 * sin_k).to(DOT_DTYPE)
         kr2 = (k1 * sin_k + k2 * cos_k).to(DOT_DTYPE)
-        return positions, valid, nodes, qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k
+        return qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k
 
     @triton.jit
     def tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
@@ -288,8 +290,9 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         total = tl.zeros([G_PAD], tl.float32)
         for p0 in range(0, n, BLOCK_C):
-            positions, valid, nodes, qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
-                p0, n, is_top, parents_ptr, r, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
+            positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
+            qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
+                p0, n, nodes, valid, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
                 pooled_offset, cos_ptr, sin_ptr, cols_k, KH, BLOCK_C, DOT_DTYPE)
             scores = tile_scores(qr1, qr2, kr1, kr2, scale, DOT_PRECISION, UPCAST_OPERANDS)
             tl.store(scores_ptr + g_rows[:, None] * SELECT_PAD + positions[None, :], scores,

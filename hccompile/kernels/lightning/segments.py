@@ -34,21 +34,16 @@ PREFIX_TILE = 64
 if triton is not None:
 
     @triton.jit
-    def _table_segment(table_ptr, seg):
-        """(batch index, first token, length) of segment `seg`: a row of the varlen table."""
-        row = table_ptr + seg * 4
-        return tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
-
-    @triton.jit
     def _fixed_segment(seg, time, seg_length, per_sequence):
         """(batch index, first token, length) of segment `seg` of fixed-length rows of `time`
         tokens cut into `per_sequence` segments of `seg_length`: from the index itself, no table,
         so the plan needs no tensor values and can be traced.
 
-        A kernel calls this one or _table_segment under its IS_VARLEN branch, never one helper
-        given the table either way: torch's mutation analysis takes what a call returns as derived
-        from every pointer passed to it, so a store at an address built from the batch index would
-        count as a write to the table, whatever stands in for it (a traced graph input)."""
+        A varlen kernel loads its row of the table itself (batch, first token, length) rather than
+        through a helper given the table: torch's mutation analysis takes what a call returns as
+        derived from every pointer passed to it, so a store at an address built from the batch
+        index would count as a write to the table, and Inductor would copy it before every launch
+        (tests/kernels/test_launch_writes.py)."""
         within = seg % per_sequence
         start = within * seg_length
         return (seg // per_sequence).to(tl.int64), start.to(tl.int64), tl.minimum(time - start, seg_length)
@@ -82,7 +77,8 @@ if triton is not None:
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
         if IS_VARLEN:
-            batch, start, seg_len = _table_segment(table_ptr, seg)
+            row = table_ptr + seg * 4  # loaded here, not in a helper (see _fixed_segment)
+            batch, start, seg_len = tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
         else:
             batch, start, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
         b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
@@ -153,7 +149,8 @@ if triton is not None:
             else:
                 seg = first + i
             if IS_VARLEN:
-                _, _, seg_len = _table_segment(table_ptr, seg)
+                row = table_ptr + seg * 4  # loaded here, not in a helper (see _fixed_segment)
+                _, _, seg_len = tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
             else:
                 _, _, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
             ptrs = x_ptr + seg.to(tl.int64) * stride_xs + head * stride_xh

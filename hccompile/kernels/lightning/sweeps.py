@@ -24,7 +24,7 @@ MAX_PIPELINE_STAGES = 3
 
 
 if triton is not None:
-    from .segments import _fixed_segment, _table_segment
+    from .segments import _fixed_segment
 
     @triton.jit
     def _decay_tile(gamma, distance, scale):
@@ -65,7 +65,8 @@ if triton is not None:
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
         if IS_VARLEN:
-            batch, start, T = _table_segment(table_ptr, seg)
+            row = table_ptr + seg * 4  # loaded here, not in a helper (see _fixed_segment)
+            batch, start, T = tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
         else:
             batch, start, T = _fixed_segment(seg, time, seg_length, per_sequence)
         a_ptr += batch * stride_ab + start * stride_at + head * stride_ah
@@ -149,7 +150,8 @@ if triton is not None:
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
         if IS_VARLEN:
-            batch, start, T = _table_segment(table_ptr, seg)
+            row = table_ptr + seg * 4  # loaded here, not in a helper (see _fixed_segment)
+            batch, start, T = tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
         else:
             batch, start, T = _fixed_segment(seg, time, seg_length, per_sequence)
         a_ptr += batch * stride_ab + start * stride_at + head * stride_ah

@@ -1,0 +1,210 @@
+"""Every kernel launch of every family writes only its outputs, as torch's mutation analysis reads it.
+
+A traced launch (torch.compile of an op, lowering/_launch.py) is functionalised: Inductor copies
+every tensor argument that torch's analysis of the kernel's Triton IR finds written, before each
+launch, and a written graph input becomes a mutation of the caller's tensor. The analysis walks back
+from each store's address through every op the address is computed from, a jit helper's call
+included (all of its arguments), though not through a load. So an index table or cu_seqlens pointer
+passed into a helper whose results index a store counts as written: Inductor then copies the table
+before every launch (11 extra kernels per GDN step; the GPU suite caught this at 680ba4e through
+tests/test_traced_launch.py, and lightning's segment table once before). The analysis needs no GPU,
+only a target (helpers.kernel_target): this runs it on the CPU, on each family's launches recorded
+from its eager entry points with small CPU tensors (the kernels are not run), fixed-length and varlen,
+forward and backward."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+import helpers
+
+triton = pytest.importorskip("triton")
+from triton import language as tl  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_compiled_kernels = pytest.mark.skipif(INTERPRETED, reason="run by test_in_a_process_without_the_interpreter")
+
+READ_ONLY = re.compile(r"table|seqlens|offsets")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the checks run in this process")
+def test_in_a_process_without_the_interpreter():
+    helpers.rerun_without_interpreter(__file__)
+
+
+def written_tensors(kernel, arguments: dict) -> list[str]:
+    """The tensor arguments torch's mutation analysis takes `kernel` to write."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    with helpers.kernel_target():
+        if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13 on
+            names = [dep.name for dep in wrap.identify_accessed_tensors(kernel, arguments, {}).read_writes.writes]
+        else:  # torch 2.11
+            names = wrap.identify_mutated_tensors(kernel, arguments, {})
+    return [name for name in names if isinstance(arguments.get(name), torch.Tensor)]
+
+
+@contextlib.contextmanager
+def recording(calls: list):
+    """Launches append (kernel, arguments by name) to `calls` instead of running, and the kernel
+    modules' "Triton or the interpreter" checks pass on CPU tensors."""
+    from triton.runtime.jit import JITFunction
+
+    def run(self, *args, grid, warmup, **kwargs):
+        arguments = dict(zip(self.arg_names, args))
+        arguments.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        calls.append((self, arguments))
+
+    patches = [(JITFunction, "run", run)]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hccompile.kernels."):
+            for attr in ("require_triton", "_require_triton", "require"):
+                if callable(getattr(module, attr, None)):
+                    patches.append((module, attr, lambda *a, **k: None))
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    try:
+        for owner, attr, value in patches:
+            setattr(owner, attr, value)
+        yield calls
+    finally:
+        for owner, attr, value in saved:
+            setattr(owner, attr, value)
+
+
+def check_launches(calls: list, inputs: tuple = ()) -> int:
+    """No launch writes an index table or one of the entry point's `inputs`; each writes something
+    (an analysis that failed would take every argument as written, which the first check catches)."""
+    input_storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    bad, seen = [], set()
+    for kernel, arguments in calls:
+        key = (kernel.__name__, tuple(sorted((n, str(getattr(v, "dtype", v))) for n, v in arguments.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        written = written_tensors(kernel, arguments)
+        assert written, f"{kernel.__name__}: no output found (the analysis read nothing)"
+        bad += [(kernel.__name__, name) for name in written if READ_ONLY.search(name)
+                or arguments[name].untyped_storage().data_ptr() in input_storages]
+    assert not bad, bad
+    return len(seen)
+
+
+# --- the delta rule: chunk.py's forward and backward and cp.py's summaries (compile_check) -----------
+@needs_compiled_kernels
+@pytest.mark.parametrize("varlen", [False, True], ids=["rows", "varlen"])
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_delta_rule_launches_write_no_index_table(gate, varlen):
+    from hccompile.kernels.delta_rule.compile_check import recorded_launches
+
+    calls = [(kernel, dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names})
+             for _, kernel, args, kwargs in recorded_launches(gate, 64, torch.bfloat16, varlen)]
+    assert check_launches(calls) >= 5
+
+
+# --- lightning attention (segments and sweeps), causal linear attention --------------------------
+def _lightning_inputs(varlen: bool):
+    torch.manual_seed(0)
+    B, T, H, D = (1, 200, 2, 32) if varlen else (2, 200, 2, 32)
+    q, k, v, do = (torch.randn(B, T, H, D, dtype=torch.bfloat16) for _ in range(4))
+    decay = -torch.rand(H)
+    sequences = 2 if varlen else B
+    h0, dht = (torch.randn(sequences, H, D, D) for _ in range(2))
+    cu_seqlens = torch.tensor([0, 70, T], dtype=torch.int32) if varlen else None
+    return q, k, v, do, decay, h0, dht, cu_seqlens
+
+
+@needs_compiled_kernels
+@pytest.mark.parametrize("varlen", [False, True], ids=["rows", "varlen"])
+def test_lightning_launches_write_only_outputs(varlen):
+    from hccompile.kernels.lightning.chunk import lightning_attn_bwd, lightning_attn_fwd
+
+    q, k, v, do, decay, h0, dht, cu_seqlens = _lightning_inputs(varlen)
+    calls: list = []
+    with recording(calls):
+        # segment=64 (one block): the automatic segment length asks the GPU for its multiprocessors
+        lightning_attn_fwd(q, k, v, decay, None, h0, True, cu_seqlens=cu_seqlens, segment=64)
+        lightning_attn_bwd(q, k, v, decay, do, None, h0, dht, cu_seqlens=cu_seqlens, segment=64)
+    assert check_launches(calls, (q, k, v, do, decay, h0, dht, cu_seqlens)) >= 3
+
+
+@needs_compiled_kernels
+def test_causal_linear_attn_launches_write_only_outputs():
+    from hccompile.kernels.lightning.simple import causal_linear_attn_bwd, causal_linear_attn_fwd
+
+    q, k, v, do, *_ = _lightning_inputs(False)
+    calls: list = []
+    with recording(calls):
+        causal_linear_attn_fwd(q, k, v, 0.125)
+        causal_linear_attn_bwd(q, k, v, do, 0.125)
+    assert check_launches(calls, (q, k, v, do)) >= 2
+
+
+# --- htree ---------------------------------------------------------------------------------------
+@needs_compiled_kernels
+@pytest.mark.parametrize("causal", [True, False])
+def test_htree_launches_write_only_outputs(causal):
+    from hccompile.kernels.htree.backward import htree_backward
+    from hccompile.kernels.htree.forward import htree_forward
+    from hccompile.kernels.htree.reference import resolve_htree_config
+
+    torch.manual_seed(0)
+    B, T, H, H_kv, D = 1, 80, 4, 2, 32
+    q, do = torch.randn(B, T, H, D, dtype=torch.bfloat16), torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, T, H_kv, D, dtype=torch.bfloat16) for _ in range(2))
+    cfg = resolve_htree_config(q, k, v, compression_rate=4, top_k=3, causal=causal)
+    o, lse = torch.randn(B, T, H, D, dtype=torch.bfloat16), torch.randn(B, T, H)
+    calls: list = []
+    with recording(calls):
+        htree_forward(q, k, v, cfg)
+        htree_backward(q, k, v, o, lse, do, cfg)
+    assert check_launches(calls, (q, k, v, do, o, lse)) >= 2
+
+
+# --- mHC (post, aggregate, mapping; compile_check records them) ------------------------------------
+@needs_compiled_kernels
+def test_mhc_launches_write_only_outputs():
+    from hccompile.kernels.mhc.compile_check import recorded_launches
+
+    calls = [(kernel, dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names})
+             for _, kernel, args, kwargs in recorded_launches(n=4, C=256, steps=4)]
+    assert check_launches(calls) >= 6
+
+
+# --- the check itself ------------------------------------------------------------------------------
+# A helper that takes the table pointer itself: what the kernels above must not do.
+@triton.jit
+def _coords_from_table(chunk_table_ptr, pid):
+    return tl.load(chunk_table_ptr + pid)
+
+
+@triton.jit
+def _table_in_helper_kernel(chunk_table_ptr, out_ptr, BLOCK: tl.constexpr):
+    start = _coords_from_table(chunk_table_ptr, tl.program_id(0))
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + start + cols, cols.to(tl.float32))
+
+
+@triton.jit
+def _table_loaded_kernel(chunk_table_ptr, out_ptr, BLOCK: tl.constexpr):
+    start = tl.load(chunk_table_ptr + tl.program_id(0))
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + start + cols, cols.to(tl.float32))
+
+
+@needs_compiled_kernels
+def test_the_check_sees_a_table_passed_into_a_helper():
+    """The can-fail twin: the analysis takes the table as written when a helper gets its pointer,
+    and only the output when the kernel loads the entry itself; check_launches refuses the first."""
+    arguments = dict(chunk_table_ptr=torch.zeros(4, dtype=torch.int32), out_ptr=torch.zeros(64), BLOCK=16)
+    assert sorted(written_tensors(_table_in_helper_kernel, arguments)) == ["chunk_table_ptr", "out_ptr"]
+    assert written_tensors(_table_loaded_kernel, arguments) == ["out_ptr"]
+    with pytest.raises(AssertionError, match="chunk_table_ptr"):
+        check_launches([(_table_in_helper_kernel, arguments)])
+    out = arguments["out_ptr"]
+    with pytest.raises(AssertionError, match="out_ptr"):  # an entry point's input, written
+        check_launches([(_table_loaded_kernel, arguments)], inputs=(out,))
