@@ -21,7 +21,7 @@ export HCCOMPILE_COMMIT="$commit"
 for run in ${RUNS:-delta host}; do
     echo "=== $run ($(date +%T))"
     case $run in
-    delta) python3 benchmarks/delta_rule.py --what kernels --ops gdn,kda --impls ours,fla --rounds 2 \
+    delta) python3 benchmarks/delta_rule.py --what kernels --ops gdn,kda --impls ours,half-keys,fla --rounds 2 \
                --shapes B4T4096H16D128,B1T32768H16D128 --out "$out/delta_rule_$tag.jsonl" ;;
     host) python3 benchmarks/host_overhead.py --ops floor,gdn,kda --compiled --static-launch --top 12 \
               --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;

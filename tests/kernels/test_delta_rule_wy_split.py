@@ -200,3 +200,35 @@ def test_references_stay_on_their_inputs_device():
         assert all(t.device == meta for t in (dq, dk, dw)) and (dg is None) == (cum is None)
         outs = wy_bwd_ref(k, v, beta, cum, inverse, du, dw, dk, dg, problem_chunks)
         assert all(t.device == meta for t in outs if t is not None)
+
+
+# name, (batch, time, H, HV, K, V), gate, options, dtype, chunk size: half inputs without GVA, where
+# plan.half_key_gradients applies (with the l2norm: half heads read by its backward; without: the
+# kernels write the op's dq and dk themselves), and a GVA case it leaves to fp32.
+HALF_KEY_CASES = [
+    ("gdn-T100-K60-V100-l2norm-h0", (1, 100, 1, 1, 60, 100), "scalar", {"initial_state": True, "l2norm": True},
+     torch.bfloat16, 64),
+    ("plain-varlen-K100-V60", (1, 80, 1, 1, 100, 60), "none", VARLEN, torch.bfloat16, 64),
+    ("gdn-T70-fp16", (2, 70, 2, 2, 64, 32), "scalar", {}, torch.float16, 32),
+    ("gdn-T100-gva", (1, 100, 1, 2, 64, 64), "scalar", {"l2norm": True}, torch.bfloat16, 64),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", HALF_KEY_CASES, ids=[c[0] for c in HALF_KEY_CASES])
+def test_half_key_gradients_match_float64_recurrence(monkeypatch, name, sizes, gate, options, dtype, chunk):
+    """plan.HALF_KEY_GRADIENTS: the split kernels' dq and (completed) dk heads in the input dtype, dk's
+    partial sums fp32; whole backward against float64 at the usual tolerances, NaN-poisoned outputs."""
+    monkeypatch.setattr(kernel_plan, "HALF_KEY_GRADIENTS", True)
+    monkeypatch.setattr(kernel_plan, "SPLIT_WY_BACKWARD", True)
+    heads = []
+    launch = chunk_kernels.launch_split_wy_backward
+    monkeypatch.setattr(chunk_kernels, "launch_split_wy_backward",
+                        lambda *a, **k: heads.append((a[0].half_key_gradients, a[14].dtype, a[15].dtype, a[21].dtype))
+                        or launch(*a, **k))
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 41)
+    check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+    gva = sizes[3] != sizes[2]
+    expected = torch.float32 if gva else dtype
+    # (the plan's answer, dq's heads, dk's fp32 partial sums from dqkw.py, dk's heads completed by wy_bwd.py)
+    assert heads == [(not gva, expected, torch.float32, expected)], heads

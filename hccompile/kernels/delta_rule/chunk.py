@@ -388,7 +388,7 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
 
 
 def launch_split_wy_backward(plan: Plan, q, k, v, beta, do, cum, inverse, u, du, h, dh, dv, dbeta, dq_heads,
-                             dk_heads, dcum, num_chunks, table, seqlens, scale: float) -> None:
+                             dk_heads, dcum, num_chunks, table, seqlens, scale: float, dk_out=None) -> None:
     """wy_backward split in two (plan.split_wy_backward): dqkw.py's kernel writes dq complete and dk,
     dG partial with dW; wy_bwd.py's completes dk and dG and writes dv and dbeta. `h` and `dh` start at
     the first of the `num_chunks` chunks that `table` (varlen) lists; cp.py launches it per segment run."""
@@ -396,7 +396,8 @@ def launch_split_wy_backward(plan: Plan, q, k, v, beta, do, cum, inverse, u, du,
     dw = torch.empty(problem.batch, problem.time, problem.value_heads, problem.key_dim,
                      dtype=plan.intermediate_dtype, device=q.device)
     launch_dqkw(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens, scale)
-    launch_wy_bwd(plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table, seqlens)
+    launch_wy_bwd(plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table, seqlens,
+                  dk_out)
 
 
 def sum_key_groups(heads: torch.Tensor, key_heads: int, group: int) -> torch.Tensor:
@@ -473,7 +474,14 @@ def chunk_delta_rule_bwd(
 
     dv, dbeta = result("v"), result("beta")
     dh0 = result("initial_state") if initial_state is not None else None
+    dq, dk = result("q"), result("k")
     dq_heads, dk_heads = buffer(batch, time, value_heads, key_dim), buffer(batch, time, value_heads, key_dim)
+    dk_out = dk_heads  # where wy_bwd.py completes dk_heads, dqkw.py's partial sums
+    if plan.half_key_gradients:
+        if use_qk_l2norm_in_kernel or not (dq.is_contiguous() and dk.is_contiguous()):
+            dq_heads, dk_out = (buffer(batch, time, value_heads, key_dim, dtype=q.dtype) for _ in range(2))
+        else:  # the kernels write the op's gradients themselves (no GVA: one value head per key head)
+            dq_heads, dk_out = dq, dk
     gate_width = key_dim if problem.gate == "channel" else 1
     dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
     dh = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
@@ -504,7 +512,8 @@ def chunk_delta_rule_bwd(
         )
     if plan.num_chunks and plan.split_wy_backward:
         launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,
-                                 dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale))
+                                 dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale),
+                                 dk_out)
     elif plan.num_chunks:
         kdot = fwd.kdot
         if kdot is None:
@@ -528,17 +537,16 @@ def chunk_delta_rule_bwd(
                                    plan.num_chunks, table, seqlens)
     else:
         dq_heads.zero_()
-        dk_heads.zero_()
+        dk_out.zero_()
         if problem.gate != "none":
             dcum.zero_()
 
     dq_sum = sum_key_groups(dq_heads, problem.key_heads, group)
-    dk_sum = sum_key_groups(dk_heads, problem.key_heads, group)
+    dk_sum = sum_key_groups(dk_out, problem.key_heads, group)
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRADIENT_NAMES)
-    dq, dk = result("q"), result("k")
     if use_qk_l2norm_in_kernel:
         l2norm_backward(q, k, dq_sum, dk_sum, dq, dk, plan.launch)
-    else:
+    elif dq_sum is not dq:
         dq.copy_(dq_sum)
         dk.copy_(dk_sum)
     grads["q"], grads["k"] = dq, dk

@@ -88,6 +88,15 @@ SPLIT_WY_BACKWARD = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_BACKWARD", "1"
 # a Plan is made (and by the op's fake for the kept layout), so benchmarks time both in one process.
 FUSED_SCORES_FORWARD = os.environ.get("HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD", "1") != "0"
 GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
+# The split backward's per-head key gradients (dqkw.py's complete dq, and dk's partial sum that
+# wy_bwd.py reads, adds its terms to and stores complete) in the half inputs' dtype rather than fp32,
+# as FLA stores them (R6a of benchmarks/analysis/gdn_traffic_2026-11-26.md): the l2norm backward
+# reads half the bytes, and without the in-kernel l2norm they are written into the op's dq and dk
+# themselves (no copy). Only without GVA (the value heads' sum stays fp32) and with the split
+# backward. Off until it is timed on the H100 (benchmarks/delta_rule.py's "half-key-grads" row):
+# HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS=1 (read at import) turns it on; the attribute is read when
+# a Plan is made.
+HALF_KEY_GRADIENTS = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS", "0") == "1"
 
 
 def check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:
@@ -188,6 +197,8 @@ class Plan:
     split_wy_switch: bool = field(default_factory=lambda: SPLIT_WY_BACKWARD)
     # FUSED_SCORES_FORWARD when the plan was made (see fused_scores_forward)
     fused_forward_switch: bool = field(default_factory=lambda: FUSED_SCORES_FORWARD)
+    # HALF_KEY_GRADIENTS when the plan was made (see half_key_gradients)
+    half_key_switch: bool = field(default_factory=lambda: HALF_KEY_GRADIENTS)
 
     @property
     def varlen(self) -> bool:
@@ -239,6 +250,13 @@ class Plan:
         (no gate or a scalar one, FUSED_SCORES_BACKWARD on); per-channel gates and the unfused
         path keep wy_backward."""
         return self.split_wy_switch and self.fused_scores_backward
+
+    @property
+    def half_key_gradients(self) -> bool:
+        """Whether the backward's per-head dq and dk are in the input dtype (HALF_KEY_GRADIENTS, as
+        it was when the plan was made): half inputs, no GVA, the split backward."""
+        return (self.half_key_switch and self.split_wy_backward and self.problem.group_size == 1
+                and self.input_dtype in (torch.float16, torch.bfloat16))
 
     @property
     def fused_scores_forward(self) -> bool:

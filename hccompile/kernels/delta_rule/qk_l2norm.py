@@ -49,7 +49,7 @@ if triton is not None:
         y = x * rstd[:, None]
         flat = rows[:, None].to(tl.int64) * K + cols[None, :]
         if BACKWARD:
-            dy = tl.load(dy_ptr + flat, mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + flat, mask=mask, other=0.0).to(tl.float32)
             dx = (dy - y * tl.sum(y * dy, axis=1)[:, None]) * rstd[:, None]
             d_offsets = (batch * stride_db + token * stride_dt + head * stride_dh)[:, None] + cols[None, :] * stride_dk
             tl.store(dx_ptr + d_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -105,7 +105,8 @@ def l2norm_forward(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype, launch:
 
 def l2norm_backward(q: torch.Tensor, k: torch.Tensor, dqn: torch.Tensor, dkn: torch.Tensor, dq: torch.Tensor,
                     dk: torch.Tensor, launch: Callable = direct) -> None:
-    """Writes dq, dk (strided like q, k) from the normed rows' fp32 contiguous gradients dqn, dkn."""
+    """Writes dq, dk (strided like q, k) from the normed rows' contiguous gradients dqn, dkn (fp32, or
+    the input dtype: plan.half_key_gradients)."""
     batch, time, heads, dim = q.shape
     n_rows = batch * time * heads
     if n_rows:

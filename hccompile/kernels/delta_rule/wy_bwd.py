@@ -28,7 +28,7 @@ if triton is not None:
     @triton.jit
     def _wy_bwd_kernel(
         k_ptr, v_ptr, beta_ptr, cum_ptr, inverse_ptr, du_ptr, dw_ptr,
-        dv_ptr, dbeta_ptr, dk_ptr, dg_ptr,
+        dv_ptr, dbeta_ptr, dk_ptr, dk_out_ptr, dg_ptr,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_vb, stride_vt, stride_vh, stride_vv,
         stride_bb, stride_bt, stride_bh,
@@ -44,8 +44,9 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
     ):
         """One program per (chunk, value head): see the module docstring. dk_ptr and dg_ptr hold
-        dqkw.py's partial sums ([B, T, HV, K] and [B, T, HV, 1] fp32) and leave complete; dv and
-        dbeta take their tensors' dtypes."""
+        dqkw.py's partial sums ([B, T, HV, K] and [B, T, HV, 1] fp32); dk leaves complete in
+        dk_out_ptr (dk_ptr itself, or a [B, T, HV, K] tensor of its own dtype: plan.half_key_gradients)
+        and dg in dg_ptr; dv and dbeta take their tensors' dtypes."""
         tl.static_assert(GATE != 2, "per-channel gates take wy.py's wy_backward and scores.py's backward")
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
@@ -69,6 +70,7 @@ if triton is not None:
         du_ptr += value_offset
         dw_ptr += key_offset
         dk_ptr += key_offset
+        dk_out_ptr += key_offset
 
         local = tl.arange(0, BT)
         valid = local < length
@@ -121,7 +123,7 @@ if triton is not None:
             dbeta += tl.sum(k_tile * (inverse_t_dw * gamma + rows), axis=1)
             dk_wy = inverse_t_dw * gamma * beta[:, None] + beta[:, None] * rows
             dk = _load_rows(dk_ptr, tokens, kc, HV * K, 1, valid, K)
-            _store_rows(dk_ptr, dk + dk_wy + cols, tokens, kc, HV * K, 1, valid, K)
+            _store_rows(dk_out_ptr, dk + dk_wy + cols, tokens, kc, HV * K, 1, valid, K)
             if GATE == 1:
                 dg += tl.sum(k_tile * (dk_wy - cols), axis=1)
         tl.store(dbeta_ptr + batch * stride_dbb + head * stride_dbh + tokens * stride_dbt,
@@ -148,12 +150,12 @@ WY_BWD_OPTIONS = {"num_warps": 4, "num_stages": WY_BWD_STAGES}
 
 
 def launch_wy_bwd(plan: Plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table,
-                  seqlens) -> None:
+                  seqlens, dk_out=None) -> None:
     """_wy_bwd_kernel on `num_chunks` chunks (the first `table` lists, varlen): writes dv and dbeta and
-    completes dk_heads and dcum (dqkw.py's partial sums)."""
+    completes dk_heads (into dk_out when given) and dcum (dqkw.py's partial sums)."""
     problem = plan.problem
     plan.launch(_wy_bwd_kernel)[(num_chunks, problem.value_heads)](
-        k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum,
+        k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dk_heads if dk_out is None else dk_out, dcum,
         *k.stride(), *v.stride(), *beta.stride(), *dv.stride(), *dbeta.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim,
