@@ -475,13 +475,14 @@ def chunk_delta_rule_bwd(
     dv, dbeta = result("v"), result("beta")
     dh0 = result("initial_state") if initial_state is not None else None
     dq, dk = result("q"), result("k")
-    dq_heads, dk_heads = buffer(batch, time, value_heads, key_dim), buffer(batch, time, value_heads, key_dim)
-    dk_out = dk_heads  # where wy_bwd.py completes dk_heads, dqkw.py's partial sums
-    if plan.half_key_gradients:
-        if use_qk_l2norm_in_kernel or not (dq.is_contiguous() and dk.is_contiguous()):
-            dq_heads, dk_out = (buffer(batch, time, value_heads, key_dim, dtype=q.dtype) for _ in range(2))
-        else:  # the kernels write the op's gradients themselves (no GVA: one value head per key head)
-            dq_heads, dk_out = dq, dk
+    # dk_heads: fp32, the single kernel's dk or dqkw.py's partial sums, which wy_bwd.py completes into dk_out
+    dk_heads = buffer(batch, time, value_heads, key_dim)
+    if not plan.half_key_gradients:
+        dq_heads, dk_out = buffer(batch, time, value_heads, key_dim), dk_heads
+    elif use_qk_l2norm_in_kernel or not (dq.is_contiguous() and dk.is_contiguous()):
+        dq_heads, dk_out = (buffer(batch, time, value_heads, key_dim, dtype=q.dtype) for _ in range(2))
+    else:  # the kernels write the op's gradients themselves (no GVA: one value head per key head)
+        dq_heads, dk_out = dq, dk
     gate_width = key_dim if problem.gate == "channel" else 1
     dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
     dh = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
