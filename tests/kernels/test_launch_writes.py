@@ -9,14 +9,12 @@ passed into a helper whose results index a store counts as written: Inductor the
 before every launch (11 extra kernels per GDN step; the GPU suite caught this at 680ba4e through
 tests/test_traced_launch.py, and lightning's segment table once before). The analysis needs no GPU,
 only a target (helpers.kernel_target): this runs it on the CPU, on each family's launches recorded
-from its eager entry points with small CPU tensors (the kernels are not run), fixed-length and varlen,
-forward and backward."""
+from its eager entry points with small CPU tensors (hccompile.kernels.launch_recorder: the kernels
+are not run), fixed-length and varlen, forward and backward."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -49,31 +47,17 @@ def written_tensors(kernel, arguments: dict) -> list[str]:
     return [name for name in names if isinstance(arguments.get(name), torch.Tensor)]
 
 
-@contextlib.contextmanager
-def recording(calls: list):
-    """Launches append (kernel, arguments by name) to `calls` instead of running, and the kernel
-    modules' "Triton or the interpreter" checks pass on CPU tensors."""
-    from triton.runtime.jit import JITFunction
+def recorded(run) -> list:
+    """(kernel, arguments by name) of every launch `run()` makes (hccompile.kernels.launch_recorder)."""
+    from hccompile.kernels.launch_recorder import recording_launches
 
-    def run(self, *args, grid, warmup, **kwargs):
-        arguments = dict(zip(self.arg_names, args))
-        arguments.update({k: v for k, v in kwargs.items() if k in self.arg_names})
-        calls.append((self, arguments))
+    with recording_launches() as calls:
+        run()
+    return [(kernel, _named(kernel, args, kwargs)) for kernel, _grid, args, kwargs in calls]
 
-    patches = [(JITFunction, "run", run)]
-    for name, module in list(sys.modules.items()):
-        if name.startswith("hccompile.kernels."):
-            for attr in ("require_triton", "_require_triton", "require"):
-                if callable(getattr(module, attr, None)):
-                    patches.append((module, attr, lambda *a, **k: None))
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
-    try:
-        for owner, attr, value in patches:
-            setattr(owner, attr, value)
-        yield calls
-    finally:
-        for owner, attr, value in saved:
-            setattr(owner, attr, value)
+
+def _named(kernel, args, kwargs) -> dict:
+    return dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
 
 
 def check_launches(calls: list, inputs: tuple = ()) -> int:
@@ -101,7 +85,7 @@ def check_launches(calls: list, inputs: tuple = ()) -> int:
 def test_delta_rule_launches_write_no_index_table(gate, varlen):
     from hccompile.kernels.delta_rule.compile_check import recorded_launches
 
-    calls = [(kernel, dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names})
+    calls = [(kernel, _named(kernel, args, kwargs))
              for _, kernel, args, kwargs in recorded_launches(gate, 64, torch.bfloat16, varlen)]
     assert check_launches(calls) >= 5
 
@@ -124,11 +108,9 @@ def test_lightning_launches_write_only_outputs(varlen):
     from hccompile.kernels.lightning.chunk import lightning_attn_bwd, lightning_attn_fwd
 
     q, k, v, do, decay, h0, dht, cu_seqlens = _lightning_inputs(varlen)
-    calls: list = []
-    with recording(calls):
-        # segment=64 (one block): the automatic segment length asks the GPU for its multiprocessors
-        lightning_attn_fwd(q, k, v, decay, None, h0, True, cu_seqlens=cu_seqlens, segment=64)
-        lightning_attn_bwd(q, k, v, decay, do, None, h0, dht, cu_seqlens=cu_seqlens, segment=64)
+    # segment=64 (one block): the automatic segment length asks the GPU for its multiprocessors
+    calls = recorded(lambda: (lightning_attn_fwd(q, k, v, decay, None, h0, True, cu_seqlens=cu_seqlens, segment=64),
+                              lightning_attn_bwd(q, k, v, decay, do, None, h0, dht, cu_seqlens=cu_seqlens, segment=64)))
     assert check_launches(calls, (q, k, v, do, decay, h0, dht, cu_seqlens)) >= 3
 
 
@@ -137,10 +119,7 @@ def test_causal_linear_attn_launches_write_only_outputs():
     from hccompile.kernels.lightning.simple import causal_linear_attn_bwd, causal_linear_attn_fwd
 
     q, k, v, do, *_ = _lightning_inputs(False)
-    calls: list = []
-    with recording(calls):
-        causal_linear_attn_fwd(q, k, v, 0.125)
-        causal_linear_attn_bwd(q, k, v, do, 0.125)
+    calls = recorded(lambda: (causal_linear_attn_fwd(q, k, v, 0.125), causal_linear_attn_bwd(q, k, v, do, 0.125)))
     assert check_launches(calls, (q, k, v, do)) >= 2
 
 
@@ -158,10 +137,7 @@ def test_htree_launches_write_only_outputs(causal):
     k, v = (torch.randn(B, T, H_kv, D, dtype=torch.bfloat16) for _ in range(2))
     cfg = resolve_htree_config(q, k, v, compression_rate=4, top_k=3, causal=causal)
     o, lse = torch.randn(B, T, H, D, dtype=torch.bfloat16), torch.randn(B, T, H)
-    calls: list = []
-    with recording(calls):
-        htree_forward(q, k, v, cfg)
-        htree_backward(q, k, v, o, lse, do, cfg)
+    calls = recorded(lambda: (htree_forward(q, k, v, cfg), htree_backward(q, k, v, o, lse, do, cfg)))
     assert check_launches(calls, (q, k, v, do, o, lse)) >= 2
 
 
@@ -170,7 +146,7 @@ def test_htree_launches_write_only_outputs(causal):
 def test_mhc_launches_write_only_outputs():
     from hccompile.kernels.mhc.compile_check import recorded_launches
 
-    calls = [(kernel, dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names})
+    calls = [(kernel, _named(kernel, args, kwargs))
              for _, kernel, args, kwargs in recorded_launches(n=4, C=256, steps=4)]
     assert check_launches(calls) >= 6
 

@@ -2,7 +2,7 @@
 read their registers, stack (spills) and shared memory, as hccompile.kernels.mhc.compile_check does
 for the mHC kernels (whose compile and cuobjdump helpers this reuses).
 
-Each launcher runs on small CPU tensors with its kernels replaced by recorders; the recorded
+Each launcher runs on small CPU tensors with its launches recorded (launch_recorder); the recorded
 launches are compiled with the signature Triton's JIT would give them. The shapes keep the
 benchmark's per-token layout (HV = 16 heads, so strides and divisibility hints match B4 T4096 H16);
 only the token count is small, which does not change the specialisation (T = 128, two chunks, so
@@ -17,36 +17,14 @@ shared memory than an H100 gives a block (227 KiB).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 import torch
 
-from .._triton import triton
-from ..mhc.compile_check import ARCH, _Recorder, compile_launch, resources
+from ..launch_recorder import recording_launches
+from ..mhc.compile_check import ARCH, compile_launch, resources
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
-
-
-@contextlib.contextmanager
-def _recording(calls: list):
-    from . import chunk, cp, dqkw, gate_cumsum, output, qk_l2norm, scores, state, wy, wy_bwd
-
-    patched = []
-    # Every module that launches a kernel looks it up in its own globals: all of them are patched.
-    for module in (chunk, cp, dqkw, gate_cumsum, output, qk_l2norm, scores, state, wy, wy_bwd):
-        for name, value in list(vars(module).items()):
-            if isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"):
-                patched.append((module, name, value))
-                setattr(module, name, _Recorder(value, calls))
-    for module, name in ((chunk, "_require_triton"), (cp, "require_triton")):
-        patched.append((module, name, getattr(module, name)))
-        setattr(module, name, lambda *a, **k: None)
-    try:
-        yield
-    finally:
-        for module, name, value in patched:
-            setattr(module, name, value)
 
 
 def _case(gate: str, key_dim: int, dtype: torch.dtype, varlen: bool, time: int = 128, heads: int = 16):
@@ -93,8 +71,7 @@ def recorded_launches(gate: str, key_dim: int, dtype: torch.dtype, varlen: bool)
         ]
     out = []
     for name, run in runs:
-        calls: list = []
-        with _recording(calls):
+        with recording_launches() as calls:
             run()
         for kernel, _grid, args, kwargs in calls:
             out.append((name, kernel, args, kwargs))

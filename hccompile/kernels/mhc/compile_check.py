@@ -5,7 +5,7 @@ backend.
 The interpreter runs the kernels' Python, not the GPU compiler: this catches what only the GPU
 compiler rejects, and register spills, on a CPU machine. The kernels are compiled as a real launch
 specialises them: each launcher runs on small CPU tensors of the benchmark's per-token shape with
-its kernels replaced by recorders, and every recorded launch is compiled with the signature Triton's
+its launches recorded (launch_recorder), and every recorded launch is compiled with the signature Triton's
 JIT would give it (integer arguments equal to 1 become constants, 16-divisible ones and aligned
 pointers get divisibility hints), so unit strides vectorise as on the GPU. It needs kernels defined
 without TRITON_INTERPRET, so run it in a process without that variable:
@@ -14,7 +14,6 @@ without TRITON_INTERPRET, so run it in a process without that variable:
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import re
@@ -25,41 +24,9 @@ import tempfile
 import torch
 
 from .._triton import triton
+from ..launch_recorder import recording_launches
 
 ARCH = 90  # H100
-
-
-class _Recorder:
-    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the call."""
-
-    def __init__(self, kernel, calls: list):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append((self.kernel, grid, args, kwargs))
-        return launch
-
-
-@contextlib.contextmanager
-def _recording(calls: list):
-    from . import _common as common
-    from . import aggregate, mapping, post
-
-    patched = []
-    for module in (post, aggregate, mapping):
-        for name, value in list(vars(module).items()):
-            if isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"):
-                patched.append((module, name, value))
-                setattr(module, name, _Recorder(value, calls))
-    require = common.require
-    common.require = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        common.require = require
-        for module, name, value in patched:
-            setattr(module, name, value)
 
 
 def recorded_launches(n: int = 4, C: int = 1024, steps: int = 40, dtype=torch.bfloat16,
@@ -88,8 +55,7 @@ def recorded_launches(n: int = 4, C: int = 1024, steps: int = 40, dtype=torch.bf
     ]
     out = []
     for name, run in runs:
-        calls: list = []
-        with _recording(calls):
+        with recording_launches() as calls:
             run()
         for i, (kernel, _grid, args, kwargs) in enumerate(calls):
             out.append((name if i == 0 else f"{name}.{i}", kernel, args, kwargs))
