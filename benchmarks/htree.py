@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     parser.add_argument("--block-c", type=int, default=None, help="tuning: kernels' candidate tile (power of 2)")
     parser.add_argument("--num-warps", type=int, default=None, help="tuning: kernels' warps per program")
+    parser.add_argument("--programs-per-sm", type=int, default=None,
+                        help="tuning: persistent programs per SM (each walks one query at a time, so this is "
+                             "how many walks an SM keeps in flight)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     return parser.parse_args()
 
@@ -78,6 +82,7 @@ def run_one(a, name: str, T: int, mode: str) -> dict:
 
     row = dict(impl=name, T=T, mode=mode, B=a.batch, HQ=a.heads, H_kv=a.kv_heads, D=a.dim, dtype=a.dtype,
                config=a.config, causal=a.causal, block_c=tiles.DEFAULT_BLOCK_C, num_warps=tiles.DEFAULT_NUM_WARPS,
+               programs_per_sm=tiles.PROGRAMS_PER_SM,
                **{k: v for k, v in CONFIGS[a.config].items()})
     if name == "reference" and T > a.reference_max_t:
         return dict(row, ms=None, peak_mib=None, note=f"skipped: T > --reference-max-t={a.reference_max_t}")
@@ -127,12 +132,15 @@ def main() -> None:
         tiles.DEFAULT_BLOCK_C = a.block_c
     if a.num_warps is not None:
         tiles.DEFAULT_NUM_WARPS = a.num_warps
+    if a.programs_per_sm is not None:
+        tiles.PROGRAMS_PER_SM = a.programs_per_sm
     config = CONFIGS[a.config]
     top_nodes = config["max_top_nodes"] or config["top_k"] * config["compression_rate"]
     device = torch.cuda.get_device_name()
     print(f"# htree on {device}: B={a.batch} HQ={a.heads} H_kv={a.kv_heads} D={a.dim} {a.dtype}; "
           f"r={config['compression_rate']} top_k={config['top_k']} max_top_nodes={top_nodes} "
-          f"causal={a.causal}; kernels BLOCK_C={tiles.DEFAULT_BLOCK_C} warps={tiles.DEFAULT_NUM_WARPS}; "
+          f"causal={a.causal}; kernels BLOCK_C={tiles.DEFAULT_BLOCK_C} warps={tiles.DEFAULT_NUM_WARPS} "
+          f"programs/SM={tiles.PROGRAMS_PER_SM}; "
           f"do_bench median ms\n")
     rows = []
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
@@ -140,7 +148,8 @@ def main() -> None:
         for mode in a.modes.split(","):
             for name in a.impls.split(","):
                 row = run_one(a, name, T, mode)
-                row.update(device=device, torch=torch.__version__, time=stamp)
+                row.update(device=device, torch=torch.__version__, time=stamp,
+                           commit=os.environ.get("HCCOMPILE_COMMIT", "?"))
                 rows.append(row)
                 if a.out:
                     with open(a.out, "a") as f:
