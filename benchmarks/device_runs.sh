@@ -7,7 +7,7 @@
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
-#   htree   htree against SDPA at T 32K and 128K, fwd and fwd+bwd                          (issue 19)
+#   htree   htree (atomics and node-stationary node gradients) against SDPA, T 32K and 128K (issue 19)
 #   htree-tune  htree's launch knobs at T 32K (tile, warps, programs per SM) into diag_ rows,
 #               which targets.py does not read                                           (issue 19)
 #
@@ -38,7 +38,7 @@ for run in ${RUNS:-delta host}; do
             torchrun --nproc-per-node "$gpus" benchmarks/cp.py --ops gdn,kda --layouts one \
             --strategies all_gather --out "$out/cp_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
-    htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,sdpa --rep 100 \
+    htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-nodes,sdpa --rep 100 \
                --out "$out/htree_$tag.jsonl" ;;
     htree-tune)
         for setting in "32 8 2" "64 8 2" "64 4 2" "32 4 4" "64 4 4" "128 8 1" "32 8 1"; do

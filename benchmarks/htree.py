@@ -39,7 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="default")
     parser.add_argument("--causal", action="store_true", help="htree's causal selection variant")
     parser.add_argument("--reference-max-t", type=int, default=8192)
-    parser.add_argument("--impls", default="htree,sdpa,reference")
+    parser.add_argument("--impls", default="htree,sdpa,reference",
+                        help="from htree, htree-nodes (node-stationary node gradients), sdpa, reference")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     parser.add_argument("--block-c", type=int, default=None, help="tuning: kernels' candidate tile (power of 2)")
@@ -65,9 +66,19 @@ def implementation(name: str, a):
     from hccompile.kernels.htree.reference import htree_attention_ref
     from hccompile.lowering.htree import htree_attention
 
+    from hccompile.kernels.htree import tiles
+
     options = dict(CONFIGS[a.config], causal=a.causal)
-    if name == "htree":
-        return "bthd", lambda q, k, v: htree_attention(q, k, v, **options)
+    if name in ("htree", "htree-nodes"):
+        # htree-nodes: the backward's node gradients node-stationary from the selections
+        # (kernels/htree/node_gradients.py) instead of float32 atomics; set for each call, since
+        # the two share one process.
+        nodes = name == "htree-nodes"
+
+        def run(q, k, v):
+            tiles.NODE_GRADIENTS = nodes
+            return htree_attention(q, k, v, **options)
+        return "bthd", run
     if name == "reference":
         return "bthd", lambda q, k, v: htree_attention_ref(q, k, v, **options)
     if name == "sdpa":
@@ -161,8 +172,8 @@ def main() -> None:
     speedups = {(r["T"], r["mode"]): r for r in rows if r["impl"] == "sdpa" and r["ms"]}
     for r in rows:
         dense = speedups.get((r["T"], r["mode"]))
-        if r["impl"] == "htree" and r["ms"] and dense:
-            print(f"T={r['T']} {r['mode']}: htree / dense SDPA time = {r['ms'] / dense['ms']:.2f}")
+        if r["impl"].startswith("htree") and r["ms"] and dense:
+            print(f"T={r['T']} {r['mode']}: {r['impl']} / dense SDPA time = {r['ms'] / dense['ms']:.2f}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 from .._triton import dot, interpreted, require_triton, tl, triton
 from . import tiles
 from .forward import launch_config
+from .node_gradients import node_gradients as write_node_gradients
 from .reference import HTreeConfig
 from .tiles import (HTreePlan, build_pooled, candidate_tile, check_kernel_limits, load_values,
                     make_plan, num_programs, rank_select, rope_table, select_layer, tile_nodes, tile_scores)
@@ -41,9 +42,10 @@ if triton is not None:
                         k_ptr, stride_kt, stride_kd, v_ptr, stride_vt, stride_vd,
                         tree_k_ptr, tree_v_ptr, pooled_offset, dk_ptr, dv_ptr, all_offset,
                         cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
-                        BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        BLOCK_C: tl.constexpr, KEY_GRADS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
-        """Gradients through the merged candidates of one layer; returns the updated dq halves."""
+        """Gradients through the merged candidates of one layer; returns the updated dq halves.
+        KEY_GRADS: also add the nodes' dk and dv (atomics); without it node_gradients.py does."""
         do_dot = do.to(DOT_DTYPE)
         for p0 in range(0, n, BLOCK_C):
             positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
@@ -67,20 +69,21 @@ if triton is not None:
             dqr2 = dot(dscores, kr2, DOT_PRECISION, UPCAST_OPERANDS)
             dq1 += dqr1 * cos_q + dqr2 * sin_q
             dq2 += dqr2 * cos_q - dqr1 * sin_q
-            # Key side, rotated back by each key's offset in the tile.
-            dscores_t = tl.trans(dscores)
-            dkr1 = dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
-            dkr2 = dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
-            dk1 = dkr1 * cos_k + dkr2 * sin_k
-            dk2 = dkr2 * cos_k - dkr1 * sin_k
-            dv = dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
-            rows = (all_offset + nodes).to(tl.int64)
-            k_mask = merge[:, None] & (cols_k[None, :] < KH)
-            k_offsets = rows[:, None] * (2 * KH) + cols_k[None, :]
-            tl.atomic_add(dk_ptr + k_offsets, dk1, mask=k_mask)
-            tl.atomic_add(dk_ptr + KH + k_offsets, dk2, mask=k_mask)
-            v_mask = merge[:, None] & (cols_v[None, :] < V)
-            tl.atomic_add(dv_ptr + rows[:, None] * V + cols_v[None, :], dv, mask=v_mask)
+            if KEY_GRADS:
+                # Key side, rotated back by each key's offset in the tile.
+                dscores_t = tl.trans(dscores)
+                dkr1 = dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
+                dkr2 = dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
+                dk1 = dkr1 * cos_k + dkr2 * sin_k
+                dk2 = dkr2 * cos_k - dkr1 * sin_k
+                dv = dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
+                rows = (all_offset + nodes).to(tl.int64)
+                k_mask = merge[:, None] & (cols_k[None, :] < KH)
+                k_offsets = rows[:, None] * (2 * KH) + cols_k[None, :]
+                tl.atomic_add(dk_ptr + k_offsets, dk1, mask=k_mask)
+                tl.atomic_add(dk_ptr + KH + k_offsets, dk2, mask=k_mask)
+                v_mask = merge[:, None] & (cols_v[None, :] < V)
+                tl.atomic_add(dv_ptr + rows[:, None] * V + cols_v[None, :], dv, mask=v_mask)
         return dq1, dq2
 
     @triton.jit
@@ -95,8 +98,8 @@ if triton is not None:
         stride_dqb, stride_dqt, stride_dqh, stride_dqd,
         B, T, H_KV, G, KH, V, num_layers, r, top_k, pooled_nodes, all_nodes, n_items, n_programs, scale,
         HAS_DLSE: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr,
-        RECORD: tl.constexpr, G_PAD: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr,
-        BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr,
+        RECORD: tl.constexpr, KEY_GRADS: tl.constexpr, G_PAD: tl.constexpr, KH_PAD: tl.constexpr,
+        V_PAD: tl.constexpr, BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
     ):
@@ -167,7 +170,7 @@ if triton is not None:
                     k_item, stride_kt, stride_kd, v_item, stride_vt, stride_vd,
                     tree_k_item, tree_v_item, pooled_offset, dk_item, dv_item, all_offset,
                     cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
-                    BLOCK_C, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
+                    BLOCK_C, KEY_GRADS, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
                 n_parents = tl.minimum(n, top_k)
 
             dq_rows = dq_ptr + b.to(tl.int64) * stride_dqb + t.to(tl.int64) * stride_dqt
@@ -209,9 +212,13 @@ def htree_backward(
     *,
     block_c: int | None = None,
     record_selections: bool = False,
+    node_gradients: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq, dk, dv) in the inputs' dtypes, and with record_selections the selections the backward
     recomputed ([L, B, T, H_kv, top_k], as htree_forward records them).
+
+    node_gradients (default tiles.NODE_GRADIENTS): the nodes' dk and dv node-stationary from the
+    recorded selections (node_gradients.py) instead of the float32 atomics of this kernel.
 
     o, lse: the forward's outputs for these inputs and this cfg (same block_c); do [B, T, H, V];
     dlse [B, T, H] optional gradient into lse.
@@ -228,8 +235,6 @@ def htree_backward(
     tree_k = build_pooled(k, plan, cfg.compression_rate)
     tree_v = build_pooled(v, plan, cfg.compression_rate)
     cos, sin = rope_table(plan, key_dim, cfg.rope_base, q.device)
-    dk_nodes = torch.zeros((batch, kv_heads, plan.all_nodes, key_dim), dtype=torch.float32, device=q.device)
-    dv_nodes = torch.zeros((batch, kv_heads, plan.all_nodes, value_dim), dtype=torch.float32, device=q.device)
     items = batch * kv_heads * time
     is_interpreted = interpreted(_htree_backward_kernel)
     programs = num_programs(q.device, items, is_interpreted)
@@ -238,8 +243,15 @@ def htree_backward(
     flags = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
     parents = torch.empty((programs, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
     num_layers = len(plan.layer_sizes)
+    if node_gradients is None:
+        node_gradients = tiles.NODE_GRADIENTS
+    # Atomics add into zeros; node-stationary programs write every node once: poisoned, so a node
+    # left unwritten fails the tests.
+    fill = float("nan") if node_gradients else 0.0
+    dk_nodes = torch.full((batch, kv_heads, plan.all_nodes, key_dim), fill, dtype=torch.float32, device=q.device)
+    dv_nodes = torch.full((batch, kv_heads, plan.all_nodes, value_dim), fill, dtype=torch.float32, device=q.device)
     record = None
-    if record_selections:
+    if record_selections or node_gradients:
         record = torch.full((num_layers, batch, time, kv_heads, cfg.top_k), -1, dtype=torch.int32,
                             device=q.device)
     lse = lse.float().contiguous()
@@ -252,11 +264,18 @@ def htree_backward(
         batch, time, kv_heads, group, key_dim // 2, value_dim, num_layers, cfg.compression_rate, cfg.top_k,
         plan.pooled_nodes, plan.all_nodes, items, programs, cfg.scale,
         HAS_DLSE=dlse is not None, CAUSAL=cfg.causal, PACKED=cfg.sort_mode == "packed",
-        INDEX_BITS=plan.index_bits, RECORD=record is not None, G_PAD=plan.g_pad, KH_PAD=plan.kh_pad,
+        INDEX_BITS=plan.index_bits, RECORD=record is not None, KEY_GRADS=not node_gradients,
+        G_PAD=plan.g_pad, KH_PAD=plan.kh_pad,
         V_PAD=plan.v_pad, BLOCK_C=plan.block_c, SELECT_PAD=plan.select_pad,
         RANK_SELECT=rank_select(plan, is_interpreted),
         num_warps=plan.num_warps, **launch_config(q),
     )
+    if node_gradients:
+        delta = (do.float() * o.float()).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse
+        write_node_gradients(q, k, v, do, lse, delta.contiguous(), tree_k, tree_v, cos, sin, record, plan,
+                             cfg.compression_rate, cfg.top_k, cfg.scale, dk_nodes, dv_nodes, launch_config(q))
     dk = unpool_gradient(dk_nodes, plan, cfg.compression_rate).transpose(1, 2).to(k.dtype)
     dv = unpool_gradient(dv_nodes, plan, cfg.compression_rate).transpose(1, 2).to(v.dtype)
-    return dq, dk, dv, record
+    return dq, dk, dv, record if record_selections else None
