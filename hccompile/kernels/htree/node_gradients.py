@@ -34,6 +34,8 @@ __all__ = ["node_gradients", "selection_index"]
 # Queries per tile, as rows of the dots: QUERIES * G_ROWS of them (G_ROWS = G rounded up to a power
 # of two). 64 rows keep the tiles' registers near the query-stationary kernel's.
 TILE_ROWS = 64
+# Warps per node-gradient program: at 4, 64 rows x K 128 spill 64-232 bytes on sm_90 (compile_check).
+NODE_WARPS = 8
 
 
 if triton is not None:
@@ -241,5 +243,5 @@ def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, pl
             time, kv_heads, group_size, key_dim // 2, value_dim, num_layers, layer, r, top_k,
             plan.pooled_nodes, plan.all_nodes, groups, bits.shape[-1] if selects else 1, scale,
             TOKENS=layer == 0, IS_TOP=is_top, SELECTS=selects, G_ROWS=g_rows, QUERIES=queries_per_tile, BLOCK_N=block_n,
-            KH_PAD=plan.kh_pad, V_PAD=plan.v_pad, num_warps=4, **launch,
+            KH_PAD=plan.kh_pad, V_PAD=plan.v_pad, num_warps=NODE_WARPS, **launch,
         )
