@@ -8,6 +8,7 @@
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
 #   htree   htree (atomics and node-stationary node gradients) against SDPA, T 32K and 128K (issue 19)
+#   htree-profile  per-kernel GPU time of htree (both backward versions) and SDPA at B1 T32K     (issue 19)
 #   htree-tune  htree's launch knobs at T 32K (tile, warps, programs per SM) into diag_ rows,
 #               which targets.py does not read                                           (issue 19)
 #
@@ -40,6 +41,8 @@ for run in ${RUNS:-delta host}; do
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-nodes,sdpa --rep 100 \
                --out "$out/htree_$tag.jsonl" ;;
+    htree-profile) cut_at python3 benchmarks/profile_ops.py --ops htree,htree-nodes,sdpa --shape B1T32768H32D128 \
+                       --kv-heads 4 > "$out/diag_htree-profile_$tag.txt" 2>&1 ;;
     htree-tune)
         for setting in "32 8 2" "64 8 2" "64 4 2" "32 4 4" "64 4 4" "128 8 1" "32 8 1"; do
             set -- $setting
