@@ -129,14 +129,15 @@ def test_lengths_zero_and_one():
     assert o.shape == (1, 0, 2, 8) and lse.shape == (1, 0, 2)
 
 
-def check_backward(q, k, v, *, block_c=None, with_dlse=False, node_gradients=False, **options):
+def check_backward(q, k, v, *, block_c=None, with_dlse=False, node_gradients=False, from_forward=False, **options):
     cfg, o, lse, record = check_forward(q, k, v, block_c=block_c, exact_selection=q.dtype == torch.float32,
                                         **options)
     generator = torch.Generator().manual_seed(11)
     do = torch.randn(o.shape, generator=generator).to(q.device, q.dtype)
     dlse = torch.randn(lse.shape, generator=generator).to(q.device) if with_dlse else None
     dq, dk, dv, record_bwd = htree_backward(q, k, v, o, lse, do, cfg, dlse, block_c=block_c,
-                                            record_selections=True, node_gradients=node_gradients)
+                                            record_selections=True, node_gradients=node_gradients,
+                                            selections=record.clone() if from_forward else None)
     assert torch.equal(record_bwd, record), "the backward recomputed a different selection"
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref, ref_lse = htree_attention_ref(*leaves, selections=selections_from_record(record), return_lse=True,
@@ -171,13 +172,21 @@ NODE_GRADIENT_CASES = {
 }
 
 
+@pytest.mark.parametrize("from_forward", [False, True], ids=["reselected", "forward-selections"])
 @pytest.mark.parametrize("name", list(NODE_GRADIENT_CASES))
-def test_node_gradients_from_selections_match_reference(name):
+def test_node_gradients_from_selections_match_reference(name, from_forward):
     """dk and dv node-stationary from the recorded selections (node_gradients.py), every node written
-    once (the node buffers start poisoned), against autograd through the float64 reference."""
+    once (the node buffers start poisoned), against autograd through the float64 reference; the
+    selections either recomputed by the dq kernel or the forward's, read by it (no selection pass)."""
     batch, time, kv_heads, group, key_dim, value_dim, dtype, options = NODE_GRADIENT_CASES[name]
     q, k, v = make_inputs(batch, time, kv_heads, group, key_dim, value_dim, dtype, seed=len(name) + 40)
-    check_backward(q, k, v, with_dlse=True, node_gradients=True, **options)
+    check_backward(q, k, v, with_dlse=True, node_gradients=True, from_forward=from_forward, **options)
+
+
+def test_atomics_backward_from_forward_selections():
+    q, k, v = make_inputs(1, 40, 1, 2, 16, 8, torch.float32, seed=16)
+    check_backward(q, k, v, block_c=16, with_dlse=True, from_forward=True, compression_rate=4, top_k=5,
+                   max_top_nodes=12)
 
 
 def test_selection_index_lists_each_nodes_queries_with_ranks():

@@ -29,7 +29,7 @@ import torch
 from .._triton import dot, tl, triton
 from .tiles import HTreePlan
 
-__all__ = ["node_gradients", "selection_index"]
+__all__ = ["node_gradients", "selection_bitmasks", "selection_index"]
 
 # Queries per tile, as rows of the dots: QUERIES * G_ROWS of them (G_ROWS = G rounded up to a power
 # of two). 64 rows keep the tiles' registers near the query-stationary kernel's.
@@ -185,6 +185,20 @@ def selection_bits(selected: torch.Tensor, nodes: int) -> torch.Tensor:
     return words.to(torch.uint8)
 
 
+def selection_bitmasks(record: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Every selecting layer's bitmasks (selection_bits) in one uint8 buffer: (buffer, table [L, 2]
+    int64 of (byte offset, bytes per query) on the record's device, the same as a list). Layer 0
+    selects nothing: (0, 0)."""
+    parts, rows, offset = [], [(0, 0)], 0
+    for layer in range(1, len(sizes)):
+        bits = selection_bits(record[layer], sizes[layer])
+        parts.append(bits.flatten())
+        rows.append((offset, bits.shape[-1]))
+        offset += bits.numel()
+    buffer = torch.cat(parts) if parts else torch.zeros(1, dtype=torch.uint8, device=record.device)
+    return buffer, torch.tensor(rows, dtype=torch.int64, device=record.device), rows
+
+
 def selection_index(selected: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverted index of one layer's selections [B, T, H_kv, top_k] (node indices, -1 none): for each
     (b, h, node j), the queries t that selected j, ascending, and j's rank in each one's selection.
@@ -210,11 +224,13 @@ def selection_index(selected: torch.Tensor, nodes: int) -> tuple[torch.Tensor, t
     return offsets, queries.to(torch.int32), ranks.to(torch.int32)
 
 
-def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, plan: HTreePlan, r: int, top_k: int,
-                   scale: float, dk_nodes: torch.Tensor, dv_nodes: torch.Tensor, launch: dict) -> None:
+def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_rows, plan: HTreePlan,
+                   r: int, top_k: int, scale: float, dk_nodes: torch.Tensor, dv_nodes: torch.Tensor,
+                   launch: dict) -> None:
     """Writes every layer's node gradients into dk_nodes [B, H_kv, all_nodes, K] and dv_nodes
-    [B, H_kv, all_nodes, V] (float32), from the selections `record` [L, B, T, H_kv, top_k] that the
-    dq kernel recorded; lse, delta [B, T, H] float32 (delta = <do, o> - dlse)."""
+    [B, H_kv, all_nodes, V] (float32), from the selections `record` [L, B, T, H_kv, top_k] (the
+    forward's, or those the dq kernel recorded) and their bitmasks (selection_bitmasks: buffer and
+    rows); lse, delta [B, T, H] float32 (delta = <do, o> - dlse)."""
     batch, time, heads, key_dim = q.shape
     kv_heads, value_dim = k.shape[2], v.shape[3]
     group_size = heads // kv_heads
@@ -229,7 +245,7 @@ def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, pl
     for layer in range(num_layers):
         is_top = layer == num_layers - 1
         selects = layer > 0
-        bits = selection_bits(record[layer], sizes[layer]) if selects else placeholder.to(torch.uint8)
+        bits_offset, bit_bytes = bits_rows[layer]
         if is_top:
             groups = -(-sizes[layer] // block_n)
             offsets = queries = ranks = placeholder
@@ -238,10 +254,10 @@ def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, pl
             offsets, queries, ranks = selection_index(record[layer + 1], groups)
         _node_gradients_kernel[(batch * kv_heads * groups,)](
             q, k, v, do, lse, delta, tree_k, tree_v, plan.layer_table, cos, sin,
-            offsets, queries, ranks, bits, dk_nodes, dv_nodes,
+            offsets, queries, ranks, bits[bits_offset:], dk_nodes, dv_nodes,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             time, kv_heads, group_size, key_dim // 2, value_dim, num_layers, layer, r, top_k,
-            plan.pooled_nodes, plan.all_nodes, groups, bits.shape[-1] if selects else 1, scale,
+            plan.pooled_nodes, plan.all_nodes, groups, max(bit_bytes, 1), scale,
             TOKENS=layer == 0, IS_TOP=is_top, SELECTS=selects, G_ROWS=g_rows, QUERIES=queries_per_tile, BLOCK_N=block_n,
             KH_PAD=plan.kh_pad, V_PAD=plan.v_pad, num_warps=NODE_WARPS, **launch,
         )
