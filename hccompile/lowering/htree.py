@@ -60,6 +60,7 @@ __all__ = [
     "htree_attention_backward_op",
     "htree_attention_op",
     "implementation",
+    "saves_selections",
 ]
 
 DEFAULT_COMPRESSION_RATE = 16
@@ -270,10 +271,12 @@ htree_attention_op.register_autograd(_backward, setup_context=_setup_context)
 # Public function
 
 
-def _save_selections(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the forward keeps its selections for the backward: with the node-stationary
-    backward (off until timed, tiles.NODE_GRADIENTS) and when a gradient is wanted."""
-    return bool(htree_tiles.NODE_GRADIENTS) and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+def saves_selections(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the forward op should keep its selections for the backward (save_selections): with
+    the node-stationary backward (off until timed, tiles.NODE_GRADIENTS) and when a gradient will
+    be taken. The htree pass asks it too, with the graph's example values."""
+    return bool(htree_tiles.NODE_GRADIENTS) and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v))
 
 
 def htree_attention(
@@ -309,10 +312,10 @@ def htree_attention(
         if scale is None:
             scale = q.shape[-1] ** -0.5
         o, lse, _ = htree_attention_op(q, k, v, compression_rate, top_k, max_top_nodes, float(scale),
-                                       float(rope_base), causal, sort_mode, _save_selections(q, k, v))
+                                       float(rope_base), causal, sort_mode, saves_selections(q, k, v))
     else:
         cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
         _check_dtypes(q, k, v)
         o, lse, _ = htree_attention_op(q, k, v, cfg.compression_rate, cfg.top_k, cfg.max_top_nodes, cfg.scale,
-                                       cfg.rope_base, cfg.causal, cfg.sort_mode, _save_selections(q, k, v))
+                                       cfg.rope_base, cfg.causal, cfg.sort_mode, saves_selections(q, k, v))
     return (o, lse) if return_lse else o
