@@ -44,10 +44,14 @@ for run in ${RUNS:-delta host}; do
     htree-profile) cut_at python3 benchmarks/profile_ops.py --ops htree,htree-nodes,sdpa --shape B1T32768H32D128 \
                        --kv-heads 4 > "$out/diag_htree-profile_$tag.txt" 2>&1 ;;
     htree-tune)
-        for setting in "32 8 2" "64 8 2" "64 4 2" "32 4 4" "64 4 4" "128 8 1" "32 8 1"; do
+        # BLOCK_C, warps, programs per SM of the walks (forward, dq); the node-gradient programs' warps
+        # and rows. A walk is latency-bound: at 8 warps and ~255 registers one program fits an SM.
+        for setting in "32 8 2 8 64" "32 4 4 8 64" "64 4 4 8 64" "16 4 4 8 64" "32 8 1 4 64" "32 8 2 8 32" \
+                       "32 8 2 4 32"; do
             set -- $setting
-            cut_at python3 benchmarks/htree.py --seq 32768 --impls htree --rep 50 --block-c "$1" \
-                --num-warps "$2" --programs-per-sm "$3" --out "$out/diag_htree-tune_$tag.jsonl"
+            cut_at python3 benchmarks/htree.py --seq 32768 --impls htree-nodes --rep 50 --block-c "$1" \
+                --num-warps "$2" --programs-per-sm "$3" --node-warps "$4" --node-rows "$5" \
+                --out "$out/diag_htree-tune_$tag.jsonl"
         done
         cut_at python3 benchmarks/htree.py --seq 32768 --impls sdpa --rep 50 \
             --out "$out/diag_htree-tune_$tag.jsonl" ;;

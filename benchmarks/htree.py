@@ -48,6 +48,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--programs-per-sm", type=int, default=None,
                         help="tuning: persistent programs per SM (each walks one query at a time, so this is "
                              "how many walks an SM keeps in flight)")
+    parser.add_argument("--node-warps", type=int, default=None,
+                        help="tuning (htree-nodes): warps of the node-gradient programs")
+    parser.add_argument("--node-rows", type=int, default=None,
+                        help="tuning (htree-nodes): (query, head) rows per node-gradient tile")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     return parser.parse_args()
 
@@ -86,6 +90,12 @@ def implementation(name: str, a):
     raise ValueError(f"--impls: unknown implementation {name!r}")
 
 
+def _node_knobs() -> dict:
+    from hccompile.kernels.htree import node_gradients
+
+    return dict(node_warps=node_gradients.NODE_WARPS, node_rows=node_gradients.TILE_ROWS)
+
+
 def run_one(a, name: str, T: int, mode: str) -> dict:
     from triton.testing import do_bench
 
@@ -93,7 +103,7 @@ def run_one(a, name: str, T: int, mode: str) -> dict:
 
     row = dict(impl=name, T=T, mode=mode, B=a.batch, HQ=a.heads, H_kv=a.kv_heads, D=a.dim, dtype=a.dtype,
                config=a.config, causal=a.causal, block_c=tiles.DEFAULT_BLOCK_C, num_warps=tiles.DEFAULT_NUM_WARPS,
-               programs_per_sm=tiles.PROGRAMS_PER_SM,
+               programs_per_sm=tiles.PROGRAMS_PER_SM, **_node_knobs(),
                **{k: v for k, v in CONFIGS[a.config].items()})
     if name == "reference" and T > a.reference_max_t:
         return dict(row, ms=None, peak_mib=None, note=f"skipped: T > --reference-max-t={a.reference_max_t}")
@@ -145,6 +155,12 @@ def main() -> None:
         tiles.DEFAULT_NUM_WARPS = a.num_warps
     if a.programs_per_sm is not None:
         tiles.PROGRAMS_PER_SM = a.programs_per_sm
+    from hccompile.kernels.htree import node_gradients
+
+    if a.node_warps is not None:
+        node_gradients.NODE_WARPS = a.node_warps
+    if a.node_rows is not None:
+        node_gradients.TILE_ROWS = a.node_rows
     config = CONFIGS[a.config]
     top_nodes = config["max_top_nodes"] or config["top_k"] * config["compression_rate"]
     device = torch.cuda.get_device_name()
