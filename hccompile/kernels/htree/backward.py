@@ -60,7 +60,8 @@ if triton is not None:
             # mask, which Triton's interpreter types as an integer (Triton 3.9's rejects such masks).
             above_tokens = positions < tl.where(layer > 0, n, 0)
             if FROM_RECORD:
-                byte = tl.load(bits_ptr + nodes // 8, mask=above_tokens, other=0)
+                # Addresses in the row for masked positions too (see candidate_tile's clamp).
+                byte = tl.load(bits_ptr + tl.where(above_tokens, nodes, 0) // 8, mask=above_tokens, other=0)
                 selected = (byte.to(tl.int32) >> (nodes % 8)) & 1
             else:
                 selected = tl.load(flags_ptr + positions, mask=above_tokens, other=0)

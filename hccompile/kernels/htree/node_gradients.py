@@ -108,6 +108,7 @@ if triton is not None:
         rows = tl.arange(0, QUERIES * G_ROWS)
         g = rows % G_ROWS
         head_ok = g < G
+        head = h * G + tl.minimum(g, G - 1)  # padded rows address a real head (they are masked)
         dkr1 = tl.zeros([BLOCK_N, KH_PAD], tl.float32)
         dkr2 = tl.zeros([BLOCK_N, KH_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, V_PAD], tl.float32)
@@ -115,11 +116,14 @@ if triton is not None:
             entry = e0 + rows // G_ROWS
             row_ok = (entry < end) & head_ok
             if IS_TOP:
-                t = entry.to(tl.int32)
+                # Clamped: rows past T are masked, but their addresses must stay in bounds too (a
+                # pipeliner's speculative load, see tiles.candidate_tile).
+                t = tl.minimum(entry, T - 1).to(tl.int32)
                 tile_start = t * 0 + first  # buffer positions are node indices at the top
             else:
-                t = tl.load(queries_ptr + entry, mask=row_ok, other=0)
-                tile_start = tl.load(ranks_ptr + entry, mask=row_ok, other=0) * r
+                listed = tl.where(entry < end, entry, begin)  # an address in the list for masked rows
+                t = tl.load(queries_ptr + listed, mask=row_ok, other=0)
+                tile_start = tl.load(ranks_ptr + listed, mask=row_ok, other=0) * r
             # n - 1, the query's buffer position at this layer: the top offers t // span + 1
             # candidates, each layer below (parents kept - 1) * r + its own offset + 1.
             top_span = tl.load(layer_ptr + (num_layers - 1) * 4 + 3).to(tl.int32)
@@ -131,7 +135,7 @@ if triton is not None:
             angle = tl.maximum(n - 1 - tile_start, 0)
             q_mask = row_ok[:, None] & (cols_k[None, :] < KH)
             q_rows = (q_ptr + b.to(tl.int64) * stride_qb + t.to(tl.int64)[:, None] * stride_qt
-                      + (h * G + g)[:, None] * stride_qh)
+                      + head[:, None] * stride_qh)
             q1 = tl.load(q_rows + cols_k[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
             q2 = tl.load(q_rows + (KH + cols_k[None, :]) * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
             table_q = angle[:, None] * KH + cols_k[None, :]
@@ -146,15 +150,16 @@ if triton is not None:
             merge = row_ok[:, None] & node_ok[None, :] & (nodes[None, :] <= (t // span)[:, None])
             if SELECTS:
                 bit_rows = ((b * H_KV + h).to(tl.int64) * T + t.to(tl.int64)) * bit_bytes
-                byte = tl.load(bits_ptr + bit_rows[:, None] + (nodes // 8)[None, :], mask=merge, other=0)
+                in_row = tl.where(node_ok, nodes, 0) // 8  # in bounds for the masked columns too
+                byte = tl.load(bits_ptr + bit_rows[:, None] + in_row[None, :], mask=merge, other=0)
                 merge = merge & (((byte.to(tl.int32) >> (nodes % 8)[None, :]) & 1) == 0)
-            stat_rows = (b.to(tl.int64) * T + t) * (H_KV * G) + h * G + g
+            stat_rows = (b.to(tl.int64) * T + t) * (H_KV * G) + head
             lse = tl.load(lse_ptr + stat_rows, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + stat_rows, mask=row_ok, other=0.0)
             probs = tl.where(merge, tl.exp(tl.where(merge, scores - lse[:, None], 0.0)), 0.0)
             do_mask = row_ok[:, None] & (cols_v[None, :] < V)
             do_rows = (do_ptr + b.to(tl.int64) * stride_dob + t.to(tl.int64)[:, None] * stride_dot
-                       + (h * G + g)[:, None] * stride_doh)
+                       + head[:, None] * stride_doh)
             do = tl.load(do_rows + cols_v[None, :] * stride_dod, mask=do_mask, other=0.0).to(DOT_DTYPE)
             dprobs = dot(do, tl.trans(values), DOT_PRECISION, UPCAST_OPERANDS)
             dscores_t = tl.trans((probs * (dprobs - delta[:, None]) * scale).to(DOT_DTYPE))
