@@ -107,9 +107,9 @@ if triton is not None:
         stride_dqb, stride_dqt, stride_dqh, stride_dqd,
         B, T, H_KV, G, KH, V, num_layers, r, top_k, pooled_nodes, all_nodes, n_items, n_programs, scale,
         HAS_DLSE: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr,
-        RECORD: tl.constexpr, KEY_GRADS: tl.constexpr, FROM_RECORD: tl.constexpr, G_PAD: tl.constexpr,
-        KH_PAD: tl.constexpr,
-        V_PAD: tl.constexpr, BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr,
+        RECORD: tl.constexpr, KEY_GRADS: tl.constexpr, FROM_RECORD: tl.constexpr,
+        G_PAD: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr,
+        BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
     ):
@@ -263,10 +263,13 @@ def htree_backward(
     items = batch * kv_heads * time
     is_interpreted = interpreted(_htree_backward_kernel)
     programs = num_programs(q.device, items, is_interpreted)
-    scores = torch.empty((programs, group, plan.select_pad), dtype=torch.float32, device=q.device)
-    keys = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
-    flags = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
-    parents = torch.empty((programs, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
+    from_record = selections is not None
+    # The selection's scratch rows per program; reading the forward's selections needs none.
+    rows = 1 if from_record else programs
+    scores = torch.empty((rows, group, plan.select_pad), dtype=torch.float32, device=q.device)
+    keys = torch.empty((rows, plan.select_pad), dtype=torch.int32, device=q.device)
+    flags = torch.empty((rows, plan.select_pad), dtype=torch.int32, device=q.device)
+    parents = torch.empty((rows, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
     num_layers = len(plan.layer_sizes)
     if node_gradients is None:
         node_gradients = tiles.NODE_GRADIENTS
@@ -275,7 +278,6 @@ def htree_backward(
     fill = float("nan") if node_gradients else 0.0
     dk_nodes = torch.full((batch, kv_heads, plan.all_nodes, key_dim), fill, dtype=torch.float32, device=q.device)
     dv_nodes = torch.full((batch, kv_heads, plan.all_nodes, value_dim), fill, dtype=torch.float32, device=q.device)
-    from_record = selections is not None
     record = None
     if from_record:
         if tuple(selections.shape) != (num_layers, batch, time, kv_heads, cfg.top_k) or selections.dtype != torch.int32:
