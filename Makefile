@@ -57,9 +57,10 @@ test-triton-oldest: $(VENV_OLDEST)/.installed-stamp
 # python3 (its preinstalled torch and Triton), installs this package there without dependencies (the
 # `hc` entry point), and writes benchmarks/results/gpu-suite.txt. A copied tree may have no .git:
 # pass the commit, `make test-gpu COMMIT=<sha>`. GPU_MEMORY_GIB is the bound each test must fit in
-# (14 workers x 4.75 GiB plus their CUDA contexts fit an 80 GB card). tests/gpu_durations.json (seconds
-# per test, per file, from an earlier run; refresh it from .gpu-suite/durations.json) starts the
-# slowest chunks first.
+# (14 workers x 4.75 GiB plus their CUDA contexts fit an 80 GB card). tests/gpu_durations.json (each
+# test's seconds and each file's per test, from an earlier run; refresh it from .gpu-suite/durations.json)
+# cuts the chunks to even expected times and starts the slowest first. Tests marked multi_gpu run in
+# chunks that see every GPU (on a one-GPU machine they skip).
 GPU_PYTHON ?= python3
 # Every GPU of the machine takes 14 workers (worker i sees only GPU i mod GPU_COUNT): on two cards the
 # suite compiles on twice the cores, which is most of its time.

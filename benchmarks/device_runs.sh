@@ -7,6 +7,13 @@
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
+#   htree   htree (atomics and node-stationary node gradients) against SDPA, T 32K and 128K (issue 19)
+#   htree-profile  per-kernel GPU time of htree (both backward versions) and SDPA at B1 T32K     (issue 19)
+#   htree-tune  htree's launch knobs at T 32K (tile, warps, programs per SM) into diag_ rows,
+#               which targets.py does not read                                           (issue 19)
+#
+# Each run is cut at RUN_LIMIT_S seconds (default 240) so that one slow run leaves time to the next;
+# rows are appended as measured, so a cut run keeps what it finished.
 #
 # Raw rows go to $OUT (or benchmarks/results when OUT is unset), named <bench>_<date>_<device>_<commit>.jsonl;
 # copy them under benchmarks/results and commit them so that benchmarks/targets.py reads them.
@@ -18,18 +25,36 @@ gpus=$(nvidia-smi -L | grep -c '^GPU')
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ .*//' | tr 'A-Z' 'a-z')
 tag="${day}_${device}x${gpus}_$(echo "$commit" | cut -c1-7)"
 export HCCOMPILE_COMMIT="$commit"
+limit=${RUN_LIMIT_S:-240}
+cut_at() { timeout "$limit" "$@" || echo "=== exit $? (124: cut at $limit s): $*" | cut -c1-200; }
 for run in ${RUNS:-delta host}; do
-    echo "=== $run ($(date +%T))"
+    echo "=== $run ($(date +%T), at most $limit s)"
     case $run in
-    delta) python3 benchmarks/delta_rule.py --what kernels --ops gdn,kda --impls ours,half-keys,fla --rounds 2 \
+    delta) cut_at python3 benchmarks/delta_rule.py --what kernels --ops gdn,kda --impls ours,half-keys,fla --rounds 2 \
                --shapes B4T4096H16D128,B1T32768H16D128 --out "$out/delta_rule_$tag.jsonl" ;;
-    host) python3 benchmarks/host_overhead.py --ops floor,gdn,kda --compiled --static-launch --top 12 \
+    host) cut_at python3 benchmarks/host_overhead.py --ops floor,gdn,kda --compiled --static-launch --top 12 \
               --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
     cp) test "$gpus" -ge 2 || { echo "cp: needs two GPUs, this machine has $gpus"; continue; }
-        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        cut_at env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
             torchrun --nproc-per-node "$gpus" benchmarks/cp.py --ops gdn,kda --layouts one \
             --strategies all_gather --out "$out/cp_$tag.jsonl" ;;
-    lightning) python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
+    lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
+    htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-nodes,sdpa --rep 100 \
+               --out "$out/htree_$tag.jsonl" ;;
+    htree-profile) cut_at python3 benchmarks/profile_ops.py --ops htree,htree-nodes,sdpa --shape B1T32768H32D128 \
+                       --kv-heads 4 > "$out/diag_htree-profile_$tag.txt" 2>&1 ;;
+    htree-tune)
+        # BLOCK_C, warps, programs per SM of the walks (forward, dq); the node-gradient programs' warps
+        # and rows. A walk is latency-bound: at 8 warps and ~255 registers one program fits an SM.
+        for setting in "32 8 2 8 64" "32 4 4 8 64" "64 4 4 8 64" "16 4 4 8 64" "32 8 1 4 64" "32 8 2 8 32" \
+                       "32 8 2 4 32"; do
+            set -- $setting
+            cut_at python3 benchmarks/htree.py --seq 32768 --impls htree-nodes --rep 50 --block-c "$1" \
+                --num-warps "$2" --programs-per-sm "$3" --node-warps "$4" --node-rows "$5" \
+                --out "$out/diag_htree-tune_$tag.jsonl"
+        done
+        cut_at python3 benchmarks/htree.py --seq 32768 --impls sdpa --rep 50 \
+            --out "$out/diag_htree-tune_$tag.jsonl" ;;
     *) echo "unknown run $run"; exit 2 ;;
     esac
 done

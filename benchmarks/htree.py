@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +39,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="default")
     parser.add_argument("--causal", action="store_true", help="htree's causal selection variant")
     parser.add_argument("--reference-max-t", type=int, default=8192)
-    parser.add_argument("--impls", default="htree,sdpa,reference")
+    parser.add_argument("--impls", default="htree,sdpa,reference",
+                        help="from htree, htree-nodes (node-stationary node gradients), sdpa, reference")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     parser.add_argument("--block-c", type=int, default=None, help="tuning: kernels' candidate tile (power of 2)")
     parser.add_argument("--num-warps", type=int, default=None, help="tuning: kernels' warps per program")
+    parser.add_argument("--programs-per-sm", type=int, default=None,
+                        help="tuning: persistent programs per SM (each walks one query at a time, so this is "
+                             "how many walks an SM keeps in flight)")
+    parser.add_argument("--node-warps", type=int, default=None,
+                        help="tuning (htree-nodes): warps of the node-gradient programs")
+    parser.add_argument("--node-rows", type=int, default=None,
+                        help="tuning (htree-nodes): (query, head) rows per node-gradient tile")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     return parser.parse_args()
 
@@ -61,14 +70,30 @@ def implementation(name: str, a):
     from hccompile.kernels.htree.reference import htree_attention_ref
     from hccompile.lowering.htree import htree_attention
 
+    from hccompile.kernels.htree import tiles
+
     options = dict(CONFIGS[a.config], causal=a.causal)
-    if name == "htree":
-        return "bthd", lambda q, k, v: htree_attention(q, k, v, **options)
+    if name in ("htree", "htree-nodes"):
+        # htree-nodes: the backward's node gradients node-stationary from the selections
+        # (kernels/htree/node_gradients.py) instead of float32 atomics; set for each call, since
+        # the two share one process.
+        nodes = name == "htree-nodes"
+
+        def run(q, k, v):
+            tiles.NODE_GRADIENTS = nodes
+            return htree_attention(q, k, v, **options)
+        return "bthd", run
     if name == "reference":
         return "bthd", lambda q, k, v: htree_attention_ref(q, k, v, **options)
     if name == "sdpa":
         return "bhtd", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     raise ValueError(f"--impls: unknown implementation {name!r}")
+
+
+def _node_knobs() -> dict:
+    from hccompile.kernels.htree import node_gradients
+
+    return dict(node_warps=node_gradients.NODE_WARPS, node_rows=node_gradients.TILE_ROWS)
 
 
 def run_one(a, name: str, T: int, mode: str) -> dict:
@@ -78,6 +103,7 @@ def run_one(a, name: str, T: int, mode: str) -> dict:
 
     row = dict(impl=name, T=T, mode=mode, B=a.batch, HQ=a.heads, H_kv=a.kv_heads, D=a.dim, dtype=a.dtype,
                config=a.config, causal=a.causal, block_c=tiles.DEFAULT_BLOCK_C, num_warps=tiles.DEFAULT_NUM_WARPS,
+               programs_per_sm=tiles.PROGRAMS_PER_SM, **_node_knobs(),
                **{k: v for k, v in CONFIGS[a.config].items()})
     if name == "reference" and T > a.reference_max_t:
         return dict(row, ms=None, peak_mib=None, note=f"skipped: T > --reference-max-t={a.reference_max_t}")
@@ -127,12 +153,21 @@ def main() -> None:
         tiles.DEFAULT_BLOCK_C = a.block_c
     if a.num_warps is not None:
         tiles.DEFAULT_NUM_WARPS = a.num_warps
+    if a.programs_per_sm is not None:
+        tiles.PROGRAMS_PER_SM = a.programs_per_sm
+    from hccompile.kernels.htree import node_gradients
+
+    if a.node_warps is not None:
+        node_gradients.NODE_WARPS = a.node_warps
+    if a.node_rows is not None:
+        node_gradients.TILE_ROWS = a.node_rows
     config = CONFIGS[a.config]
     top_nodes = config["max_top_nodes"] or config["top_k"] * config["compression_rate"]
     device = torch.cuda.get_device_name()
     print(f"# htree on {device}: B={a.batch} HQ={a.heads} H_kv={a.kv_heads} D={a.dim} {a.dtype}; "
           f"r={config['compression_rate']} top_k={config['top_k']} max_top_nodes={top_nodes} "
-          f"causal={a.causal}; kernels BLOCK_C={tiles.DEFAULT_BLOCK_C} warps={tiles.DEFAULT_NUM_WARPS}; "
+          f"causal={a.causal}; kernels BLOCK_C={tiles.DEFAULT_BLOCK_C} warps={tiles.DEFAULT_NUM_WARPS} "
+          f"programs/SM={tiles.PROGRAMS_PER_SM}; "
           f"do_bench median ms\n")
     rows = []
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
@@ -140,7 +175,8 @@ def main() -> None:
         for mode in a.modes.split(","):
             for name in a.impls.split(","):
                 row = run_one(a, name, T, mode)
-                row.update(device=device, torch=torch.__version__, time=stamp)
+                row.update(device=device, torch=torch.__version__, time=stamp,
+                           commit=os.environ.get("HCCOMPILE_COMMIT", "?"))
                 rows.append(row)
                 if a.out:
                     with open(a.out, "a") as f:
@@ -152,8 +188,8 @@ def main() -> None:
     speedups = {(r["T"], r["mode"]): r for r in rows if r["impl"] == "sdpa" and r["ms"]}
     for r in rows:
         dense = speedups.get((r["T"], r["mode"]))
-        if r["impl"] == "htree" and r["ms"] and dense:
-            print(f"T={r['T']} {r['mode']}: htree / dense SDPA time = {r['ms'] / dense['ms']:.2f}")
+        if r["impl"].startswith("htree") and r["ms"] and dense:
+            print(f"T={r['T']} {r['mode']}: {r['impl']} / dense SDPA time = {r['ms'] / dense['ms']:.2f}")
 
 
 if __name__ == "__main__":

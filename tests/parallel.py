@@ -10,7 +10,8 @@ costs only its chunk: its unreported tests count as errors. Usage, from the repo
     python tests/parallel.py -n 8 tests/kernels/test_delta_rule_chunk.py tests/test_delta_rule_ops.py
     python tests/parallel.py -n 4 tests/kernels -- -m gpu        # after --: options for every worker
     python tests/parallel.py -n 12 --gpu-memory-gib 5.5 --report suite.txt --commit SHA tests
-    python tests/parallel.py -n 28 --gpus 2 tests                # worker i sees only GPU i mod 2
+    python tests/parallel.py -n 28 --gpus 2 tests                # worker i sees only GPU i mod 2,
+                                                                 # a multi_gpu test sees both
 
 With --gpu-memory-gib each worker's CUDA caching allocator is capped at that many GiB
 (HCCOMPILE_TEST_GPU_MEMORY_GIB, read by tests/conftest.py): the stated bound every test must fit.
@@ -35,38 +36,102 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def collect(paths: list[str], extra: list[str]) -> list[str]:
-    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             *extra, *paths], capture_output=True, text=True)
-    if result.returncode == 5:  # pytest's "no tests collected"
-        return []
-    if result.returncode != 0:
-        raise SystemExit(f"collection failed (exit {result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-    return [line.strip() for line in result.stdout.splitlines() if "::" in line]
+# Written next to the collection's logs and loaded with -p: it lists each collected id with its
+# markers, so one collection gives both the ids and the multi_gpu ones.
+_MARKERS_PLUGIN = """
+import json, os
+def pytest_collection_finish(session):
+    with open(os.environ["PARALLEL_COLLECTED"], "w") as f:
+        json.dump([[item.nodeid, sorted({m.name for m in item.iter_markers()})] for item in session.items], f)
+"""
 
 
-def chunk(ids: list[str], size: int) -> list[list[str]]:
-    """Consecutive ids of one file, at most `size` per chunk, in collection order."""
+def collect(paths: list[str], extra: list[str]) -> dict[str, list[str]]:
+    """{test id: its marker names}, in collection order."""
+    with tempfile.TemporaryDirectory(prefix="parallel-collect-") as folder:
+        (Path(folder) / "parallel_collect_plugin.py").write_text(_MARKERS_PLUGIN)
+        listing = Path(folder) / "collected.json"
+        env = {**os.environ, "PARALLEL_COLLECTED": str(listing),
+               "PYTHONPATH": os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))}
+        result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                 "-p", "parallel_collect_plugin", *extra, *paths],
+                                capture_output=True, text=True, env=env)
+        if result.returncode == 5:  # pytest's "no tests collected"
+            return {}
+        if result.returncode != 0 or not listing.exists():
+            raise SystemExit(f"collection failed (exit {result.returncode}):\n{result.stdout[-3000:]}"
+                             f"{result.stderr[-3000:]}")
+        return {test_id: markers for test_id, markers in json.loads(listing.read_text())}
+
+
+def file_of(test_id: str) -> str:
+    return test_id.split("::")[0]
+
+
+@dataclass
+class Durations:
+    """Seconds of an earlier run: per test id (its JUnit time) and per test of each file (a chunk's
+    wall time over its test count, process start included), for ids the run did not have. A file
+    without a record counts as the slowest file on record: new files are often slow (on the H100,
+    2026-11-25, the unrecorded client tests ran last and left a ~100 s tail)."""
+    tests: dict[str, float] = field(default_factory=dict)
+    files: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: str | Path | None) -> "Durations":
+        if not path or not Path(path).exists():
+            return cls()
+        data = json.loads(Path(path).read_text())
+        if "files" in data or "tests" in data:
+            return cls(tests=data.get("tests", {}), files=data.get("files", {}))
+        return cls(files=data)   # the first format: {file: seconds per test}
+
+    def expected(self, test_id: str) -> float:
+        if test_id in self.tests:
+            return self.tests[test_id]
+        return self.files.get(file_of(test_id), max(self.files.values(), default=1.0))
+
+    def __bool__(self) -> bool:
+        return bool(self.tests or self.files)
+
+
+def chunk(ids: list[str], size: int, durations: Durations | None = None,
+          seconds: float | None = None) -> list[list[str]]:
+    """Consecutive ids of one file, at most `size` per chunk, in collection order. With `durations`
+    and `seconds`, a chunk also closes before its expected time would pass `seconds`: a file of slow
+    tests becomes several chunks that run at once instead of one that ends the run alone (on two
+    H200s, 2026-11-27, six test_hc_fuse tests made one 1018 s chunk, the run's last)."""
     chunks: list[list[str]] = []
+    spent = 0.0
     for test_id in ids:
-        same_file = chunks and chunks[-1][0].split("::")[0] == test_id.split("::")[0]
-        if same_file and len(chunks[-1]) < size:
+        cost = durations.expected(test_id) if durations and seconds else 0.0
+        same_file = chunks and file_of(chunks[-1][0]) == file_of(test_id)
+        if same_file and len(chunks[-1]) < size and (not seconds or spent + cost <= seconds):
             chunks[-1].append(test_id)
+            spent += cost
         else:
             chunks.append([test_id])
+            spent = cost
     return chunks
 
 
-def longest_first(chunks: list[list[str]], seconds_per_test: dict[str, float]) -> list[list[str]]:
-    """Chunks in decreasing expected time (seconds per test of their file, from an earlier run), so
-    that the slowest start first and none is left alone at the end (a greedy longest-processing-time
-    schedule). A file without a record counts as the slowest on record: new files are often slow
-    (on the H100, 2026-11-25, the unrecorded client tests ran last and left a ~100 s tail)."""
-    unknown = max(seconds_per_test.values(), default=1.0)
+def longest_first(chunks: list[list[str]], durations: Durations | dict[str, float]) -> list[list[str]]:
+    """Chunks in decreasing expected time, so that the slowest start first and none is left alone at
+    the end (a greedy longest-processing-time schedule)."""
+    if not isinstance(durations, Durations):
+        durations = Durations(files=durations)
 
     def expected(group: list[str]) -> float:
-        return len(group) * seconds_per_test.get(group[0].split("::")[0], unknown)
+        return sum(durations.expected(test_id) for test_id in group)
     return sorted(chunks, key=expected, reverse=True)
+
+
+def chunk_seconds(ids: list[str], durations: Durations, workers: int) -> float | None:
+    """The time a chunk may be expected to take: a third of a worker's share of the whole run, so that
+    the schedule can even out; a test slower than that is a chunk of its own."""
+    if not durations:
+        return None
+    return sum(durations.expected(test_id) for test_id in ids) / (3 * workers)
 
 
 def junit_key(test_id: str) -> tuple[str, str]:
@@ -81,6 +146,7 @@ class Outcome:
     test_id: str
     status: str            # passed, failed, error, skipped
     message: str = ""
+    seconds: float = 0.0   # JUnit's time: setup, call and teardown
 
 
 def read_junit(xml_path: Path, ids: list[str]) -> dict[str, Outcome]:
@@ -104,7 +170,11 @@ def read_junit(xml_path: Path, ids: list[str]) -> dict[str, Outcome]:
                 status = {"skipped": "skipped", "failure": "failed", "error": "error"}[tag]
                 text_lines = (element.text or "").strip().splitlines()
                 message = element.get("message") or (text_lines[-1] if text_lines else "")
-        outcomes[test_id] = Outcome(test_id, status, " ".join(message.split())[:300])
+        try:
+            seconds = float(case.get("time", 0.0))
+        except ValueError:
+            seconds = 0.0
+        outcomes[test_id] = Outcome(test_id, status, " ".join(message.split())[:300], seconds)
     return outcomes
 
 
@@ -116,8 +186,10 @@ class Run:
     file_seconds: dict[str, float] = field(default_factory=dict)   # wall time of each file's chunks
     file_tests: dict[str, int] = field(default_factory=dict)
 
-    def seconds_per_test(self) -> dict[str, float]:
-        return {f: round(self.file_seconds[f] / self.file_tests[f], 2) for f in sorted(self.file_seconds)}
+    def durations(self) -> dict[str, dict[str, float]]:
+        """What the next run's --durations reads (see Durations)."""
+        return {"files": {f: round(self.file_seconds[f] / self.file_tests[f], 2) for f in sorted(self.file_seconds)},
+                "tests": {i: round(o.seconds, 2) for i, o in sorted(self.outcomes.items()) if o.seconds}}
 
 
 def worker_env(env: dict[str, str], slot: int, gpus: int) -> dict[str, str]:
@@ -130,7 +202,8 @@ def worker_env(env: dict[str, str], slot: int, gpus: int) -> dict[str, str]:
 
 
 def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir: Path, env: dict[str, str],
-               chunk_timeout: float, total: int, gpus: int = 1) -> Run:
+               chunk_timeout: float, total: int, gpus: int = 1, every_gpu: frozenset[str] = frozenset()) -> Run:
+    """Runs the chunks over `workers` processes; a chunk of ids in `every_gpu` sees all the GPUs."""
     work: queue.Queue = queue.Queue()
     for index, group in enumerate(chunks):
         work.put((index, group))
@@ -153,14 +226,15 @@ def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir:
                            f"--junitxml={xml}", *extra, *group]
                 began = time.monotonic()
                 try:
-                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=slot_env,
+                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
+                                          env=env if group[0] in every_gpu else slot_env,
                                           timeout=chunk_timeout).returncode
                     why = f"worker exited with code {code} before reporting this test (see worker{slot}.log)"
                 except subprocess.TimeoutExpired:
                     why = f"chunk {index} did not finish in {chunk_timeout:.0f} s (see worker{slot}.log)"
                 found = read_junit(xml, group)
                 with run.lock:
-                    test_file = group[0].split("::")[0]
+                    test_file = file_of(group[0])
                     run.file_seconds[test_file] = run.file_seconds.get(test_file, 0.0) + time.monotonic() - began
                     run.file_tests[test_file] = run.file_tests.get(test_file, 0) + len(group)
                     for test_id in group:
@@ -223,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default=None, help="write the suite report to this file")
     parser.add_argument("--commit", default=None, help="the commit the tree holds (required with --report)")
     parser.add_argument("--durations", default=None,
-                        help="JSON {test file: seconds per test} of an earlier run: the slowest chunks start "
-                             "first; each run writes its own to <log-dir>/durations.json")
+                        help="JSON of an earlier run's seconds per test (each run writes its own to "
+                             "<log-dir>/durations.json): chunks are cut to even expected times and the "
+                             "slowest start first")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("paths", nargs="+")
     options = parser.parse_args(argv)
@@ -237,15 +312,22 @@ def main(argv: list[str] | None = None) -> int:
     if options.report and not options.commit:
         parser.error("--report needs --commit SHA (a copied tree may have no .git to read it from)")
     start = time.monotonic()
-    ids = collect(options.paths, extra)
+    collected = collect(options.paths, extra)
+    ids = list(collected)
     if not ids:
         print("no tests collected")
         return 0
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pytest-parallel-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    chunks = chunk(ids, options.chunk)
-    if options.durations and Path(options.durations).exists():
-        chunks = longest_first(chunks, json.loads(Path(options.durations).read_text()))
+    durations = Durations.read(options.durations)
+    # With several GPUs each worker sees one; tests marked multi_gpu get chunks of their own that see
+    # them all (they start processes over the GPUs themselves).
+    every_gpu = frozenset(i for i, markers in collected.items() if options.gpus > 1 and "multi_gpu" in markers)
+    seconds = chunk_seconds(ids, durations, options.workers)
+    chunks = (chunk([i for i in ids if i not in every_gpu], options.chunk, durations, seconds)
+              + chunk([i for i in ids if i in every_gpu], options.chunk))
+    if durations:
+        chunks = longest_first(chunks, durations)
     workers = min(options.workers, len(chunks))
     print(f"{len(ids)} tests in {len(chunks)} chunks over {workers} workers; logs in {log_dir}", flush=True)
     env = dict(os.environ)
@@ -253,12 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     # workers on 16 cores may start 16 compile processes each, every one importing torch. The
     # workers are the parallelism here: each compiles in its own process (a caller's setting wins).
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # Likewise torch's CPU ops: each process would start a thread per core (the GPU machine's CPU
+    # tests ran with 28 x 32 threads on 32 cores, 2026-11-27, load average 50).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     if options.gpu_memory_gib:
         env["HCCOMPILE_TEST_GPU_MEMORY_GIB"] = str(options.gpu_memory_gib)
-    run = run_chunks(chunks, workers, extra, log_dir, env, options.chunk_timeout, len(ids), options.gpus)
+    run = run_chunks(chunks, workers, extra, log_dir, env, options.chunk_timeout, len(ids), options.gpus, every_gpu)
     outcomes = [run.outcomes[i] for i in ids]
     seconds = time.monotonic() - start
-    (log_dir / "durations.json").write_text(json.dumps(run.seconds_per_test(), indent=1) + "\n")
+    (log_dir / "durations.json").write_text(json.dumps(run.durations(), indent=1) + "\n")
     for o in outcomes:
         if o.status in ("failed", "error"):
             print(f"{o.status.upper()} {o.test_id} - {o.message}")

@@ -58,12 +58,20 @@ def test_opcheck_forward_and_backward(mode, causal, sort_mode):
     torch.library.opcheck(htree_attention_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(),
                                                *options))
     with torch.no_grad():
-        o, lse = htree_attention_op(q, k, v, *options)
+        o, lse, selections = htree_attention_op(q, k, v, *options)
+    assert selections.numel() == 0  # not asked to save them
     do, dlse = torch.randn_like(o), torch.randn_like(lse)
     detached = [t.detach() for t in (q, k, v)]
     torch.library.opcheck(htree_attention_backward_op, (*detached, o, lse, do, dlse, *options))
     torch.library.opcheck(htree_attention_backward_op, (*detached, o, lse, do, None, *options),
                           test_utils=("test_schema", "test_faketensor"))
+    if mode == "kernels":
+        # The forward's selections saved for the backward, which reads them instead of selecting.
+        torch.library.opcheck(htree_attention_op, (q, k, v, *options, True))
+        with torch.no_grad():
+            o, lse, selections = htree_attention_op(q.detach(), k.detach(), v.detach(), *options, True)
+        assert selections.shape == (3, 1, 5, k.shape[2], 2) and selections.dtype == torch.int32
+        torch.library.opcheck(htree_attention_backward_op, (*detached, o, lse, do, dlse, *options, selections))
 
 
 GRADIENT_CASES = {
@@ -93,6 +101,40 @@ def test_outputs_and_gradients_match_float64_reference(name, mode):
     for leaf_name, grad, grad_ref in zip("qkv", grads, grads_ref):
         assert grad.dtype == torch.float32
         assert rel_err(grad, grad_ref) < TOLERANCE, leaf_name
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_CASES))
+def test_forward_selections_reach_the_node_stationary_backward(name, monkeypatch):
+    """tiles.NODE_GRADIENTS: the forward op saves its selections, the backward op reads them (and
+    writes the node gradients without atomics); gradients as the reference's."""
+    if not KERNELS_CAN_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
+    from hccompile.kernels.htree import backward as htree_backward_module, tiles
+
+    monkeypatch.setattr(tiles, "NODE_GRADIENTS", True)
+    given = []
+    original = htree_backward_module.htree_backward
+
+    def spy(*args, **kwargs):
+        given.append(kwargs.get("selections"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("hccompile.lowering.htree.htree_backward", spy)
+    input_kwargs, options = GRADIENT_CASES[name]
+    leaves = [x.requires_grad_() for x in make_inputs(seed=4, **input_kwargs)]
+    o, lse = htree_attention(*leaves, return_lse=True, **options)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    grads = torch.autograd.grad((o, lse), leaves, (do, dlse))
+    assert len(given) == 1 and given[0] is not None and given[0].dtype == torch.int32
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    o_ref, lse_ref = htree_attention_ref(*as64, return_lse=True, **options)
+    grads_ref = torch.autograd.grad((o_ref, lse_ref), as64, (do.double(), dlse.double()))
+    for leaf_name, grad, grad_ref in zip("qkv", grads, grads_ref):
+        assert rel_err(grad, grad_ref) < TOLERANCE, leaf_name
+    # Without a gradient wanted, nothing is saved.
+    with torch.no_grad():
+        assert htree_attention_op(*[t.detach() for t in leaves], 2, 2, 4, 0.4, 100.0, False, "exact",
+                                  False)[2].numel() == 0
 
 
 def test_float64_runs_the_reference_and_only_lse_may_be_used(mode):

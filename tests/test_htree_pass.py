@@ -138,6 +138,35 @@ def test_kernels_through_the_pipeline():
     assert len(be.matches) == 1
 
 
+def test_kernels_through_the_pipeline_with_the_forwards_selections(monkeypatch):
+    """With the node-stationary backward on, the lowered op keeps its selections for the backward
+    (the graph is differentiated, so the pass asks for them) and the backward reads them; outputs
+    and gradients as eager's."""
+    import hccompile.lowering.htree as lowering
+    from hccompile.kernels.htree import tiles
+
+    if lowering.implementation("cpu") == "reference":
+        pytest.skip("the kernels' path: TRITON_INTERPRET=1 on the CPU")
+    monkeypatch.setattr(tiles, "NODE_GRADIENTS", True)
+    seen = {"forward": [], "backward": []}
+    forward, backward = lowering.htree_forward, lowering.htree_backward
+
+    def forward_spy(*args, **kwargs):
+        seen["forward"].append(kwargs.get("record_selections"))
+        return forward(*args, **kwargs)
+
+    def backward_spy(*args, **kwargs):
+        seen["backward"].append(kwargs.get("selections") is not None)
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(lowering, "htree_forward", forward_spy)
+    monkeypatch.setattr(lowering, "htree_backward", backward_spy)
+    module, x = module_and_input(T=20, B=1, heads=2, kv_heads=1, compression_rate=3, top_k=2, max_top_nodes=3)
+    be = compile_and_compare(module, x, Collect(compiler="aot_eager"))
+    assert len(be.matches) == 1
+    assert True in seen["forward"] and True in seen["backward"], seen
+
+
 def _no_forced_rightmost(importance, valid, is_rightmost, sort_mode, index_bits):
     return importance.masked_fill(~valid, -1.0)
 

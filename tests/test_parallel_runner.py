@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel import chunk, junit_key, longest_first
+from parallel import Durations, chunk, chunk_seconds, junit_key, longest_first
 
 RUNNER = Path(__file__).with_name("parallel.py")
 
@@ -23,9 +23,37 @@ def test_chunks_keep_one_file_and_a_size_limit():
     assert longest_first(groups, {}) == [groups[2], groups[1], groups[0], groups[3]]
 
 
-def run_runner(tmp_path, *args, env=None):
+def test_chunks_cut_by_expected_seconds_and_ordered_by_test_times():
+    """A file of slow tests becomes several chunks; a test's own time beats its file's average; a
+    test slower than the cut is a chunk of its own; the first durations format still reads."""
+    durations = Durations(tests={"a.py::slow": 100.0, "a.py::t1": 10.0, "a.py::t2": 10.0, "b.py::t1": 1.0},
+                          files={"a.py": 30.0, "b.py": 1.0})
+    ids = ["a.py::t1", "a.py::slow", "a.py::t2", "a.py::t3", "b.py::t1", "b.py::t2"]
+    assert durations.expected("a.py::t3") == 30.0 and durations.expected("c.py::x") == 30.0
+    assert chunk(ids, 6, durations, 40.0) == [["a.py::t1"], ["a.py::slow"], ["a.py::t2", "a.py::t3"],
+                                              ["b.py::t1", "b.py::t2"]]
+    assert chunk(ids, 6) == [ids[:4], ids[4:]]                     # no durations: by count only
+    assert chunk_seconds(ids, durations, 2) == (10 + 100 + 10 + 30 + 1 + 1) / 6
+    assert chunk_seconds(ids, Durations(), 2) is None
+    order = longest_first(chunk(ids, 6, durations, 40.0), durations)
+    assert order[0] == ["a.py::slow"] and order[-1] == ["b.py::t1", "b.py::t2"]
+    assert Durations(files={"a.py": 2.0}).expected("a.py::x") == 2.0
+
+
+def test_durations_files_read_both_formats(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"a.py": 3.0}))
+    assert Durations.read(old) == Durations(files={"a.py": 3.0})
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"files": {"a.py": 3.0}, "tests": {"a.py::t": 7.5}}))
+    assert Durations.read(new).expected("a.py::t") == 7.5
+    assert not Durations.read(tmp_path / "absent.json")
+
+
+def run_runner(tmp_path, *args, env=None, drop=()):
+    environment = {name: value for name, value in os.environ.items() if name not in drop}
     return subprocess.run([sys.executable, str(RUNNER), *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+                          timeout=300, env={**environment, **(env or {})})
 
 
 def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
@@ -64,12 +92,15 @@ def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
     assert any("test_crash" in line for line in crashed), lines
     assert lines[-1].startswith("5 passed, 1 skipped, 1 failed, 2 errors in "), lines[-1]
     durations = json.loads((tmp_path / "logs" / "durations.json").read_text())
-    assert list(durations) == ["test_sample.py"] and durations["test_sample.py"] > 0
+    assert list(durations["files"]) == ["test_sample.py"] and durations["files"]["test_sample.py"] > 0
+    assert "test_sample.py::test_square[0]" in durations["tests"]
 
-    # each worker compiles in its own process: no Inductor compile pool per worker
+    # each worker compiles in its own process: no Inductor compile pool per worker, and torch's CPU
+    # threads are the machine's cores shared over the workers
     (tmp_path / "test_sample.py").write_text(
-        "import os\ndef test_ok():\n    assert os.environ['TORCHINDUCTOR_COMPILE_THREADS'] == '1'\n")
-    result = run_runner(tmp_path, "-n", "2", "test_sample.py", "--", "-x")
+        "import os\ndef test_ok():\n    assert os.environ['TORCHINDUCTOR_COMPILE_THREADS'] == '1'\n"
+        "    assert int(os.environ['OMP_NUM_THREADS']) == max(1, (os.cpu_count() or 1) // 1)\n")
+    result = run_runner(tmp_path, "-n", "2", "test_sample.py", "--", "-x", drop=("OMP_NUM_THREADS",))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 tests in 1 chunks over 1 workers" in result.stdout and "1 passed" in result.stdout
 
@@ -92,3 +123,26 @@ def test_workers_spread_over_the_gpus(tmp_path):
     result = run_runner(tmp_path, "-n", "4", "--chunk", "1", "test_gpus.py", env=env_patch)
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(seen.read_text().split()) == {"inherited"}
+
+
+def test_multi_gpu_tests_see_every_gpu(tmp_path):
+    """A test marked multi_gpu runs in a chunk that sees the GPUs as inherited; the others see one."""
+    (tmp_path / "test_multi.py").write_text(
+        "import os, pytest\n"
+        "def record(name):\n"
+        "    with open(os.environ['SEEN'], 'a') as f:\n"
+        "        f.write(name + '=' + os.environ.get('CUDA_VISIBLE_DEVICES', '-') + '\\n')\n"
+        "@pytest.mark.multi_gpu\n"
+        "def test_both():\n"
+        "    record('both')\n"
+        "@pytest.mark.parametrize('i', range(3))\n"
+        "def test_one(i):\n"
+        "    record('one')\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    multi_gpu: several GPUs\n")
+    seen = tmp_path / "seen.txt"
+    result = run_runner(tmp_path, "-n", "2", "--gpus", "2", "test_multi.py",
+                        env={"SEEN": str(seen), "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = seen.read_text().split()
+    assert lines.count("both=0,1") == 1 and len(lines) == 4
+    assert all(line in ("one=0", "one=1") for line in lines if line.startswith("one")), lines

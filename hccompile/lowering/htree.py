@@ -7,11 +7,16 @@ decisions on the points the seed leaves open are those of hccompile/kernels/htre
 and the backward op in the backward graph:
 
     hccompile::htree_attention(Tensor q, Tensor k, Tensor v, int compression_rate, int top_k,
-        int max_top_nodes, float scale, float rope_base, bool causal, str sort_mode)
-        -> (Tensor o, Tensor lse)
+        int max_top_nodes, float scale, float rope_base, bool causal, str sort_mode,
+        bool save_selections=False) -> (Tensor o, Tensor lse, Tensor selections)
     hccompile::htree_attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
         Tensor do, Tensor? dlse, int compression_rate, int top_k, int max_top_nodes, float scale,
-        float rope_base, bool causal, str sort_mode) -> (Tensor dq, Tensor dk, Tensor dv)
+        float rope_base, bool causal, str sort_mode, Tensor? selections=None) -> (Tensor dq, Tensor dk, Tensor dv)
+
+selections: with save_selections, on the kernels' path, the forward's selected nodes [L, B, T, H_kv,
+top_k] int32 (kernels/htree/forward.py), which the backward then reads instead of selecting again;
+otherwise an empty int32 tensor. htree_attention saves them when the node-stationary backward is
+on (kernels/htree/tiles.NODE_GRADIENTS) and a gradient is wanted.
 
 o has v's dtype; lse [B, T, H] is the log of each output row's softmax normaliser, float32
 (float64 for float64 inputs); it is differentiable too (a gradient into it shifts the softmax
@@ -44,7 +49,9 @@ from ..compat import autograd_recording as _autograd_recording
 from ..kernels._triton import triton_available
 from ..kernels.htree.backward import htree_backward
 from ..kernels.htree.forward import htree_forward
-from ..kernels.htree.reference import HTreeConfig, htree_attention_ref, resolve_htree_config
+from ..kernels.htree import tiles as htree_tiles
+from ..kernels.htree.reference import (HTreeConfig, htree_attention_ref, htree_layer_sizes, htree_selections,
+                                      resolve_htree_config)
 from ..kernels.htree.tiles import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._symbols import symbols_explained
 
@@ -53,6 +60,7 @@ __all__ = [
     "htree_attention_backward_op",
     "htree_attention_op",
     "implementation",
+    "saves_selections",
 ]
 
 DEFAULT_COMPRESSION_RATE = 16
@@ -134,30 +142,56 @@ def implementation(device: torch.device | str, dtype: torch.dtype = torch.float3
 # Forward op
 
 
+def _selections_shape(q: Tensor, k: Tensor, cfg: HTreeConfig, save_selections: bool) -> tuple[int, ...]:
+    """The forward's selections output: [L, B, T, H_kv, top_k] when saved, else empty; the same on
+    either path (the reference computes its own). L, the tree's depth,
+    depends on T: a symbolic T gets guards on the depth's thresholds (T <= max_top_nodes * r^l),
+    so one graph serves the lengths of one depth."""
+    if not save_selections:
+        return (0,)
+    batch, time = q.shape[:2]
+    layers = len(htree_layer_sizes(time, cfg.compression_rate, cfg.max_top_nodes))
+    return (layers, batch, time, k.shape[2], cfg.top_k)
+
+
 @torch.library.custom_op("hccompile::htree_attention", mutates_args=())
 def htree_attention_op(
     q: Tensor, k: Tensor, v: Tensor, compression_rate: int, top_k: int, max_top_nodes: int, scale: float,
-    rope_base: float, causal: bool, sort_mode: str,
-) -> tuple[Tensor, Tensor]:
+    rope_base: float, causal: bool, sort_mode: str, save_selections: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
     _check_dtypes(q, k, v)
+    selections = None
     if _uses_triton(q):
-        o, lse, _ = htree_forward(q, k, v, cfg)
+        o, lse, selections = htree_forward(q, k, v, cfg, record_selections=save_selections)
     else:
         with torch.no_grad():
             o, lse = htree_attention_ref(q, k, v, compression_rate=compression_rate, top_k=top_k,
                                          max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base,
                                          causal=causal, sort_mode=sort_mode, return_lse=True)
-    return o.to(v.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous()
+    if selections is None:
+        # The reference path's selections are its own, so whichever path the backward takes reads
+        # the right ones.
+        selections = torch.full(_selections_shape(q, k, cfg, save_selections), -1, dtype=torch.int32,
+                                device=q.device)
+        if save_selections:
+            layers = htree_selections(q.detach(), k.detach(), compression_rate=compression_rate, top_k=top_k,
+                                      max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base, causal=causal,
+                                      sort_mode=sort_mode)
+            for layer in layers[1:]:
+                selections[layer.layer] = layer.selected.to(torch.int32)
+    return o.to(v.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous(), selections
 
 
 @htree_attention_op.register_fake
 @symbols_explained
-def _htree_attention_fake(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode):
-    _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+def _htree_attention_fake(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode,
+                          save_selections=False):
+    cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
     _check_dtypes(q, k, v)
     batch, time, heads, _ = q.shape
-    return v.new_empty((batch, time, heads, v.shape[3])), q.new_empty((batch, time, heads), dtype=_lse_dtype(q))
+    return (v.new_empty((batch, time, heads, v.shape[3])), q.new_empty((batch, time, heads), dtype=_lse_dtype(q)),
+            q.new_empty(_selections_shape(q, k, cfg, save_selections), dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------------------
@@ -181,13 +215,15 @@ def _reference_backward(q, k, v, do, dlse, options):
 def htree_attention_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, compression_rate: int,
     top_k: int, max_top_nodes: int, scale: float, rope_base: float, causal: bool, sort_mode: str,
+    selections: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
     _check_dtypes(q, k, v)
     _check_backward_inputs(q, v, o, lse, do, dlse)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q):
-        dq, dk, dv, _ = htree_backward(q, k, v, o.to(v.dtype), lse, do.to(v.dtype), cfg, dlse)
+        saved = selections if selections is not None and selections.numel() > 0 else None
+        dq, dk, dv, _ = htree_backward(q, k, v, o.to(v.dtype), lse, do.to(v.dtype), cfg, dlse, selections=saved)
     else:
         options = dict(compression_rate=compression_rate, top_k=top_k, max_top_nodes=max_top_nodes, scale=scale,
                        rope_base=rope_base, causal=causal, sort_mode=sort_mode)
@@ -198,7 +234,7 @@ def htree_attention_backward_op(
 @htree_attention_backward_op.register_fake
 @symbols_explained
 def _htree_attention_backward_fake(q, k, v, o, lse, do, dlse, compression_rate, top_k, max_top_nodes, scale,
-                                   rope_base, causal, sort_mode):
+                                   rope_base, causal, sort_mode, selections=None):
     _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
     _check_backward_inputs(q, v, o, lse, do, dlse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -210,19 +246,22 @@ def _htree_attention_backward_fake(q, k, v, o, lse, do, dlse, compression_rate, 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, *options = inputs
-    o, lse = output
-    # The backward recomputes the tree and the selections from q, k, v; o and lse are saved.
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = options
+    o, lse, selections = output
+    # The backward recomputes the tree (and the selections, unless the forward saved them) from
+    # q, k, v; o and lse are saved.
+    ctx.save_for_backward(q, k, v, o, lse, selections)
+    ctx.options = options[:7]  # without save_selections
+    ctx.mark_non_differentiable(selections)
 
 
-def _backward(ctx, do: Tensor | None, dlse: Tensor | None):
-    q, k, v, o, lse = ctx.saved_tensors
+def _backward(ctx, do: Tensor | None, dlse: Tensor | None, _dselections: Tensor | None = None):
+    q, k, v, o, lse, selections = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = htree_attention_backward_op(q, k, v, o, lse, do.contiguous(),
-                                             None if dlse is None else dlse.contiguous(), *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                             None if dlse is None else dlse.contiguous(), *ctx.options,
+                                             selections if selections.numel() > 0 else None)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 htree_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -230,6 +269,14 @@ htree_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------------------
 # Public function
+
+
+def saves_selections(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the forward op should keep its selections for the backward (save_selections): with
+    the node-stationary backward (off until timed, tiles.NODE_GRADIENTS) and when a gradient will
+    be taken. The htree pass asks it too, with the graph's example values."""
+    return bool(htree_tiles.NODE_GRADIENTS) and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v))
 
 
 def htree_attention(
@@ -264,11 +311,11 @@ def htree_attention(
             max_top_nodes = top_k * compression_rate
         if scale is None:
             scale = q.shape[-1] ** -0.5
-        o, lse = htree_attention_op(q, k, v, compression_rate, top_k, max_top_nodes, float(scale), float(rope_base),
-                                    causal, sort_mode)
+        o, lse, _ = htree_attention_op(q, k, v, compression_rate, top_k, max_top_nodes, float(scale),
+                                       float(rope_base), causal, sort_mode, saves_selections(q, k, v))
     else:
         cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
         _check_dtypes(q, k, v)
-        o, lse = htree_attention_op(q, k, v, cfg.compression_rate, cfg.top_k, cfg.max_top_nodes, cfg.scale,
-                                    cfg.rope_base, cfg.causal, cfg.sort_mode)
+        o, lse, _ = htree_attention_op(q, k, v, cfg.compression_rate, cfg.top_k, cfg.max_top_nodes, cfg.scale,
+                                       cfg.rope_base, cfg.causal, cfg.sort_mode, saves_selections(q, k, v))
     return (o, lse) if return_lse else o

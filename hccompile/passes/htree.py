@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import concrete_shape
+from ..lowering.htree import saves_selections
 from . import fx_match as M
 from .emit import EagerEmitter, Emitter, GraphEmitter
 from .fx_match import Refusal
@@ -391,9 +392,11 @@ def rewrite(inst: Instance, gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
     want = _tensor(inst.output)
     em = GraphEmitter(g, ctx.fake_mode, meta={"stack_trace": inst.output.meta.get("stack_trace")})
     with g.inserting_before(inst.output):
+        # Keep the forward's selections for the backward when the graph will be differentiated.
+        keep = saves_selections(*(_tensor(x) for x in (inst.q, inst.k, inst.v)))
         result = em.op("htree_attention", inst.q, inst.k, inst.v, o["compression_rate"], o["top_k"],
                        o["max_top_nodes"], float(o["scale"]), float(o["rope_base"]), bool(o["causal"]),
-                       o["sort_mode"])
+                       o["sort_mode"], keep)
         out = em.getitem(result, 0)
         out = _adapt(out, tuple(want.shape), inst.layout, em)
         if out.meta.get("example_value") is not None and out.meta["example_value"].dtype != want.dtype:

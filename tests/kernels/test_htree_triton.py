@@ -129,14 +129,15 @@ def test_lengths_zero_and_one():
     assert o.shape == (1, 0, 2, 8) and lse.shape == (1, 0, 2)
 
 
-def check_backward(q, k, v, *, block_c=None, with_dlse=False, **options):
+def check_backward(q, k, v, *, block_c=None, with_dlse=False, node_gradients=False, from_forward=False, **options):
     cfg, o, lse, record = check_forward(q, k, v, block_c=block_c, exact_selection=q.dtype == torch.float32,
                                         **options)
     generator = torch.Generator().manual_seed(11)
     do = torch.randn(o.shape, generator=generator).to(q.device, q.dtype)
     dlse = torch.randn(lse.shape, generator=generator).to(q.device) if with_dlse else None
     dq, dk, dv, record_bwd = htree_backward(q, k, v, o, lse, do, cfg, dlse, block_c=block_c,
-                                            record_selections=True)
+                                            record_selections=True, node_gradients=node_gradients,
+                                            selections=record.clone() if from_forward else None)
     assert torch.equal(record_bwd, record), "the backward recomputed a different selection"
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref, ref_lse = htree_attention_ref(*leaves, selections=selections_from_record(record), return_lse=True,
@@ -162,6 +163,58 @@ def test_backward_matches_autograd_through_reference(name):
     batch, time, kv_heads, group, key_dim, value_dim, dtype, options = BACKWARD_CASES[name]
     q, k, v = make_inputs(batch, time, kv_heads, group, key_dim, value_dim, dtype, seed=len(name) + 20)
     check_backward(q, k, v, **options)
+
+
+NODE_GRADIENT_CASES = {
+    **BACKWARD_CASES,
+    "one_layer": (1, 9, 1, 2, 16, 8, torch.float32, dict(compression_rate=4, top_k=3, max_top_nodes=16)),
+    "r5_two_batches_g3": (2, 33, 2, 3, 16, 12, torch.float32, dict(compression_rate=5, top_k=3, max_top_nodes=4)),
+}
+
+
+@pytest.mark.parametrize("from_forward", [False, True], ids=["reselected", "forward-selections"])
+@pytest.mark.parametrize("name", list(NODE_GRADIENT_CASES))
+def test_node_gradients_from_selections_match_reference(name, from_forward):
+    """dk and dv node-stationary from the recorded selections (node_gradients.py), every node written
+    once (the node buffers start poisoned), against autograd through the float64 reference; the
+    selections either recomputed by the dq kernel or the forward's, read by it (no selection pass)."""
+    batch, time, kv_heads, group, key_dim, value_dim, dtype, options = NODE_GRADIENT_CASES[name]
+    q, k, v = make_inputs(batch, time, kv_heads, group, key_dim, value_dim, dtype, seed=len(name) + 40)
+    check_backward(q, k, v, with_dlse=True, node_gradients=True, from_forward=from_forward, **options)
+
+
+def test_atomics_backward_from_forward_selections():
+    q, k, v = make_inputs(1, 40, 1, 2, 16, 8, torch.float32, seed=16)
+    check_backward(q, k, v, block_c=16, with_dlse=True, from_forward=True, compression_rate=4, top_k=5,
+                   max_top_nodes=12)
+
+
+def test_selection_index_lists_each_nodes_queries_with_ranks():
+    from hccompile.kernels.htree.node_gradients import selection_bits, selection_index
+
+    generator = torch.Generator().manual_seed(5)
+    batch, time, kv_heads, top_k, nodes = 2, 7, 3, 4, 9
+    selected = torch.full((batch, time, kv_heads, top_k), -1, dtype=torch.int32)
+    for b in range(batch):
+        for t in range(time):
+            for h in range(kv_heads):
+                count = int(torch.randint(0, top_k + 1, (1,), generator=generator))
+                chosen = torch.randperm(nodes, generator=generator)[:count].sort().values
+                selected[b, t, h, :count] = chosen.to(torch.int32)
+    offsets, queries, ranks = selection_index(selected, nodes)
+    bits = selection_bits(selected, nodes)
+    for b in range(batch):
+        for h in range(kv_heads):
+            for j in range(nodes):
+                owner = (b * kv_heads + h) * nodes + j
+                got = list(zip(queries[offsets[owner]:offsets[owner + 1]].tolist(),
+                               ranks[offsets[owner]:offsets[owner + 1]].tolist()))
+                want = [(t, r) for t in range(time) for r in range(top_k) if int(selected[b, t, h, r]) == j]
+                assert got == want, (b, h, j)
+                for t in range(time):
+                    bit = (int(bits[b, h, t, j // 8]) >> (j % 8)) & 1
+                    assert bit == int((selected[b, t, h] == j).any())
+    assert int(offsets[-1]) == int((selected >= 0).sum())
 
 
 def test_backward_streaming_radix_and_lse_gradient(radix_select):
@@ -209,14 +262,16 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
-def test_gpu_forward_backward(case):
-    check_gpu_case(case, *GPU_CASES[case])
+def test_gpu_forward_backward(case, node_gradients):
+    check_gpu_case(case, *GPU_CASES[case], node_gradients=node_gradients)
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_gpu_public_regime_8192_wide_selection():
+@pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
+def test_gpu_public_regime_8192_wide_selection(node_gradients):
     # The public code's regime (r=16, top_k=512, max_top_nodes=8192): T=70000 gives a top layer of
     # 4375 nodes (an 8192-wide selection in registers) and 8192 candidates per query below. The
     # kernels run every position; the float64 reference (whose autograd graph over all 70000
@@ -226,10 +281,11 @@ def test_gpu_public_regime_8192_wide_selection():
     sampled = torch.cat([torch.randint(0, 69000, (320,), generator=generator), torch.arange(69872, 70000)])
     check_gpu_case(9, 1, 70000, 1, 2, 16, 16, torch.float32, dict(compression_rate=16, top_k=512,
                                                                    max_top_nodes=8192),
-                   query_positions=sampled.unique().cuda())
+                   query_positions=sampled.unique().cuda(), node_gradients=node_gradients)
 
 
-def check_gpu_case(case, batch, time, kv_heads, group, key_dim, value_dim, dtype, options, query_positions=None):
+def check_gpu_case(case, batch, time, kv_heads, group, key_dim, value_dim, dtype, options, query_positions=None,
+                   node_gradients=False):
     q, k, v = make_inputs(batch, time, kv_heads, group, key_dim, value_dim, dtype, seed=case, device="cuda")
     cfg = resolve_htree_config(q, k, v, **options)
     o, lse, record = htree_forward(q, k, v, cfg, record_selections=True)
@@ -245,7 +301,8 @@ def check_gpu_case(case, batch, time, kv_heads, group, key_dim, value_dim, dtype
         keep = torch.zeros(time, dtype=torch.bool, device=o.device)
         keep[query_positions] = True
         do = do * keep[None, :, None, None]
-    dq, dk, dv, record_bwd = htree_backward(q, k, v, o, lse, do, cfg, record_selections=True)
+    dq, dk, dv, record_bwd = htree_backward(q, k, v, o, lse, do, cfg, record_selections=True,
+                                            node_gradients=node_gradients)
     assert torch.equal(record_bwd, record), "the backward recomputed a different selection"
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref = htree_attention_ref(*leaves, selections=selections_from_record(record), query_positions=query_positions,

@@ -125,8 +125,9 @@ def test_causal_linear_attn_launches_write_only_outputs():
 
 # --- htree ---------------------------------------------------------------------------------------
 @needs_compiled_kernels
+@pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_htree_launches_write_only_outputs(causal):
+def test_htree_launches_write_only_outputs(causal, node_gradients):
     from hccompile.kernels.htree.backward import htree_backward
     from hccompile.kernels.htree.forward import htree_forward
     from hccompile.kernels.htree.reference import resolve_htree_config
@@ -137,8 +138,14 @@ def test_htree_launches_write_only_outputs(causal):
     k, v = (torch.randn(B, T, H_kv, D, dtype=torch.bfloat16) for _ in range(2))
     cfg = resolve_htree_config(q, k, v, compression_rate=4, top_k=3, causal=causal)
     o, lse = torch.randn(B, T, H, D, dtype=torch.bfloat16), torch.randn(B, T, H)
-    calls = recorded(lambda: (htree_forward(q, k, v, cfg), htree_backward(q, k, v, o, lse, do, cfg)))
-    assert check_launches(calls, (q, k, v, do, o, lse)) >= 2
+    # The node-stationary backward reads the forward's selections (not run here: their values do not
+    # matter to the analysis, only that the record is read).
+    selections = torch.full((3, B, T, H_kv, 3), -1, dtype=torch.int32) if node_gradients else None
+    calls = recorded(lambda: (htree_forward(q, k, v, cfg, record_selections=node_gradients),
+                              htree_backward(q, k, v, o, lse, do, cfg, node_gradients=node_gradients,
+                                             selections=selections)))
+    inputs = (q, k, v, do, o, lse) + ((selections,) if node_gradients else ())
+    assert check_launches(calls, inputs) >= (2 if not node_gradients else 2 + 3)
 
 
 # --- mHC (post, aggregate, mapping; compile_check records them) ------------------------------------

@@ -27,6 +27,7 @@ import torch
 from .._triton import dot, interpreted, require_triton, tl, triton
 from . import tiles
 from .forward import launch_config
+from .node_gradients import node_gradients as write_node_gradients, selection_bitmasks
 from .reference import HTreeConfig
 from .tiles import (HTreePlan, build_pooled, candidate_tile, check_kernel_limits, load_values,
                     make_plan, num_programs, rank_select, rope_table, select_layer, tile_nodes, tile_scores)
@@ -37,13 +38,16 @@ __all__ = ["htree_backward", "unpool_gradient"]
 if triton is not None:
 
     @triton.jit
-    def _gradient_layer(layer, is_top, n, q1, q2, do, lse, delta, parents_ptr, flags_ptr, r,
+    def _gradient_layer(layer, is_top, n, q1, q2, do, lse, delta, parents_ptr, flags_ptr, bits_ptr, r,
                         k_ptr, stride_kt, stride_kd, v_ptr, stride_vt, stride_vd,
                         tree_k_ptr, tree_v_ptr, pooled_offset, dk_ptr, dv_ptr, all_offset,
                         cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
-                        BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
-        """Gradients through the merged candidates of one layer; returns the updated dq halves."""
+                        BLOCK_C: tl.constexpr, KEY_GRADS: tl.constexpr, FROM_RECORD: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
+        """Gradients through the merged candidates of one layer; returns the updated dq halves.
+        KEY_GRADS: also add the nodes' dk and dv (atomics); without it node_gradients.py does.
+        FROM_RECORD: which candidates were selected comes from the forward's selections, as a
+        bitmask over the layer's nodes at bits_ptr (this item's row), not from the flags row."""
         do_dot = do.to(DOT_DTYPE)
         for p0 in range(0, n, BLOCK_C):
             positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
@@ -54,7 +58,13 @@ if triton is not None:
             # Token layer: no selection. Above it, the flags of the candidates (positions < n), masked
             # by one block comparison: `valid & (layer > 0)` would splat a scalar condition into the
             # mask, which Triton's interpreter types as an integer (Triton 3.9's rejects such masks).
-            selected = tl.load(flags_ptr + positions, mask=positions < tl.where(layer > 0, n, 0), other=0)
+            above_tokens = positions < tl.where(layer > 0, n, 0)
+            if FROM_RECORD:
+                # Addresses in the row for masked positions too (see candidate_tile's clamp).
+                byte = tl.load(bits_ptr + tl.where(above_tokens, nodes, 0) // 8, mask=above_tokens, other=0)
+                selected = (byte.to(tl.int32) >> (nodes % 8)) & 1
+            else:
+                selected = tl.load(flags_ptr + positions, mask=above_tokens, other=0)
             merge = valid & (selected == 0)
             keep = row_ok[:, None] & merge[None, :]
             probs = tl.where(keep, tl.exp(tl.where(keep, scores - lse[:, None], 0.0)), 0.0)
@@ -67,26 +77,28 @@ if triton is not None:
             dqr2 = dot(dscores, kr2, DOT_PRECISION, UPCAST_OPERANDS)
             dq1 += dqr1 * cos_q + dqr2 * sin_q
             dq2 += dqr2 * cos_q - dqr1 * sin_q
-            # Key side, rotated back by each key's offset in the tile.
-            dscores_t = tl.trans(dscores)
-            dkr1 = dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
-            dkr2 = dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
-            dk1 = dkr1 * cos_k + dkr2 * sin_k
-            dk2 = dkr2 * cos_k - dkr1 * sin_k
-            dv = dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
-            rows = (all_offset + nodes).to(tl.int64)
-            k_mask = merge[:, None] & (cols_k[None, :] < KH)
-            k_offsets = rows[:, None] * (2 * KH) + cols_k[None, :]
-            tl.atomic_add(dk_ptr + k_offsets, dk1, mask=k_mask)
-            tl.atomic_add(dk_ptr + KH + k_offsets, dk2, mask=k_mask)
-            v_mask = merge[:, None] & (cols_v[None, :] < V)
-            tl.atomic_add(dv_ptr + rows[:, None] * V + cols_v[None, :], dv, mask=v_mask)
+            if KEY_GRADS:
+                # Key side, rotated back by each key's offset in the tile.
+                dscores_t = tl.trans(dscores)
+                dkr1 = dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
+                dkr2 = dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
+                dk1 = dkr1 * cos_k + dkr2 * sin_k
+                dk2 = dkr2 * cos_k - dkr1 * sin_k
+                dv = dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
+                rows = (all_offset + nodes).to(tl.int64)
+                k_mask = merge[:, None] & (cols_k[None, :] < KH)
+                k_offsets = rows[:, None] * (2 * KH) + cols_k[None, :]
+                tl.atomic_add(dk_ptr + k_offsets, dk1, mask=k_mask)
+                tl.atomic_add(dk_ptr + KH + k_offsets, dk2, mask=k_mask)
+                v_mask = merge[:, None] & (cols_v[None, :] < V)
+                tl.atomic_add(dv_ptr + rows[:, None] * V + cols_v[None, :], dv, mask=v_mask)
         return dq1, dq2
 
     @triton.jit
     def _htree_backward_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, tree_k_ptr, tree_v_ptr, layer_ptr,
         cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, scores_ptr, keys_ptr, flags_ptr, parents_ptr, record_ptr,
+        bits_ptr, bits_table_ptr,
         stride_qb, stride_qt, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
@@ -95,7 +107,8 @@ if triton is not None:
         stride_dqb, stride_dqt, stride_dqh, stride_dqd,
         B, T, H_KV, G, KH, V, num_layers, r, top_k, pooled_nodes, all_nodes, n_items, n_programs, scale,
         HAS_DLSE: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr,
-        RECORD: tl.constexpr, G_PAD: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr,
+        RECORD: tl.constexpr, KEY_GRADS: tl.constexpr, FROM_RECORD: tl.constexpr,
+        G_PAD: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr,
         BLOCK_C: tl.constexpr, SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
@@ -153,21 +166,32 @@ if triton is not None:
                 rightmost = t // span
                 is_top = 1 - tl.minimum(step, 1)
                 n = tl.where(is_top != 0, rightmost + 1, (n_parents - 1) * r + rightmost % r + 1)
-                parents_prev = parents_row + ((step + 1) % 2) * top_k
-                parents_next = parents_row + (step % 2) * top_k
-                if layer > 0:
-                    record_row = record_ptr + (((layer * B + b).to(tl.int64) * T + t) * H_KV + h) * top_k
-                    select_layer(layer, is_top, n, top_k, q1, q2, parents_prev, parents_next, r,
-                                 k_item, stride_kt, stride_kd, tree_k_item, pooled_offset,
-                                 cos_ptr, sin_ptr, cols_k, KH, scale, row_ok, scores_row, keys_row, flags_row,
-                                 record_row, CAUSAL, PACKED, INDEX_BITS, RECORD, G_PAD, BLOCK_C, SELECT_PAD,
-                                 RANK_SELECT, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
+                if FROM_RECORD:
+                    # This item's bitmask row of the layer's selections.
+                    bits_row = (bits_ptr + tl.load(bits_table_ptr + layer * 2)
+                                + ((b * H_KV + h).to(tl.int64) * T + t) * tl.load(bits_table_ptr + layer * 2 + 1))
+                    # The parents are the forward's selection one layer up (ascending, as select_top_k
+                    # writes them). The top layer reads none; its row index is clamped so that no
+                    # address (a pipeliner's speculative load, see candidate_tile) leaves the record.
+                    above = tl.minimum(layer + 1, num_layers - 1)
+                    parents_prev = record_ptr + (((above * B + b).to(tl.int64) * T + t) * H_KV + h) * top_k
+                else:
+                    bits_row = bits_ptr  # unused
+                    parents_prev = parents_row + ((step + 1) % 2) * top_k
+                    parents_next = parents_row + (step % 2) * top_k
+                    if layer > 0:
+                        record_row = record_ptr + (((layer * B + b).to(tl.int64) * T + t) * H_KV + h) * top_k
+                        select_layer(layer, is_top, n, top_k, q1, q2, parents_prev, parents_next, r,
+                                     k_item, stride_kt, stride_kd, tree_k_item, pooled_offset,
+                                     cos_ptr, sin_ptr, cols_k, KH, scale, row_ok, scores_row, keys_row, flags_row,
+                                     record_row, CAUSAL, PACKED, INDEX_BITS, RECORD, G_PAD, BLOCK_C, SELECT_PAD,
+                                     RANK_SELECT, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
                 dq1, dq2 = _gradient_layer(
-                    layer, is_top, n, q1, q2, do, lse, delta, parents_prev, flags_row, r,
+                    layer, is_top, n, q1, q2, do, lse, delta, parents_prev, flags_row, bits_row, r,
                     k_item, stride_kt, stride_kd, v_item, stride_vt, stride_vd,
                     tree_k_item, tree_v_item, pooled_offset, dk_item, dv_item, all_offset,
                     cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
-                    BLOCK_C, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
+                    BLOCK_C, KEY_GRADS, FROM_RECORD, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
                 n_parents = tl.minimum(n, top_k)
 
             dq_rows = dq_ptr + b.to(tl.int64) * stride_dqb + t.to(tl.int64) * stride_dqt
@@ -209,9 +233,17 @@ def htree_backward(
     *,
     block_c: int | None = None,
     record_selections: bool = False,
+    node_gradients: bool | None = None,
+    selections: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq, dk, dv) in the inputs' dtypes, and with record_selections the selections the backward
     recomputed ([L, B, T, H_kv, top_k], as htree_forward records them).
+
+    selections: the forward's (htree_forward(record_selections=True)); given, the backward selects
+    nothing again, reads them (and returns them as its record).
+
+    node_gradients (default tiles.NODE_GRADIENTS): the nodes' dk and dv node-stationary from the
+    recorded selections (node_gradients.py) instead of the float32 atomics of this kernel.
 
     o, lse: the forward's outputs for these inputs and this cfg (same block_c); do [B, T, H, V];
     dlse [B, T, H] optional gradient into lse.
@@ -228,35 +260,62 @@ def htree_backward(
     tree_k = build_pooled(k, plan, cfg.compression_rate)
     tree_v = build_pooled(v, plan, cfg.compression_rate)
     cos, sin = rope_table(plan, key_dim, cfg.rope_base, q.device)
-    dk_nodes = torch.zeros((batch, kv_heads, plan.all_nodes, key_dim), dtype=torch.float32, device=q.device)
-    dv_nodes = torch.zeros((batch, kv_heads, plan.all_nodes, value_dim), dtype=torch.float32, device=q.device)
     items = batch * kv_heads * time
     is_interpreted = interpreted(_htree_backward_kernel)
     programs = num_programs(q.device, items, is_interpreted)
-    scores = torch.empty((programs, group, plan.select_pad), dtype=torch.float32, device=q.device)
-    keys = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
-    flags = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
-    parents = torch.empty((programs, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
+    from_record = selections is not None
+    # The selection's scratch rows per program; reading the forward's selections needs none.
+    rows = 1 if from_record else programs
+    scores = torch.empty((rows, group, plan.select_pad), dtype=torch.float32, device=q.device)
+    keys = torch.empty((rows, plan.select_pad), dtype=torch.int32, device=q.device)
+    flags = torch.empty((rows, plan.select_pad), dtype=torch.int32, device=q.device)
+    parents = torch.empty((rows, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
     num_layers = len(plan.layer_sizes)
+    if node_gradients is None:
+        node_gradients = tiles.NODE_GRADIENTS
+    # Atomics add into zeros; node-stationary programs write every node once: poisoned, so a node
+    # left unwritten fails the tests.
+    fill = float("nan") if node_gradients else 0.0
+    dk_nodes = torch.full((batch, kv_heads, plan.all_nodes, key_dim), fill, dtype=torch.float32, device=q.device)
+    dv_nodes = torch.full((batch, kv_heads, plan.all_nodes, value_dim), fill, dtype=torch.float32, device=q.device)
     record = None
-    if record_selections:
+    if from_record:
+        if tuple(selections.shape) != (num_layers, batch, time, kv_heads, cfg.top_k) or selections.dtype != torch.int32:
+            raise ValueError(f"selections: expected int32 {(num_layers, batch, time, kv_heads, cfg.top_k)} (the "
+                             f"forward's record), got {selections.dtype} {tuple(selections.shape)}")
+        record = selections.contiguous()
+    elif record_selections or node_gradients:
         record = torch.full((num_layers, batch, time, kv_heads, cfg.top_k), -1, dtype=torch.int32,
                             device=q.device)
+    bits, bits_table = keys, plan.layer_table  # placeholders: read only when FROM_RECORD
     lse = lse.float().contiguous()
     if dlse is not None:
         dlse = dlse.float().contiguous()
+    if from_record:
+        bits, bits_table, bits_rows = selection_bitmasks(record, plan.layer_sizes)
     _htree_backward_kernel[(programs,)](
         q, k, v, o, lse, do, dlse if dlse is not None else lse, tree_k, tree_v, plan.layer_table,
         cos, sin, dq, dk_nodes, dv_nodes, scores, keys, flags, parents, record if record is not None else keys,
+        bits, bits_table,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
         batch, time, kv_heads, group, key_dim // 2, value_dim, num_layers, cfg.compression_rate, cfg.top_k,
         plan.pooled_nodes, plan.all_nodes, items, programs, cfg.scale,
         HAS_DLSE=dlse is not None, CAUSAL=cfg.causal, PACKED=cfg.sort_mode == "packed",
-        INDEX_BITS=plan.index_bits, RECORD=record is not None, G_PAD=plan.g_pad, KH_PAD=plan.kh_pad,
+        INDEX_BITS=plan.index_bits, RECORD=record is not None and not from_record, KEY_GRADS=not node_gradients,
+        FROM_RECORD=from_record,
+        G_PAD=plan.g_pad, KH_PAD=plan.kh_pad,
         V_PAD=plan.v_pad, BLOCK_C=plan.block_c, SELECT_PAD=plan.select_pad,
         RANK_SELECT=rank_select(plan, is_interpreted),
         num_warps=plan.num_warps, **launch_config(q),
     )
+    if node_gradients:
+        delta = (do.float() * o.float()).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse
+        if not from_record:  # the dq kernel has recorded them now
+            bits, bits_table, bits_rows = selection_bitmasks(record, plan.layer_sizes)
+        write_node_gradients(q, k, v, do, lse, delta.contiguous(), tree_k, tree_v, cos, sin, record, bits, bits_rows,
+                             plan, cfg.compression_rate, cfg.top_k, cfg.scale, dk_nodes, dv_nodes, launch_config(q))
     dk = unpool_gradient(dk_nodes, plan, cfg.compression_rate).transpose(1, 2).to(k.dtype)
     dv = unpool_gradient(dv_nodes, plan, cfg.compression_rate).transpose(1, 2).to(v.dtype)
-    return dq, dk, dv, record
+    return dq, dk, dv, record if record_selections else None

@@ -24,6 +24,7 @@ The selected nodes are compacted, ascending, into the scratch parents row of the
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,10 @@ MIN_DOT_DIM = 16
 # warps and ~255 registers one fits; a second waits, which costs nothing as the work is dealt
 # out evenly, and runs alongside where registers allow.
 PROGRAMS_PER_SM = 2
+# The backward's node (key and value) gradients: node-stationary from the selections the dq kernel
+# records (node_gradients.py), or float32 atomics from every query (False). Off until timed on the
+# GPU; HCCOMPILE_HTREE_NODE_GRADIENTS=1 turns it on.
+NODE_GRADIENTS = os.environ.get("HCCOMPILE_HTREE_NODE_GRADIENTS") == "1"
 INTERPRETER_PROGRAMS = 4
 # Under the interpreter, widths up to this select by counting ranks (fewer, larger ops) instead
 # of the 31-step search the GPU runs; both select the same. Tests set it to 0 to run the search.

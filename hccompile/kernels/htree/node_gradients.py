@@ -1,0 +1,268 @@
+"""Key and value gradients of the tree's nodes, node-stationary, from the selections: no atomics.
+
+The query-stationary backward (backward.py) adds every (query, merged candidate) pair's dk and dv
+into the node buffers with float32 atomics: at T 32K, r 16, top_k 64 that is about 2 000
+candidates x 256 columns per query and KV head, 67 G atomic adds per step, most of them on the
+token layer. Here each node's gradient has one writer, which loops over the queries that merged it:
+
+* the top layer: node s is a candidate of every query t with s <= t // span (span = r^layer); a
+  program takes a block of BLOCK_N consecutive nodes and walks the queries from the block's first
+  one on, in tiles of QUERIES queries;
+* a layer l below: node s is a candidate of t when its parent j (one layer up) is in t's selection
+  there; a program takes one parent, its r children, and walks the queries that selected j: an
+  inverted index (CSR, built here with torch from the recorded selections) lists them, each with
+  j's rank in that selection (the children's buffer positions are rank * r + c).
+
+A candidate merges (contributes here) unless it was itself selected, which a bitmask of each
+selecting layer's selections [B, H_kv, T, nodes / 8] answers. The rows of one tile's dots are the
+QUERIES x G_ROWS (query, head) pairs; the scores, probabilities and gradients are those of
+backward.py's `_gradient_layer`, with the query rotated per row (each query has its own position
+n - 1 and tile start rank * r) and the key by its child offset c.
+
+Memory beyond the query-stationary backward: the selections [L, B, T, H_kv, top_k] int32 that the
+dq kernel records, one int32 CSR entry pair per (query, selected node) and the bitmasks.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._triton import dot, tl, triton
+from .tiles import HTreePlan
+
+__all__ = ["node_gradients", "selection_bitmasks", "selection_index"]
+
+# Queries per tile, as rows of the dots: QUERIES * G_ROWS of them (G_ROWS = G rounded up to a power
+# of two). 64 rows keep the tiles' registers near the query-stationary kernel's.
+TILE_ROWS = 64
+# Warps per node-gradient program: at 4, 64 rows x K 128 spill 64-232 bytes on sm_90 (compile_check).
+NODE_WARPS = 8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _node_gradients_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, tree_k_ptr, tree_v_ptr, layer_ptr, cos_ptr, sin_ptr,
+        offsets_ptr, queries_ptr, ranks_ptr, bits_ptr, dk_ptr, dv_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_dob, stride_dot, stride_doh, stride_dod,
+        T, H_KV, G, KH, V, num_layers, layer, r, top_k, pooled_nodes, all_nodes, groups, bit_bytes, scale,
+        TOKENS: tl.constexpr, IS_TOP: tl.constexpr, SELECTS: tl.constexpr, G_ROWS: tl.constexpr, QUERIES: tl.constexpr,
+        BLOCK_N: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
+    ):
+        # One program: (batch, KV head, group), a group being a block of top nodes or one parent.
+        pid = tl.program_id(0)
+        group = pid % groups
+        h = (pid // groups) % H_KV
+        b = pid // (groups * H_KV)
+        size = tl.load(layer_ptr + layer * 4).to(tl.int32)
+        pooled_offset = tl.load(layer_ptr + layer * 4 + 1)
+        all_offset = tl.load(layer_ptr + layer * 4 + 2)
+        span = tl.load(layer_ptr + layer * 4 + 3).to(tl.int32)
+        c = tl.arange(0, BLOCK_N)
+        if IS_TOP:
+            first = group * BLOCK_N
+            node_ok = (first + c) < size
+        else:
+            first = group * r
+            node_ok = (c < r) & ((first + c) < size)
+        nodes = first + c
+        cols_k = tl.arange(0, KH_PAD)
+        cols_v = tl.arange(0, V_PAD)
+
+        # The block's keys and values, rotated by each node's offset c in the tile: loaded once.
+        k_mask = node_ok[:, None] & (cols_k[None, :] < KH)
+        v_mask = node_ok[:, None] & (cols_v[None, :] < V)
+        node_rows = nodes[:, None].to(tl.int64)
+        tree_row = (b * H_KV + h).to(tl.int64) * pooled_nodes + pooled_offset
+        if TOKENS:
+            token_k = k_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + node_rows * stride_kt
+            k1 = tl.load(token_k + cols_k[None, :] * stride_kd, mask=k_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(token_k + (KH + cols_k[None, :]) * stride_kd, mask=k_mask, other=0.0).to(tl.float32)
+            token_v = v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh + node_rows * stride_vt
+            values = tl.load(token_v + cols_v[None, :] * stride_vd, mask=v_mask, other=0.0).to(DOT_DTYPE)
+        else:
+            node_k = tree_k_ptr + (tree_row + node_rows) * (2 * KH)
+            k1 = tl.load(node_k + cols_k[None, :], mask=k_mask, other=0.0)
+            k2 = tl.load(node_k + KH + cols_k[None, :], mask=k_mask, other=0.0)
+            values = tl.load(tree_v_ptr + (tree_row + node_rows) * V + cols_v[None, :], mask=v_mask,
+                             other=0.0).to(DOT_DTYPE)
+        table_k = c[:, None] * KH + cols_k[None, :]
+        table_k_mask = k_mask  # rows c < r <= the table's rows (top: c < the top layer's width)
+        cos_k = tl.load(cos_ptr + table_k, mask=table_k_mask, other=0.0)
+        sin_k = tl.load(sin_ptr + table_k, mask=table_k_mask, other=0.0)
+        kr1 = (k1 * cos_k - k2 * sin_k).to(DOT_DTYPE)
+        kr2 = (k1 * sin_k + k2 * cos_k).to(DOT_DTYPE)
+
+        # The queries: the top layer's from the block's first node on; a lower layer's from the index.
+        if IS_TOP:
+            begin = first * span
+            end = T
+        else:
+            parent = (b * H_KV + h).to(tl.int64) * groups + group
+            begin = tl.load(offsets_ptr + parent)
+            end = tl.load(offsets_ptr + parent + 1)
+        rows = tl.arange(0, QUERIES * G_ROWS)
+        g = rows % G_ROWS
+        head_ok = g < G
+        head = h * G + tl.minimum(g, G - 1)  # padded rows address a real head (they are masked)
+        dkr1 = tl.zeros([BLOCK_N, KH_PAD], tl.float32)
+        dkr2 = tl.zeros([BLOCK_N, KH_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, V_PAD], tl.float32)
+        for e0 in range(begin, end, QUERIES):
+            entry = e0 + rows // G_ROWS
+            row_ok = (entry < end) & head_ok
+            if IS_TOP:
+                # Clamped: rows past T are masked, but their addresses must stay in bounds too (a
+                # pipeliner's speculative load, see tiles.candidate_tile).
+                t = tl.minimum(entry, T - 1).to(tl.int32)
+                tile_start = t * 0 + first  # buffer positions are node indices at the top
+            else:
+                listed = tl.where(entry < end, entry, begin)  # an address in the list for masked rows
+                t = tl.load(queries_ptr + listed, mask=row_ok, other=0)
+                tile_start = tl.load(ranks_ptr + listed, mask=row_ok, other=0) * r
+            # n - 1, the query's buffer position at this layer: the top offers t // span + 1
+            # candidates, each layer below (parents kept - 1) * r + its own offset + 1.
+            top_span = tl.load(layer_ptr + (num_layers - 1) * 4 + 3).to(tl.int32)
+            n = t // top_span + 1
+            for step in range(1, num_layers - layer):
+                below_span = tl.load(layer_ptr + (num_layers - 1 - step) * 4 + 3).to(tl.int32)
+                n = (tl.minimum(n, top_k) - 1) * r + (t // below_span) % r + 1
+            # Clamped at 0 as in candidate_tile: masked rows must not read before the table.
+            angle = tl.maximum(n - 1 - tile_start, 0)
+            q_mask = row_ok[:, None] & (cols_k[None, :] < KH)
+            q_rows = (q_ptr + b.to(tl.int64) * stride_qb + t.to(tl.int64)[:, None] * stride_qt
+                      + head[:, None] * stride_qh)
+            q1 = tl.load(q_rows + cols_k[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+            q2 = tl.load(q_rows + (KH + cols_k[None, :]) * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+            table_q = angle[:, None] * KH + cols_k[None, :]
+            cos_q = tl.load(cos_ptr + table_q, mask=q_mask, other=0.0)
+            sin_q = tl.load(sin_ptr + table_q, mask=q_mask, other=0.0)
+            qr1 = (q1 * cos_q - q2 * sin_q).to(DOT_DTYPE)
+            qr2 = (q1 * sin_q + q2 * cos_q).to(DOT_DTYPE)
+            scores = dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST_OPERANDS)
+            scores += dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST_OPERANDS)
+            scores = scores * scale
+            # Merged: a candidate (s <= t // span) of this layer that t did not select.
+            merge = row_ok[:, None] & node_ok[None, :] & (nodes[None, :] <= (t // span)[:, None])
+            if SELECTS:
+                bit_rows = ((b * H_KV + h).to(tl.int64) * T + t.to(tl.int64)) * bit_bytes
+                in_row = tl.where(node_ok, nodes, 0) // 8  # in bounds for the masked columns too
+                byte = tl.load(bits_ptr + bit_rows[:, None] + in_row[None, :], mask=merge, other=0)
+                merge = merge & (((byte.to(tl.int32) >> (nodes % 8)[None, :]) & 1) == 0)
+            stat_rows = (b.to(tl.int64) * T + t) * (H_KV * G) + head
+            lse = tl.load(lse_ptr + stat_rows, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + stat_rows, mask=row_ok, other=0.0)
+            probs = tl.where(merge, tl.exp(tl.where(merge, scores - lse[:, None], 0.0)), 0.0)
+            do_mask = row_ok[:, None] & (cols_v[None, :] < V)
+            do_rows = (do_ptr + b.to(tl.int64) * stride_dob + t.to(tl.int64)[:, None] * stride_dot
+                       + head[:, None] * stride_doh)
+            do = tl.load(do_rows + cols_v[None, :] * stride_dod, mask=do_mask, other=0.0).to(DOT_DTYPE)
+            dprobs = dot(do, tl.trans(values), DOT_PRECISION, UPCAST_OPERANDS)
+            dscores_t = tl.trans((probs * (dprobs - delta[:, None]) * scale).to(DOT_DTYPE))
+            dkr1 += dot(dscores_t, qr1, DOT_PRECISION, UPCAST_OPERANDS)
+            dkr2 += dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
+            dv += dot(tl.trans(probs.to(DOT_DTYPE)), do, DOT_PRECISION, UPCAST_OPERANDS)
+
+        # Rotated back by each node's offset, as backward.py's key side.
+        dk1 = dkr1 * cos_k + dkr2 * sin_k
+        dk2 = dkr2 * cos_k - dkr1 * sin_k
+        grad_rows = ((b * H_KV + h).to(tl.int64) * all_nodes + all_offset + node_rows)
+        tl.store(dk_ptr + grad_rows * (2 * KH) + cols_k[None, :], dk1, mask=k_mask)
+        tl.store(dk_ptr + grad_rows * (2 * KH) + KH + cols_k[None, :], dk2, mask=k_mask)
+        tl.store(dv_ptr + grad_rows * V + cols_v[None, :], dv, mask=v_mask)
+
+
+def selection_bits(selected: torch.Tensor, nodes: int) -> torch.Tensor:
+    """[B, T, H_kv, top_k] node indices (-1: none) -> [B, H_kv, T, ceil(nodes / 8)] uint8 bitmasks."""
+    batch, time, kv_heads, _ = selected.shape
+    width = (nodes + 7) // 8
+    chosen = selected.permute(0, 2, 1, 3).long()
+    valid = chosen >= 0
+    words = torch.zeros((batch, kv_heads, time, width), dtype=torch.int32, device=selected.device)
+    index = torch.where(valid, chosen // 8, 0)
+    bit = torch.where(valid, 1 << (chosen % 8), 0).to(torch.int32)
+    # A query selects a node at most once, so adding the bits is or-ing them.
+    words.scatter_add_(3, index, bit)
+    return words.to(torch.uint8)
+
+
+def selection_bitmasks(record: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Every selecting layer's bitmasks (selection_bits) in one uint8 buffer: (buffer, table [L, 2]
+    int64 of (byte offset, bytes per query) on the record's device, the same as a list). Layer 0
+    selects nothing: (0, 0)."""
+    parts, rows, offset = [], [(0, 0)], 0
+    for layer in range(1, len(sizes)):
+        bits = selection_bits(record[layer], sizes[layer])
+        parts.append(bits.flatten())
+        rows.append((offset, bits.shape[-1]))
+        offset += bits.numel()
+    buffer = torch.cat(parts) if parts else torch.zeros(1, dtype=torch.uint8, device=record.device)
+    return buffer, torch.tensor(rows, dtype=torch.int64, device=record.device), rows
+
+
+def selection_index(selected: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverted index of one layer's selections [B, T, H_kv, top_k] (node indices, -1 none): for each
+    (b, h, node j), the queries t that selected j, ascending, and j's rank in each one's selection.
+
+    Returns offsets [B * H_kv * nodes + 1] int64 (entries offsets[i] .. offsets[i + 1] belong to
+    owner i = (b * H_kv + h) * nodes + j), queries [E] int32 and ranks [E] int32, E = B * T * H_kv *
+    top_k: unused slots sort to the end. Fixed shapes, no boolean indexing: nothing waits for the GPU."""
+    batch, time, kv_heads, top_k = selected.shape
+    device = selected.device
+    owners = batch * kv_heads * nodes
+    chosen = selected.permute(0, 2, 1, 3).long()  # [B, H_kv, T, top_k]
+    valid = chosen >= 0
+    owner = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1, 1) * nodes + chosen
+    keys = torch.where(valid, owner, owners).flatten()  # unused: the bucket after the last owner
+    # Stable: within an owner, queries stay ascending (the flattened order is (b, h, t, rank)).
+    keys, order = torch.sort(keys, stable=True)
+    counts = torch.zeros(owners + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    offsets = torch.zeros(owners + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(counts[:owners], 0)
+    queries = (order // top_k) % time
+    ranks = order % top_k
+    return offsets, queries.to(torch.int32), ranks.to(torch.int32)
+
+
+def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_rows, plan: HTreePlan,
+                   r: int, top_k: int, scale: float, dk_nodes: torch.Tensor, dv_nodes: torch.Tensor,
+                   launch: dict) -> None:
+    """Writes every layer's node gradients into dk_nodes [B, H_kv, all_nodes, K] and dv_nodes
+    [B, H_kv, all_nodes, V] (float32), from the selections `record` [L, B, T, H_kv, top_k] (the
+    forward's, or those the dq kernel recorded) and their bitmasks (selection_bitmasks: buffer and
+    rows); lse, delta [B, T, H] float32 (delta = <do, o> - dlse)."""
+    batch, time, heads, key_dim = q.shape
+    kv_heads, value_dim = k.shape[2], v.shape[3]
+    group_size = heads // kv_heads
+    g_rows = 1 << max(0, (group_size - 1).bit_length())
+    queries_per_tile = max(1, TILE_ROWS // g_rows)
+    # tl.dot needs 16 rows at least.
+    queries_per_tile = max(queries_per_tile, -(-16 // g_rows))
+    sizes = plan.layer_sizes
+    num_layers = len(sizes)
+    block_n = max(16, 1 << max(0, (r - 1).bit_length()))
+    placeholder = torch.zeros(1, dtype=torch.int32, device=q.device)
+    for layer in range(num_layers):
+        is_top = layer == num_layers - 1
+        selects = layer > 0
+        bits_offset, bit_bytes = bits_rows[layer]
+        if is_top:
+            groups = -(-sizes[layer] // block_n)
+            offsets = queries = ranks = placeholder
+        else:
+            groups = sizes[layer + 1]
+            offsets, queries, ranks = selection_index(record[layer + 1], groups)
+        _node_gradients_kernel[(batch * kv_heads * groups,)](
+            q, k, v, do, lse, delta, tree_k, tree_v, plan.layer_table, cos, sin,
+            offsets, queries, ranks, bits[bits_offset:], dk_nodes, dv_nodes,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            time, kv_heads, group_size, key_dim // 2, value_dim, num_layers, layer, r, top_k,
+            plan.pooled_nodes, plan.all_nodes, groups, max(bit_bytes, 1), scale,
+            TOKENS=layer == 0, IS_TOP=is_top, SELECTS=selects, G_ROWS=g_rows, QUERIES=queries_per_tile, BLOCK_N=block_n,
+            KH_PAD=plan.kh_pad, V_PAD=plan.v_pad, num_warps=NODE_WARPS, **launch,
+        )
