@@ -24,7 +24,8 @@ def profile_step(step, steps: int = 5, top: int = 30) -> tuple[str, dict]:
             step()
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
-    for event in prof.events():
+    events = sorted(prof.events(), key=lambda e: getattr(getattr(e, "time_range", None), "start", 0))
+    for event in events:
         device_type = getattr(event, "device_type", None)
         if device_type is None or "CUDA" not in str(device_type):
             continue
@@ -40,6 +41,12 @@ def profile_step(step, steps: int = 5, top: int = 30) -> tuple[str, dict]:
              f"{'ms/step':>9} {'share':>6} {'calls':>6}  kernel"]
     for ms, calls, name in rows[:top]:
         lines.append(f"{ms:9.3f} {100 * ms / max(busy, 1e-9):5.1f}% {calls:6.0f}  {name[:110]}")
+        per_step = len(kernels[name]) // steps
+        if 1 < per_step <= 8 and ms >= 0.05 * busy and len(kernels[name]) == per_step * steps:
+            # A kernel launched a few times per step (a loop over layers, say): each launch's time,
+            # in launch order, averaged over the steps.
+            each = [sum(kernels[name][s * per_step + i] for s in range(steps)) / steps for i in range(per_step)]
+            lines.append(f"{'':9} {'':6} {'':6}    each launch, in order: {', '.join(f'{x:.3f}' for x in each)} ms")
     summary = {"wall_ms": wall_ms, "gpu_busy_ms": busy, "kernels_per_step": launches,
                "top": [{"kernel": n[:160], "ms": ms, "calls": c} for ms, c, n in rows[:top]]}
     return "\n".join(lines), summary

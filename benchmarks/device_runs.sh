@@ -7,10 +7,11 @@
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
-#   htree   htree (atomics and node-stationary node gradients) against SDPA, T 32K and 128K (issue 19)
+#   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
+#           regime (--config seed) at 128K                                               (issue 19)
 #   htree-profile  per-kernel GPU time of htree (both backward versions) and SDPA at B1 T32K     (issue 19)
-#   htree-tune  htree's launch knobs at T 32K (tile, warps, programs per SM) into diag_ rows,
-#               which targets.py does not read                                           (issue 19)
+#   htree-tune  htree's launch knobs at T 32K (tile, warps, programs per SM, node warps and rows;
+#               the public regime's tile and warps) into diag_ rows, which targets.py does not read (issue 19)
 #
 # Each run is cut at RUN_LIMIT_S seconds (default 240) so that one slow run leaves time to the next;
 # rows are appended as measured, so a cut run keeps what it finished.
@@ -39,19 +40,28 @@ for run in ${RUNS:-delta host}; do
             torchrun --nproc-per-node "$gpus" benchmarks/cp.py --ops gdn,kda --layouts one \
             --strategies all_gather --out "$out/cp_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
-    htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-nodes,sdpa --rep 100 \
+    htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
+               --out "$out/htree_$tag.jsonl"
+           cut_at python3 benchmarks/htree.py --config seed --seq 131072 --impls htree,sdpa --rep 50 \
                --out "$out/htree_$tag.jsonl" ;;
-    htree-profile) cut_at python3 benchmarks/profile_ops.py --ops htree,htree-nodes,sdpa --shape B1T32768H32D128 \
+    htree-profile) cut_at python3 benchmarks/profile_ops.py --ops htree,htree-atomics,sdpa --shape B1T32768H32D128 \
                        --kv-heads 4 > "$out/diag_htree-profile_$tag.txt" 2>&1 ;;
     htree-tune)
         # BLOCK_C, warps, programs per SM of the walks (forward, dq); the node-gradient programs' warps
-        # and rows. A walk is latency-bound: at 8 warps and ~255 registers one program fits an SM.
-        for setting in "32 8 2 8 64" "32 4 4 8 64" "64 4 4 8 64" "16 4 4 8 64" "32 8 1 4 64" "32 8 2 8 32" \
-                       "32 8 2 4 32"; do
+        # and rows. A walk is latency-bound: what pays is walks in flight (tiles.launch_rule).
+        for setting in "64 4 4 8 64" "64 4 8 8 64" "128 4 4 8 64" "64 4 2 8 64" "64 8 2 8 64" "32 4 8 8 64" \
+                       "64 4 4 4 64" "64 4 4 8 128"; do
             set -- $setting
-            cut_at python3 benchmarks/htree.py --seq 32768 --impls htree-nodes --rep 50 --block-c "$1" \
+            cut_at python3 benchmarks/htree.py --seq 32768 --impls htree --rep 50 --block-c "$1" \
                 --num-warps "$2" --programs-per-sm "$3" --node-warps "$4" --node-rows "$5" \
                 --out "$out/diag_htree-tune_$tag.jsonl"
+        done
+        # The public regime at 128K (an 8192-wide top layer), forward only (the backward reads its
+        # selections): the rule's 32 / 8 / 2 against 4 warps.
+        for setting in "32 8 2" "32 4 4" "64 4 4"; do
+            set -- $setting
+            cut_at python3 benchmarks/htree.py --config seed --seq 131072 --modes fwd --impls htree --rep 30 --block-c "$1" \
+                --num-warps "$2" --programs-per-sm "$3" --out "$out/diag_htree-tune_$tag.jsonl"
         done
         cut_at python3 benchmarks/htree.py --seq 32768 --impls sdpa --rep 50 \
             --out "$out/diag_htree-tune_$tag.jsonl" ;;

@@ -40,7 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--causal", action="store_true", help="htree's causal selection variant")
     parser.add_argument("--reference-max-t", type=int, default=8192)
     parser.add_argument("--impls", default="htree,sdpa,reference",
-                        help="from htree, htree-nodes (node-stationary node gradients), sdpa, reference")
+                        help="from htree (the library's defaults), htree-atomics (node gradients by float32 atomics), "
+                             "htree-nodes (node-stationary node gradients), sdpa, reference")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     parser.add_argument("--block-c", type=int, default=None, help="tuning: kernels' candidate tile (power of 2)")
@@ -73,11 +74,11 @@ def implementation(name: str, a):
     from hccompile.kernels.htree import tiles
 
     options = dict(CONFIGS[a.config], causal=a.causal)
-    if name in ("htree", "htree-nodes"):
-        # htree-nodes: the backward's node gradients node-stationary from the selections
-        # (kernels/htree/node_gradients.py) instead of float32 atomics; set for each call, since
-        # the two share one process.
-        nodes = name == "htree-nodes"
+    if name in ("htree", "htree-nodes", "htree-atomics"):
+        # The backward's node gradients: node-stationary from the selections (htree-nodes,
+        # kernels/htree/node_gradients.py), float32 atomics (htree-atomics), or the library's default
+        # (htree); set for each call, since they share one process.
+        nodes = {"htree": tiles.NODE_GRADIENTS, "htree-nodes": True, "htree-atomics": False}[name]
 
         def run(q, k, v):
             tiles.NODE_GRADIENTS = nodes
@@ -96,14 +97,23 @@ def _node_knobs() -> dict:
     return dict(node_warps=node_gradients.NODE_WARPS, node_rows=node_gradients.TILE_ROWS)
 
 
+def _walk_knobs(a, T: int) -> dict:
+    """The walks' tile, warps and programs per SM at this shape: tiles.launch_rule's, or the flags'."""
+    from hccompile.kernels.htree import tiles
+    from hccompile.kernels.htree.reference import resolve_htree_config
+
+    q = torch.empty((a.batch, T, a.heads, a.dim), device="meta", dtype=getattr(torch, a.dtype))
+    kv = torch.empty((a.batch, T, a.kv_heads, a.dim), device="meta", dtype=q.dtype)
+    cfg = resolve_htree_config(q, kv, kv, **CONFIGS[a.config], causal=a.causal)
+    plan = tiles.make_plan(T, a.heads // a.kv_heads, a.dim, a.dim, cfg, "cpu")
+    return dict(block_c=plan.block_c, num_warps=plan.num_warps, programs_per_sm=plan.programs_per_sm)
+
+
 def run_one(a, name: str, T: int, mode: str) -> dict:
     from triton.testing import do_bench
 
-    from hccompile.kernels.htree import tiles
-
     row = dict(impl=name, T=T, mode=mode, B=a.batch, HQ=a.heads, H_kv=a.kv_heads, D=a.dim, dtype=a.dtype,
-               config=a.config, causal=a.causal, block_c=tiles.DEFAULT_BLOCK_C, num_warps=tiles.DEFAULT_NUM_WARPS,
-               programs_per_sm=tiles.PROGRAMS_PER_SM, **_node_knobs(),
+               config=a.config, causal=a.causal, **_walk_knobs(a, T), **_node_knobs(),
                **{k: v for k, v in CONFIGS[a.config].items()})
     if name == "reference" and T > a.reference_max_t:
         return dict(row, ms=None, peak_mib=None, note=f"skipped: T > --reference-max-t={a.reference_max_t}")
@@ -166,9 +176,8 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print(f"# htree on {device}: B={a.batch} HQ={a.heads} H_kv={a.kv_heads} D={a.dim} {a.dtype}; "
           f"r={config['compression_rate']} top_k={config['top_k']} max_top_nodes={top_nodes} "
-          f"causal={a.causal}; kernels BLOCK_C={tiles.DEFAULT_BLOCK_C} warps={tiles.DEFAULT_NUM_WARPS} "
-          f"programs/SM={tiles.PROGRAMS_PER_SM}; "
-          f"do_bench median ms\n")
+          f"causal={a.causal}; walks {_walk_knobs(a, int(a.seq.split(',')[0]))} (tiles.launch_rule unless "
+          f"set by the flags); do_bench median ms\n")
     rows = []
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     for T in (int(t) for t in a.seq.split(",")):

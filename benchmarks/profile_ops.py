@@ -3,7 +3,7 @@ benchmarks/*.py can be traced to the kernels that cause it.
 
     python benchmarks/profile_ops.py --ops gdn,kda,fla-gdn,fla-kda --shape B4T4096H16D128
     python benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B4T4096H16D128
-    python benchmarks/profile_ops.py --ops htree,htree-nodes,sdpa --shape B1T32768H32D128 --kv-heads 4
+    python benchmarks/profile_ops.py --ops htree,htree-atomics,sdpa --shape B1T32768H32D128 --kv-heads 4
     python benchmarks/profile_ops.py --ops gdn --compile eager,static,dynamic   # Inductor's launches
 
 --compile runs the op eagerly and/or under torch.compile (fullgraph; static or dynamic shapes), so a
@@ -78,15 +78,20 @@ def build(op: str, s: dict, kv_heads: int, dtype):
         from fla.ops.simple_gla import chunk_simple_gla
 
         return [q, k, v], lambda: chunk_simple_gla(q, k, v, g_gamma=decay, scale=D ** -0.5)[0]
-    if op in ("htree", "htree-nodes", "sdpa"):
+    if op in ("htree", "htree-nodes", "htree-atomics", "sdpa"):
         q, k, v = randn(B, T, H, D), randn(B, T, kv_heads, D), randn(B, T, kv_heads, D)
         if op.startswith("htree"):
             import hccompile
             from hccompile.kernels.htree import tiles
 
-            # htree-nodes: node-stationary node gradients (kernels/htree/node_gradients.py)
-            tiles.NODE_GRADIENTS = op == "htree-nodes"
-            return [q, k, v], lambda: hccompile.htree_attention(q, k, v)
+            # The backward's node gradients: node-stationary (htree-nodes, kernels/htree/node_gradients.py),
+            # float32 atomics (htree-atomics) or the library's default (htree); set on each call.
+            nodes = {"htree": tiles.NODE_GRADIENTS, "htree-nodes": True, "htree-atomics": False}[op]
+
+            def call():
+                tiles.NODE_GRADIENTS = nodes
+                return hccompile.htree_attention(q, k, v)
+            return [q, k, v], call
         qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
         return [qt, kt, vt], lambda: torch.nn.functional.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, enable_gqa=True)

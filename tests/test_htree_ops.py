@@ -82,8 +82,13 @@ GRADIENT_CASES = {
 }
 
 
+@pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
 @pytest.mark.parametrize("name", list(GRADIENT_CASES))
-def test_outputs_and_gradients_match_float64_reference(name, mode):
+def test_outputs_and_gradients_match_float64_reference(name, mode, node_gradients, monkeypatch):
+    from hccompile.kernels.htree import tiles
+
+    # Both backward versions (the default is node-stationary) through the ops and autograd.
+    monkeypatch.setattr(tiles, "NODE_GRADIENTS", node_gradients)
     input_kwargs, options = GRADIENT_CASES[name]
     leaves = [x.requires_grad_() for x in make_inputs(seed=2, **input_kwargs)]
     o, lse = htree_attention(*leaves, return_lse=True, **options)

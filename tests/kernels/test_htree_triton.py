@@ -189,8 +189,13 @@ def test_atomics_backward_from_forward_selections():
                    max_top_nodes=12)
 
 
-def test_selection_index_lists_each_nodes_queries_with_ranks():
+@pytest.mark.parametrize("staging_bytes", [1, 1000, 1 << 28], ids=["query-by-query", "blocks-of-queries", "one-block"])
+def test_selection_index_lists_each_nodes_queries_with_ranks(monkeypatch, staging_bytes):
+    from hccompile.kernels.htree import node_gradients
     from hccompile.kernels.htree.node_gradients import selection_bits, selection_index
+
+    # selection_bits stages a block of queries at a time: one query, a few (T 7 is not a multiple), all.
+    monkeypatch.setattr(node_gradients, "STAGING_BYTES", staging_bytes)
 
     generator = torch.Generator().manual_seed(5)
     batch, time, kv_heads, top_k, nodes = 2, 7, 3, 4, 9
@@ -313,3 +318,28 @@ def check_gpu_case(case, batch, time, kv_heads, group, key_dim, value_dim, dtype
     assert rel_err(o[:, rows_at], ref) < tol_o
     for got, want in zip((dq, dk, dv), grads):
         assert rel_err(got, want) < tol_grad
+
+
+def test_launch_rule_by_selection_width_and_its_overrides(monkeypatch):
+    """The walks' tile / warps / programs per SM come from the padded selection width; the module's
+    overrides and an explicit block_c take precedence; forward and backward share make_plan."""
+    def plan_for(T, **options):
+        q = torch.empty((1, T, 8, 128), device="meta", dtype=torch.bfloat16)
+        kv = torch.empty((1, T, 1, 128), device="meta", dtype=torch.bfloat16)
+        cfg = resolve_htree_config(q, kv, kv, **options)
+        return tiles.make_plan(T, 8, 128, 128, cfg, "cpu")
+
+    narrow = plan_for(32768, compression_rate=16, top_k=64)  # 1024 candidates per layer
+    assert narrow.select_pad == 1024
+    assert (narrow.block_c, narrow.num_warps, narrow.programs_per_sm) == tiles.launch_rule(1024) == (64, 4, 4)
+    wide = plan_for(131072, compression_rate=16, top_k=512, max_top_nodes=8192)  # top layer 8192 wide
+    assert wide.select_pad == 8192
+    assert (wide.block_c, wide.num_warps, wide.programs_per_sm) == (32, 8, 2)
+    monkeypatch.setattr(tiles, "DEFAULT_BLOCK_C", 16)
+    monkeypatch.setattr(tiles, "DEFAULT_NUM_WARPS", 2)
+    monkeypatch.setattr(tiles, "PROGRAMS_PER_SM", 3)
+    overridden = plan_for(32768, compression_rate=16, top_k=64)
+    assert (overridden.block_c, overridden.num_warps, overridden.programs_per_sm) == (16, 2, 3)
+    q = torch.empty((1, 64, 8, 128), device="meta")
+    cfg = resolve_htree_config(q, q[:, :, :1], q[:, :, :1], compression_rate=4, top_k=2)
+    assert tiles.make_plan(64, 8, 128, 128, cfg, "cpu", block_c=32).block_c == 32

@@ -97,8 +97,8 @@ if triton is not None:
     @triton.jit
     def _htree_backward_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, tree_k_ptr, tree_v_ptr, layer_ptr,
-        cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, scores_ptr, keys_ptr, flags_ptr, parents_ptr, record_ptr,
-        bits_ptr, bits_table_ptr,
+        cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, delta_out_ptr, scores_ptr, keys_ptr, flags_ptr, parents_ptr,
+        record_ptr, bits_ptr, bits_table_ptr,
         stride_qb, stride_qt, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
@@ -146,6 +146,8 @@ if triton is not None:
             delta = tl.sum(do * out, axis=1)
             if HAS_DLSE:
                 delta -= tl.load(dlse_ptr + lse_rows, mask=row_ok, other=0.0)
+            if not KEY_GRADS:  # the node-gradient programs read it
+                tl.store(delta_out_ptr + lse_rows, delta, mask=row_ok)
             k_item = k_ptr + b.to(tl.int64) * stride_kb + h * stride_kh
             v_item = v_ptr + b.to(tl.int64) * stride_vb + h * stride_vh
             tree_row = (b * H_KV + h).to(tl.int64) * pooled_nodes
@@ -262,7 +264,7 @@ def htree_backward(
     cos, sin = rope_table(plan, key_dim, cfg.rope_base, q.device)
     items = batch * kv_heads * time
     is_interpreted = interpreted(_htree_backward_kernel)
-    programs = num_programs(q.device, items, is_interpreted)
+    programs = num_programs(plan, q.device, items, is_interpreted)
     from_record = selections is not None
     # The selection's scratch rows per program; reading the forward's selections needs none.
     rows = 1 if from_record else programs
@@ -293,9 +295,13 @@ def htree_backward(
         dlse = dlse.float().contiguous()
     if from_record:
         bits, bits_table, bits_rows = selection_bitmasks(record, plan.layer_sizes)
+    # delta = <do, o> - dlse per (query, head), which the dq kernel computes in registers anyway: it
+    # writes it for the node-gradient programs (in torch it took float32 copies of do and o: 6 GB
+    # of transients at T 128K, HQ 32).
+    delta = torch.full_like(lse, float("nan")) if node_gradients else lse
     _htree_backward_kernel[(programs,)](
         q, k, v, o, lse, do, dlse if dlse is not None else lse, tree_k, tree_v, plan.layer_table,
-        cos, sin, dq, dk_nodes, dv_nodes, scores, keys, flags, parents, record if record is not None else keys,
+        cos, sin, dq, dk_nodes, dv_nodes, delta, scores, keys, flags, parents, record if record is not None else keys,
         bits, bits_table,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
         batch, time, kv_heads, group, key_dim // 2, value_dim, num_layers, cfg.compression_rate, cfg.top_k,
@@ -309,12 +315,9 @@ def htree_backward(
         num_warps=plan.num_warps, **launch_config(q),
     )
     if node_gradients:
-        delta = (do.float() * o.float()).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse
         if not from_record:  # the dq kernel has recorded them now
             bits, bits_table, bits_rows = selection_bitmasks(record, plan.layer_sizes)
-        write_node_gradients(q, k, v, do, lse, delta.contiguous(), tree_k, tree_v, cos, sin, record, bits, bits_rows,
+        write_node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_rows,
                              plan, cfg.compression_rate, cfg.top_k, cfg.scale, dk_nodes, dv_nodes, launch_config(q))
     dk = unpool_gradient(dk_nodes, plan, cfg.compression_rate).transpose(1, 2).to(k.dtype)
     dv = unpool_gradient(dv_nodes, plan, cfg.compression_rate).transpose(1, 2).to(v.dtype)

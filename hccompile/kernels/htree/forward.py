@@ -184,8 +184,7 @@ def htree_forward(
     """
     check_kernel_limits(q, k, v, cfg)
     _require_triton(q.device)
-    block_c = tiles.DEFAULT_BLOCK_C if block_c is None else block_c
-    if block_c < tiles.MIN_DOT_DIM or block_c & (block_c - 1):
+    if block_c is not None and (block_c < tiles.MIN_DOT_DIM or block_c & (block_c - 1)):
         raise ValueError(f"block_c: must be a power of two >= {tiles.MIN_DOT_DIM}, got {block_c}")
     batch, time, heads, key_dim = q.shape
     kv_heads, value_dim = k.shape[2], v.shape[3]
@@ -199,7 +198,7 @@ def htree_forward(
     tree_v = build_pooled(v, plan, cfg.compression_rate)
     cos, sin = rope_table(plan, key_dim, cfg.rope_base, q.device)
     items = batch * kv_heads * time
-    programs = num_programs(q.device, items, interpreted(_htree_forward_kernel))
+    programs = num_programs(plan, q.device, items, interpreted(_htree_forward_kernel))
     scores = torch.empty((programs, group, plan.select_pad), dtype=torch.float32, device=q.device)
     keys = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
     flags = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)

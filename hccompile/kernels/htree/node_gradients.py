@@ -34,6 +34,8 @@ __all__ = ["node_gradients", "selection_bitmasks", "selection_index"]
 # Queries per tile, as rows of the dots: QUERIES * G_ROWS of them (G_ROWS = G rounded up to a power
 # of two). 64 rows keep the tiles' registers near the query-stationary kernel's.
 TILE_ROWS = 64
+# Transient bytes that selection_bits stages at once.
+STAGING_BYTES = 256 << 20
 # Warps per node-gradient program: at 4, 64 rows x K 128 spill 64-232 bytes on sm_90 (compile_check).
 NODE_WARPS = 8
 
@@ -178,16 +180,22 @@ if triton is not None:
 
 def selection_bits(selected: torch.Tensor, nodes: int) -> torch.Tensor:
     """[B, T, H_kv, top_k] node indices (-1: none) -> [B, H_kv, T, ceil(nodes / 8)] uint8 bitmasks."""
-    batch, time, kv_heads, _ = selected.shape
+    batch, time, kv_heads, top_k = selected.shape
     width = (nodes + 7) // 8
-    chosen = selected.permute(0, 2, 1, 3).long()
-    valid = chosen >= 0
-    words = torch.zeros((batch, kv_heads, time, width), dtype=torch.int32, device=selected.device)
-    index = torch.where(valid, chosen // 8, 0)
-    bit = torch.where(valid, 1 << (chosen % 8), 0).to(torch.int32)
-    # A query selects a node at most once, so adding the bits is or-ing them.
-    words.scatter_add_(3, index, bit)
-    return words.to(torch.uint8)
+    out = torch.empty((batch, kv_heads, time, width), dtype=torch.uint8, device=selected.device)
+    # Built in int32 words (scatter_add_ on bytes is not on every backend), a block of queries at a
+    # time: one staging block for all of T is 4x the bitmasks (2 GB at T 128K, 8192 nodes, H_kv 4).
+    step = max(1, STAGING_BYTES // max(1, batch * kv_heads * (width + 3 * top_k) * 4))
+    for t0 in range(0, time, step):
+        chosen = selected[:, t0 : t0 + step].permute(0, 2, 1, 3).long()
+        valid = chosen >= 0
+        words = torch.zeros(chosen.shape[:3] + (width,), dtype=torch.int32, device=selected.device)
+        index = torch.where(valid, chosen // 8, 0)
+        bit = torch.where(valid, 1 << (chosen % 8), 0).to(torch.int32)
+        # A query selects a node at most once, so adding the bits is or-ing them.
+        words.scatter_add_(3, index, bit)
+        out[:, :, t0 : t0 + step] = words
+    return out
 
 
 def selection_bitmasks(record: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -214,19 +222,20 @@ def selection_index(selected: torch.Tensor, nodes: int) -> tuple[torch.Tensor, t
     batch, time, kv_heads, top_k = selected.shape
     device = selected.device
     owners = batch * kv_heads * nodes
-    chosen = selected.permute(0, 2, 1, 3).long()  # [B, H_kv, T, top_k]
-    valid = chosen >= 0
-    owner = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1, 1) * nodes + chosen
-    keys = torch.where(valid, owner, owners).flatten()  # unused: the bucket after the last owner
+    # int32 keys (owners < 2**31: B * H_kv * nodes is bounded by the work items' check) halve the sort's
+    # bytes; `order` comes back int64 from torch.sort.
+    chosen = selected.permute(0, 2, 1, 3)  # [B, H_kv, T, top_k]
+    owner = torch.arange(batch * kv_heads, device=device, dtype=torch.int32).view(batch, kv_heads, 1, 1) * nodes
+    keys = torch.where(chosen >= 0, owner + chosen, owners).flatten()  # unused: the bucket after the last owner
+    del owner
     # Stable: within an owner, queries stay ascending (the flattened order is (b, h, t, rank)).
     keys, order = torch.sort(keys, stable=True)
-    counts = torch.zeros(owners + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, keys, torch.ones_like(keys))
-    offsets = torch.zeros(owners + 1, dtype=torch.int64, device=device)
-    offsets[1:] = torch.cumsum(counts[:owners], 0)
-    queries = (order // top_k) % time
-    ranks = order % top_k
-    return offsets, queries.to(torch.int32), ranks.to(torch.int32)
+    # Owner i's entries start where the sorted keys reach i (no bincount: it reads the maximum back).
+    offsets = torch.searchsorted(keys, torch.arange(owners + 1, device=device, dtype=torch.int32))
+    del keys
+    queries = ((order // top_k) % time).to(torch.int32)
+    ranks = (order % top_k).to(torch.int32)
+    return offsets, queries, ranks
 
 
 def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_rows, plan: HTreePlan,

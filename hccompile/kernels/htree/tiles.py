@@ -45,22 +45,21 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # The selection holds one layer's keys in registers: 16384 int32 over 8 warps is 64 per thread.
 MAX_SELECT_WIDTH = 16384
-# Tile of the candidate buffer, and warps per program. Chosen by ptxas register counts for sm_90
-# (bfloat16, K=V=128, 1024 candidates: 255 registers, ~120 bytes of spills forward, ~64 backward;
-# 64-wide tiles or 4 warps spill kilobytes), not yet by timings. The forward and the backward
-# must use the same values to select the same nodes.
-DEFAULT_BLOCK_C = 32
-DEFAULT_NUM_WARPS = 8
+# Tile of the candidate buffer, warps per program and persistent programs per SM (each owns a scratch
+# row for the selection), chosen by launch_rule from the selection width. None here: the rule; a
+# value overrides it (benchmarks/htree.py's tuning flags). The forward and the backward must use the
+# same tile to select the same nodes: both take it from make_plan.
+DEFAULT_BLOCK_C: int | None = None
+DEFAULT_NUM_WARPS: int | None = None
+PROGRAMS_PER_SM: int | None = None
 # tl.dot needs every block dim to be at least 16.
 MIN_DOT_DIM = 16
-# Persistent grid: this many programs per SM (each owns a scratch row for the selection). At 8
-# warps and ~255 registers one fits; a second waits, which costs nothing as the work is dealt
-# out evenly, and runs alongside where registers allow.
-PROGRAMS_PER_SM = 2
-# The backward's node (key and value) gradients: node-stationary from the selections the dq kernel
-# records (node_gradients.py), or float32 atomics from every query (False). Off until timed on the
-# GPU; HCCOMPILE_HTREE_NODE_GRADIENTS=1 turns it on.
-NODE_GRADIENTS = os.environ.get("HCCOMPILE_HTREE_NODE_GRADIENTS") == "1"
+# The backward's node (key and value) gradients: node-stationary from the selections
+# (node_gradients.py), or float32 atomics from every query (False). Node-stationary is the default:
+# H100, bf16, T 32K, r 16, top_k 64: fwd+bwd 433 ms against 852 ms with atomics, and 2.12 s against
+# 4.50 s at 128K (benchmarks/results/htree_2026-11-27_h100x1_59b735c.jsonl).
+# HCCOMPILE_HTREE_NODE_GRADIENTS=0 selects the atomics.
+NODE_GRADIENTS = os.environ.get("HCCOMPILE_HTREE_NODE_GRADIENTS", "1") != "0"
 INTERPRETER_PROGRAMS = 4
 # Under the interpreter, widths up to this select by counting ranks (fewer, larger ops) instead
 # of the 31-step search the GPU runs; both select the same. Tests set it to 0 to run the search.
@@ -92,12 +91,28 @@ class HTreePlan:
     select_pad: int
     block_c: int
     num_warps: int
+    programs_per_sm: int
     index_bits: int
+
+
+def launch_rule(select_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_C, warps, programs per SM) of the walks for a padded selection width.
+
+    A walk is latency-bound (one query's tiles one after another), so what pays is walks in flight.
+    Measured on the H100 (bf16, K=V=128, G=8, width 1024, T 32K; htree-tune, 59b735c): 64-wide
+    tiles at 4 warps and 4 programs per SM give a forward of 112 ms and fwd+bwd of 301 ms, against
+    190 / 433 ms at 32 / 8 / 2 (16-wide at 4 warps: 169 / 405). ptxas reports spills at 4 warps
+    (the selection's keys and the tiles), which cost less than the idle SMs they replace. A wider
+    selection holds more keys per thread in registers (8192 over 4 warps is 64 each, as 16384 over
+    8): untimed there, it keeps 32 / 8 / 2.
+    """
+    if select_pad <= 2048:
+        return 64, 4, 4
+    return 32, 8, 2
 
 
 def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeConfig, device,
               block_c: int | None = None) -> HTreePlan:
-    block_c = DEFAULT_BLOCK_C if block_c is None else block_c
     r = cfg.compression_rate
     sizes = htree_layer_sizes(time, r, cfg.max_top_nodes)
     num_layers = len(sizes)
@@ -112,6 +127,11 @@ def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeCon
     widths = [sizes[-1] if layer == num_layers - 1 else cfg.top_k * r for layer in range(num_layers)]
     select_width = max(widths[1:], default=0)
     select_pad = _pow2(select_width) if select_width else MIN_DOT_DIM
+    rule_block_c, num_warps, programs_per_sm = launch_rule(select_pad)
+    if block_c is None:
+        block_c = rule_block_c if DEFAULT_BLOCK_C is None else DEFAULT_BLOCK_C
+    num_warps = num_warps if DEFAULT_NUM_WARPS is None else DEFAULT_NUM_WARPS
+    programs_per_sm = programs_per_sm if PROGRAMS_PER_SM is None else PROGRAMS_PER_SM
     return HTreePlan(
         layer_sizes=tuple(sizes),
         layer_table=torch.tensor(rows, dtype=torch.int64, device=device),
@@ -124,7 +144,8 @@ def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeCon
         v_pad=_pow2(value_dim),
         select_pad=select_pad,
         block_c=block_c,
-        num_warps=DEFAULT_NUM_WARPS,
+        num_warps=num_warps,
+        programs_per_sm=programs_per_sm,
         index_bits=packed_index_bits(r, cfg.top_k, cfg.max_top_nodes),
     )
 
@@ -176,11 +197,11 @@ def build_pooled(x: torch.Tensor, plan: HTreePlan, r: int) -> torch.Tensor:
     return out
 
 
-def num_programs(device: torch.device, items: int, interpreted: bool) -> int:
+def num_programs(plan: HTreePlan, device: torch.device, items: int, interpreted: bool) -> int:
     if interpreted or device.type != "cuda":
         return max(1, min(items, INTERPRETER_PROGRAMS))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(items, sms * PROGRAMS_PER_SM))
+    return max(1, min(items, sms * plan.programs_per_sm))
 
 
 def rank_select(plan: HTreePlan, is_interpreted: bool) -> bool:
