@@ -48,7 +48,7 @@ for run in ${RUNS:-delta host}; do
                        --kv-heads 4 > "$out/diag_htree-profile_$tag.txt" 2>&1 ;;
     htree-tune)
         # BLOCK_C, warps, programs per SM of the walks (forward, dq); the node-gradient programs' warps
-        # and rows. A walk is latency-bound: what pays is walks in flight (tiles.launch_rule).
+        # and rows. A walk is latency-bound: what pays is walks in flight (tiles.py).
         for setting in "64 4 4 8 64" "64 4 8 8 64" "128 4 4 8 64" "64 4 2 8 64" "64 8 2 8 64" "32 4 8 8 64" \
                        "64 4 4 4 64" "64 4 4 8 128"; do
             set -- $setting
@@ -57,7 +57,7 @@ for run in ${RUNS:-delta host}; do
                 --out "$out/diag_htree-tune_$tag.jsonl"
         done
         # The public regime at 128K (an 8192-wide top layer), forward only (the backward reads its
-        # selections): the rule's 32 / 8 / 2 against 4 warps.
+        # selections): 32 / 8 / 2 (the defaults until 779e58a) against 4 warps.
         for setting in "32 8 2" "32 4 4" "64 4 4"; do
             set -- $setting
             cut_at python3 benchmarks/htree.py --config seed --seq 131072 --modes fwd --impls htree --rep 30 --block-c "$1" \

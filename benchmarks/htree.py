@@ -67,6 +67,16 @@ def make_inputs(a, T: int, layout: str):
     return [t.requires_grad_() for t in tensors]
 
 
+def _library_node_gradients() -> bool:
+    from hccompile.kernels.htree import tiles
+
+    return tiles.NODE_GRADIENTS
+
+
+# The library's default, read before any run sets tiles.NODE_GRADIENTS for its own calls.
+LIBRARY_NODE_GRADIENTS = _library_node_gradients()
+
+
 def implementation(name: str, a):
     from hccompile.kernels.htree.reference import htree_attention_ref
     from hccompile.lowering.htree import htree_attention
@@ -78,7 +88,7 @@ def implementation(name: str, a):
         # The backward's node gradients: node-stationary from the selections (htree-nodes,
         # kernels/htree/node_gradients.py), float32 atomics (htree-atomics), or the library's default
         # (htree); set for each call, since they share one process.
-        nodes = {"htree": tiles.NODE_GRADIENTS, "htree-nodes": True, "htree-atomics": False}[name]
+        nodes = {"htree": LIBRARY_NODE_GRADIENTS, "htree-nodes": True, "htree-atomics": False}[name]
 
         def run(q, k, v):
             tiles.NODE_GRADIENTS = nodes
@@ -98,7 +108,7 @@ def _node_knobs() -> dict:
 
 
 def _walk_knobs(a, T: int) -> dict:
-    """The walks' tile, warps and programs per SM at this shape: tiles.launch_rule's, or the flags'."""
+    """The walks' tile, warps and programs per SM as make_plan gives them (tiles' defaults, or the flags')."""
     from hccompile.kernels.htree import tiles
     from hccompile.kernels.htree.reference import resolve_htree_config
 
@@ -176,8 +186,7 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print(f"# htree on {device}: B={a.batch} HQ={a.heads} H_kv={a.kv_heads} D={a.dim} {a.dtype}; "
           f"r={config['compression_rate']} top_k={config['top_k']} max_top_nodes={top_nodes} "
-          f"causal={a.causal}; walks {_walk_knobs(a, int(a.seq.split(',')[0]))} (tiles.launch_rule unless "
-          f"set by the flags); do_bench median ms\n")
+          f"causal={a.causal}; walks {_walk_knobs(a, int(a.seq.split(',')[0]))} ; do_bench median ms\n")
     rows = []
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     for T in (int(t) for t in a.seq.split(",")):

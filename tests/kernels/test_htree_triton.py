@@ -189,16 +189,19 @@ def test_atomics_backward_from_forward_selections():
                    max_top_nodes=12)
 
 
-@pytest.mark.parametrize("staging_bytes", [1, 1000, 1 << 28], ids=["query-by-query", "blocks-of-queries", "one-block"])
-def test_selection_index_lists_each_nodes_queries_with_ranks(monkeypatch, staging_bytes):
+@pytest.mark.parametrize("budget", ["one-at-a-time", "several", "all"])
+def test_selection_index_lists_each_nodes_queries_with_ranks(monkeypatch, budget):
     from hccompile.kernels.htree import node_gradients
     from hccompile.kernels.htree.node_gradients import selection_bits, selection_index
 
-    # selection_bits stages a block of queries at a time: one query, a few (T 7 is not a multiple), all.
-    monkeypatch.setattr(node_gradients, "STAGING_BYTES", staging_bytes)
-
     generator = torch.Generator().manual_seed(5)
     batch, time, kv_heads, top_k, nodes = 2, 7, 3, 4, 9
+    # selection_bits stages a block of queries at a time, selection_index sorts a block of KV heads:
+    # one query / head, a few (T 7 and H_kv 3 are not multiples), all.
+    staging, sort_entries = {"one-at-a-time": (1, 1), "several": (1000, 2 * time * top_k),
+                             "all": (1 << 28, 1 << 25)}[budget]
+    monkeypatch.setattr(node_gradients, "STAGING_BYTES", staging)
+    monkeypatch.setattr(node_gradients, "SORT_ENTRIES", sort_entries)
     selected = torch.full((batch, time, kv_heads, top_k), -1, dtype=torch.int32)
     for b in range(batch):
         for t in range(time):
@@ -206,20 +209,23 @@ def test_selection_index_lists_each_nodes_queries_with_ranks(monkeypatch, stagin
                 count = int(torch.randint(0, top_k + 1, (1,), generator=generator))
                 chosen = torch.randperm(nodes, generator=generator)[:count].sort().values
                 selected[b, t, h, :count] = chosen.to(torch.int32)
-    offsets, queries, ranks = selection_index(selected, nodes)
+    offsets, entries = selection_index(selected, nodes)
+    assert offsets.dtype == torch.int64 and entries.dtype == torch.int32
     bits = selection_bits(selected, nodes)
     for b in range(batch):
         for h in range(kv_heads):
             for j in range(nodes):
-                owner = (b * kv_heads + h) * nodes + j
-                got = list(zip(queries[offsets[owner]:offsets[owner + 1]].tolist(),
-                               ranks[offsets[owner]:offsets[owner + 1]].tolist()))
+                owner = (b * kv_heads + h) * (nodes + 1) + j
+                listed = entries[offsets[owner]:offsets[owner + 1]].tolist()
+                got = [(e // top_k, e % top_k) for e in listed]
                 want = [(t, r) for t in range(time) for r in range(top_k) if int(selected[b, t, h, r]) == j]
                 assert got == want, (b, h, j)
                 for t in range(time):
                     bit = (int(bits[b, h, t, j // 8]) >> (j % 8)) & 1
                     assert bit == int((selected[b, t, h] == j).any())
-    assert int(offsets[-1]) == int((selected >= 0).sum())
+            # Each slice's unused slots come after its nodes' entries, inside the slice.
+            last = (b * kv_heads + h) * (nodes + 1) + nodes
+            assert int(offsets[last]) - (b * kv_heads + h) * time * top_k == int((selected[b, :, h] >= 0).sum())
 
 
 def test_backward_streaming_radix_and_lse_gradient(radix_select):
@@ -319,27 +325,3 @@ def check_gpu_case(case, batch, time, kv_heads, group, key_dim, value_dim, dtype
     for got, want in zip((dq, dk, dv), grads):
         assert rel_err(got, want) < tol_grad
 
-
-def test_launch_rule_by_selection_width_and_its_overrides(monkeypatch):
-    """The walks' tile / warps / programs per SM come from the padded selection width; the module's
-    overrides and an explicit block_c take precedence; forward and backward share make_plan."""
-    def plan_for(T, **options):
-        q = torch.empty((1, T, 8, 128), device="meta", dtype=torch.bfloat16)
-        kv = torch.empty((1, T, 1, 128), device="meta", dtype=torch.bfloat16)
-        cfg = resolve_htree_config(q, kv, kv, **options)
-        return tiles.make_plan(T, 8, 128, 128, cfg, "cpu")
-
-    narrow = plan_for(32768, compression_rate=16, top_k=64)  # 1024 candidates per layer
-    assert narrow.select_pad == 1024
-    assert (narrow.block_c, narrow.num_warps, narrow.programs_per_sm) == tiles.launch_rule(1024) == (64, 4, 4)
-    wide = plan_for(131072, compression_rate=16, top_k=512, max_top_nodes=8192)  # top layer 8192 wide
-    assert wide.select_pad == 8192
-    assert (wide.block_c, wide.num_warps, wide.programs_per_sm) == (32, 8, 2)
-    monkeypatch.setattr(tiles, "DEFAULT_BLOCK_C", 16)
-    monkeypatch.setattr(tiles, "DEFAULT_NUM_WARPS", 2)
-    monkeypatch.setattr(tiles, "PROGRAMS_PER_SM", 3)
-    overridden = plan_for(32768, compression_rate=16, top_k=64)
-    assert (overridden.block_c, overridden.num_warps, overridden.programs_per_sm) == (16, 2, 3)
-    q = torch.empty((1, 64, 8, 128), device="meta")
-    cfg = resolve_htree_config(q, q[:, :, :1], q[:, :, :1], compression_rate=4, top_k=2)
-    assert tiles.make_plan(64, 8, 128, 128, cfg, "cpu", block_c=32).block_c == 32

@@ -20,7 +20,7 @@ backward.py's `_gradient_layer`, with the query rotated per row (each query has 
 n - 1 and tile start rank * r) and the key by its child offset c.
 
 Memory beyond the query-stationary backward: the selections [L, B, T, H_kv, top_k] int32 that the
-dq kernel records, one int32 CSR entry pair per (query, selected node) and the bitmasks.
+dq kernel records, one int32 CSR entry per (query, selected node) and the bitmasks.
 """
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ from .tiles import HTreePlan
 __all__ = ["node_gradients", "selection_bitmasks", "selection_index"]
 
 # Queries per tile, as rows of the dots: QUERIES * G_ROWS of them (G_ROWS = G rounded up to a power
-# of two). 64 rows keep the tiles' registers near the query-stationary kernel's.
-TILE_ROWS = 64
+# of two). H200, T 32K, G 8 (779e58a): fwd+bwd 280 ms at 128 rows, 301 at 64.
+TILE_ROWS = 128
+# Entries that selection_index sorts at once (its int64 order: 256 MB).
+SORT_ENTRIES = 1 << 25
 # Transient bytes that selection_bits stages at once.
 STAGING_BYTES = 256 << 20
 # Warps per node-gradient program: at 4, 64 rows x K 128 spill 64-232 bytes on sm_90 (compile_check).
@@ -45,7 +47,7 @@ if triton is not None:
     @triton.jit
     def _node_gradients_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, tree_k_ptr, tree_v_ptr, layer_ptr, cos_ptr, sin_ptr,
-        offsets_ptr, queries_ptr, ranks_ptr, bits_ptr, dk_ptr, dv_ptr,
+        offsets_ptr, entries_ptr, bits_ptr, dk_ptr, dv_ptr,
         stride_qb, stride_qt, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
@@ -104,7 +106,7 @@ if triton is not None:
             begin = first * span
             end = T
         else:
-            parent = (b * H_KV + h).to(tl.int64) * groups + group
+            parent = (b * H_KV + h).to(tl.int64) * (groups + 1) + group  # selection_index's layout
             begin = tl.load(offsets_ptr + parent)
             end = tl.load(offsets_ptr + parent + 1)
         rows = tl.arange(0, QUERIES * G_ROWS)
@@ -124,8 +126,9 @@ if triton is not None:
                 tile_start = t * 0 + first  # buffer positions are node indices at the top
             else:
                 listed = tl.where(entry < end, entry, begin)  # an address in the list for masked rows
-                t = tl.load(queries_ptr + listed, mask=row_ok, other=0)
-                tile_start = tl.load(ranks_ptr + listed, mask=row_ok, other=0) * r
+                packed = tl.load(entries_ptr + listed, mask=row_ok, other=0)  # t * top_k + rank
+                t = packed // top_k
+                tile_start = (packed % top_k) * r
             # n - 1, the query's buffer position at this layer: the top offers t // span + 1
             # candidates, each layer below (parents kept - 1) * r + its own offset + 1.
             top_span = tl.load(layer_ptr + (num_layers - 1) * 4 + 3).to(tl.int32)
@@ -212,30 +215,37 @@ def selection_bitmasks(record: torch.Tensor, sizes: tuple[int, ...]) -> tuple[to
     return buffer, torch.tensor(rows, dtype=torch.int64, device=record.device), rows
 
 
-def selection_index(selected: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def selection_index(selected: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverted index of one layer's selections [B, T, H_kv, top_k] (node indices, -1 none): for each
-    (b, h, node j), the queries t that selected j, ascending, and j's rank in each one's selection.
+    (b, h, node j), the queries t that selected j, ascending, each with j's rank in its selection.
 
-    Returns offsets [B * H_kv * nodes + 1] int64 (entries offsets[i] .. offsets[i + 1] belong to
-    owner i = (b * H_kv + h) * nodes + j), queries [E] int32 and ranks [E] int32, E = B * T * H_kv *
-    top_k: unused slots sort to the end. Fixed shapes, no boolean indexing: nothing waits for the GPU."""
+    Returns offsets [B * H_kv * (nodes + 1)] int64: node j of slice i = b * H_kv + h owns the entries
+    offsets[i * (nodes + 1) + j] .. offsets[i * (nodes + 1) + j + 1]; and entries [B * H_kv * T * top_k]
+    int32, each t * top_k + rank (check_kernel_limits bounds T * top_k below 2**31). A slice's unused
+    slots sort to its end. Sorted a few slices at a time (at most SORT_ENTRIES entries), so that the
+    sort's transients (its int64 order above all) stay bounded: all slices at once took 2 GB more in
+    the public regime at T 128K. Fixed shapes, no boolean indexing: nothing waits for the GPU."""
     batch, time, kv_heads, top_k = selected.shape
     device = selected.device
-    owners = batch * kv_heads * nodes
-    # int32 keys (owners < 2**31: B * H_kv * nodes is bounded by the work items' check) halve the sort's
-    # bytes; `order` comes back int64 from torch.sort.
-    chosen = selected.permute(0, 2, 1, 3)  # [B, H_kv, T, top_k]
-    owner = torch.arange(batch * kv_heads, device=device, dtype=torch.int32).view(batch, kv_heads, 1, 1) * nodes
-    keys = torch.where(chosen >= 0, owner + chosen, owners).flatten()  # unused: the bucket after the last owner
-    del owner
-    # Stable: within an owner, queries stay ascending (the flattened order is (b, h, t, rank)).
-    keys, order = torch.sort(keys, stable=True)
-    # Owner i's entries start where the sorted keys reach i (no bincount: it reads the maximum back).
-    offsets = torch.searchsorted(keys, torch.arange(owners + 1, device=device, dtype=torch.int32))
-    del keys
-    queries = ((order // top_k) % time).to(torch.int32)
-    ranks = (order % top_k).to(torch.int32)
-    return offsets, queries, ranks
+    per_slice = time * top_k
+    offsets = torch.empty(batch * kv_heads * (nodes + 1), dtype=torch.int64, device=device)
+    entries = torch.empty(batch * kv_heads * per_slice, dtype=torch.int32, device=device)
+    heads = max(1, min(kv_heads, SORT_ENTRIES // max(1, per_slice)))
+    for b in range(batch):
+        for h0 in range(0, kv_heads, heads):
+            count = min(heads, kv_heads - h0)
+            first = b * kv_heads + h0
+            chosen = selected[b, :, h0 : h0 + count].permute(1, 0, 2).reshape(count, per_slice)  # (t, rank) order
+            # Slice-local keys: slice ls's nodes at ls * (nodes + 1) + j, its unused slots at + nodes.
+            # Stable: within a node, queries stay ascending.
+            shift = torch.arange(count, device=device, dtype=torch.int32)[:, None] * (nodes + 1)
+            keys, order = torch.sort((torch.where(chosen >= 0, chosen, nodes) + shift).flatten(), stable=True)
+            # Node j's entries start where the sorted keys reach j (no bincount: it reads the maximum back).
+            bounds = (shift + torch.arange(nodes + 1, device=device, dtype=torch.int32)).flatten()
+            offsets[first * (nodes + 1) : (first + count) * (nodes + 1)] = (
+                torch.searchsorted(keys, bounds) + first * per_slice)
+            entries[first * per_slice : (first + count) * per_slice] = order % per_slice
+    return offsets, entries
 
 
 def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_rows, plan: HTreePlan,
@@ -262,13 +272,13 @@ def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bi
         bits_offset, bit_bytes = bits_rows[layer]
         if is_top:
             groups = -(-sizes[layer] // block_n)
-            offsets = queries = ranks = placeholder
+            offsets = entries = placeholder
         else:
             groups = sizes[layer + 1]
-            offsets, queries, ranks = selection_index(record[layer + 1], groups)
+            offsets, entries = selection_index(record[layer + 1], groups)
         _node_gradients_kernel[(batch * kv_heads * groups,)](
             q, k, v, do, lse, delta, tree_k, tree_v, plan.layer_table, cos, sin,
-            offsets, queries, ranks, bits[bits_offset:], dk_nodes, dv_nodes,
+            offsets, entries, bits[bits_offset:], dk_nodes, dv_nodes,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             time, kv_heads, group_size, key_dim // 2, value_dim, num_layers, layer, r, top_k,
             plan.pooled_nodes, plan.all_nodes, groups, max(bit_bytes, 1), scale,

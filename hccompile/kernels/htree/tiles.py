@@ -46,12 +46,17 @@ MAX_HEAD_DIM = 256
 # The selection holds one layer's keys in registers: 16384 int32 over 8 warps is 64 per thread.
 MAX_SELECT_WIDTH = 16384
 # Tile of the candidate buffer, warps per program and persistent programs per SM (each owns a scratch
-# row for the selection), chosen by launch_rule from the selection width. None here: the rule; a
-# value overrides it (benchmarks/htree.py's tuning flags). The forward and the backward must use the
+# row for the selection). A walk is latency-bound (one query's tiles one after another), so what pays
+# is walks in flight. H100, bf16, K=V=128, G=8, T 32K, 1024 candidates per layer (htree-tune, 59b735c):
+# 64 / 4 / 4 give a forward of 112 ms and fwd+bwd of 301 ms, against 190 / 433 ms at 32 / 8 / 2 and
+# 169 / 405 at 16 / 4 / 4; H200 (779e58a): 128-wide tiles 233 ms forward, 8 warps 155, 2 or 8 programs
+# per SM as 4. The public regime's 8192-wide selection too (H200, T 128K forward): 2.67 s, against
+# 5.16 s at 32 / 8 / 2 and 3.28 s at 32 / 4 / 4. ptxas reports spills at 4 warps (the selection's keys,
+# the tiles); they cost less than the idle SMs they replace. The forward and the backward must use the
 # same tile to select the same nodes: both take it from make_plan.
-DEFAULT_BLOCK_C: int | None = None
-DEFAULT_NUM_WARPS: int | None = None
-PROGRAMS_PER_SM: int | None = None
+DEFAULT_BLOCK_C = 64
+DEFAULT_NUM_WARPS = 4
+PROGRAMS_PER_SM = 4
 # tl.dot needs every block dim to be at least 16.
 MIN_DOT_DIM = 16
 # The backward's node (key and value) gradients: node-stationary from the selections
@@ -95,22 +100,6 @@ class HTreePlan:
     index_bits: int
 
 
-def launch_rule(select_pad: int) -> tuple[int, int, int]:
-    """(BLOCK_C, warps, programs per SM) of the walks for a padded selection width.
-
-    A walk is latency-bound (one query's tiles one after another), so what pays is walks in flight.
-    Measured on the H100 (bf16, K=V=128, G=8, width 1024, T 32K; htree-tune, 59b735c): 64-wide
-    tiles at 4 warps and 4 programs per SM give a forward of 112 ms and fwd+bwd of 301 ms, against
-    190 / 433 ms at 32 / 8 / 2 (16-wide at 4 warps: 169 / 405). ptxas reports spills at 4 warps
-    (the selection's keys and the tiles), which cost less than the idle SMs they replace. A wider
-    selection holds more keys per thread in registers (8192 over 4 warps is 64 each, as 16384 over
-    8): untimed there, it keeps 32 / 8 / 2.
-    """
-    if select_pad <= 2048:
-        return 64, 4, 4
-    return 32, 8, 2
-
-
 def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeConfig, device,
               block_c: int | None = None) -> HTreePlan:
     r = cfg.compression_rate
@@ -127,11 +116,7 @@ def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeCon
     widths = [sizes[-1] if layer == num_layers - 1 else cfg.top_k * r for layer in range(num_layers)]
     select_width = max(widths[1:], default=0)
     select_pad = _pow2(select_width) if select_width else MIN_DOT_DIM
-    rule_block_c, num_warps, programs_per_sm = launch_rule(select_pad)
-    if block_c is None:
-        block_c = rule_block_c if DEFAULT_BLOCK_C is None else DEFAULT_BLOCK_C
-    num_warps = num_warps if DEFAULT_NUM_WARPS is None else DEFAULT_NUM_WARPS
-    programs_per_sm = programs_per_sm if PROGRAMS_PER_SM is None else PROGRAMS_PER_SM
+    block_c = DEFAULT_BLOCK_C if block_c is None else block_c
     return HTreePlan(
         layer_sizes=tuple(sizes),
         layer_table=torch.tensor(rows, dtype=torch.int64, device=device),
@@ -144,8 +129,8 @@ def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeCon
         v_pad=_pow2(value_dim),
         select_pad=select_pad,
         block_c=block_c,
-        num_warps=num_warps,
-        programs_per_sm=programs_per_sm,
+        num_warps=DEFAULT_NUM_WARPS,
+        programs_per_sm=PROGRAMS_PER_SM,
         index_bits=packed_index_bits(r, cfg.top_k, cfg.max_top_nodes),
     )
 
@@ -171,6 +156,8 @@ def check_kernel_limits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: 
                          f"exceed the kernels' maximum {MAX_SELECT_WIDTH}")
     if q.shape[1] * max(1, q.shape[0]) * k.shape[2] >= 2**31:
         raise ValueError(f"q: B*T*H_kv={q.shape[0] * q.shape[1] * k.shape[2]} work items exceed int32")
+    if q.shape[1] * cfg.top_k >= 2**31:  # node_gradients.selection_index packs t * top_k + rank in int32
+        raise ValueError(f"top_k: T*top_k={q.shape[1] * cfg.top_k} exceeds int32 (the inverted index's entries)")
 
 
 def rope_table(plan: HTreePlan, key_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
