@@ -141,8 +141,10 @@ test-gpu:
 		rm -f $(GPU_CACHE_OUT)/pack.tgz; done; \
 	du -sh $(GPU_CACHE_OUT) >> $(GPU_CACHE_OUT)/sizes.txt; cat $(GPU_CACHE_OUT)/sizes.txt; exit $$status
 
-# The GPU suite over more than one device call (a call may run 10 minutes; the suite takes ~14 on the
-# H100): `make test-gpu-start COMMIT=<sha>` copies the tree to GPU_COPY (the next call re-copies the
+# The GPU suite over more than one device call (a call may run 10 minutes). Compiling is most of the
+# suite's time, so the machine's cores decide it: 626 s on four cards and 64 cores (56 workers, session
+# 27), 1063 s on two (session 26); one card's 16 cores ran 159 of 1217 tests in 523 s (session 27),
+# which does not end inside a machine's 30-minute lease: ask for four or two cards. `make test-gpu-start COMMIT=<sha>` copies the tree to GPU_COPY (the next call re-copies the
 # working tree under running workers) and starts `make test-gpu` there in its own session; each
 # following call runs `make test-gpu-wait`, which waits up to GPU_WAIT_S seconds for the suite to end
 # (GPU_COPY/exit-status) and copies the report to benchmarks/results/gpu-suite.txt (and to $$OUT when
