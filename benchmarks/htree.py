@@ -77,6 +77,13 @@ def _library_node_gradients() -> bool:
 LIBRARY_NODE_GRADIENTS = _library_node_gradients()
 
 
+def node_gradients_of(name: str) -> bool:
+    """tiles.NODE_GRADIENTS for an htree implementation name (profile_ops.py uses it too): node-
+    stationary (htree-nodes, kernels/htree/node_gradients.py), float32 atomics (htree-atomics), or
+    the library's default (htree). Set on each call: the implementations share one process."""
+    return {"htree": LIBRARY_NODE_GRADIENTS, "htree-nodes": True, "htree-atomics": False}[name]
+
+
 def implementation(name: str, a):
     from hccompile.kernels.htree.reference import htree_attention_ref
     from hccompile.lowering.htree import htree_attention
@@ -85,10 +92,7 @@ def implementation(name: str, a):
 
     options = dict(CONFIGS[a.config], causal=a.causal)
     if name in ("htree", "htree-nodes", "htree-atomics"):
-        # The backward's node gradients: node-stationary from the selections (htree-nodes,
-        # kernels/htree/node_gradients.py), float32 atomics (htree-atomics), or the library's default
-        # (htree); set for each call, since they share one process.
-        nodes = {"htree": LIBRARY_NODE_GRADIENTS, "htree-nodes": True, "htree-atomics": False}[name]
+        nodes = node_gradients_of(name)
 
         def run(q, k, v):
             tiles.NODE_GRADIENTS = nodes

@@ -84,9 +84,9 @@ def build(op: str, s: dict, kv_heads: int, dtype):
             import hccompile
             from hccompile.kernels.htree import tiles
 
-            # The backward's node gradients: node-stationary (htree-nodes, kernels/htree/node_gradients.py),
-            # float32 atomics (htree-atomics) or the library's default (htree); set on each call.
-            nodes = {"htree": LIBRARY_NODE_GRADIENTS, "htree-nodes": True, "htree-atomics": False}[op]
+            from htree import node_gradients_of  # benchmarks/htree.py
+
+            nodes = node_gradients_of(op)
 
             def call():
                 tiles.NODE_GRADIENTS = nodes
@@ -96,18 +96,6 @@ def build(op: str, s: dict, kv_heads: int, dtype):
         return [qt, kt, vt], lambda: torch.nn.functional.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, enable_gqa=True)
     raise SystemExit(f"--ops: unknown op {op!r}")
-
-
-def _library_node_gradients() -> bool:
-    try:
-        from hccompile.kernels.htree import tiles
-    except ImportError:
-        return True
-    return tiles.NODE_GRADIENTS
-
-
-# htree's default backward, read before any profile sets tiles.NODE_GRADIENTS for its own calls.
-LIBRARY_NODE_GRADIENTS = _library_node_gradients()
 
 
 def main() -> None:
