@@ -183,6 +183,43 @@ def test_node_gradients_from_selections_match_reference(name, from_forward):
     check_backward(q, k, v, with_dlse=True, node_gradients=True, from_forward=from_forward, **options)
 
 
+SPLIT_CASES = {
+    # name: (batch, time, kv_heads, group, K, V, dtype, options, TARGET_PROGRAMS_PER_SM, from_forward).
+    # Layers [33, 7, 2]: 28, 8 and 4 programs before the splits, 2, 5 and 10 splits (target 40).
+    "r5_two_batches_g3": (2, 33, 2, 3, 16, 12, torch.float32, dict(compression_rate=5, top_k=3, max_top_nodes=4),
+                          20, False),
+    # Layers [29, 10, 4]: 20, 8 and 2 programs, 2, 3 and 12 splits (target 24).
+    "causal_t29_g2": (1, 29, 2, 2, 16, 8, torch.float32, dict(compression_rate=3, top_k=2, max_top_nodes=4,
+                                                               causal=True), 12, True),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_node_gradients_split_over_queries(monkeypatch, name):
+    """Every layer's query ranges split over several programs (node_gradients.query_splits), partial
+    sums added by torch: more splits at the top than its first group has query tiles (empty shares,
+    which must write zeros), tiles of a few queries so that most shares hold several."""
+    from hccompile.kernels.htree import node_gradients
+
+    batch, time, kv_heads, group, key_dim, value_dim, dtype, options, per_sm, from_forward = SPLIT_CASES[name]
+    monkeypatch.setattr(node_gradients, "INTERPRETER_SMS", 2)
+    monkeypatch.setattr(node_gradients, "TARGET_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(node_gradients, "TILE_ROWS", 16)
+    chosen, query_splits = [], node_gradients.query_splits
+
+    def recording_splits(*args):
+        chosen.append(query_splits(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(node_gradients, "query_splits", recording_splits)
+    q, k, v = make_inputs(batch, time, kv_heads, group, key_dim, value_dim, dtype, seed=len(name) + 60)
+    check_backward(q, k, v, with_dlse=True, node_gradients=True, from_forward=from_forward, **options)
+    layers = len(htree_layer_sizes(time, options["compression_rate"], options["max_top_nodes"]))
+    queries_per_tile = 16 // tiles._pow2(group, 1)
+    assert len(chosen) == layers and min(chosen) > 1, chosen
+    assert chosen[-1] > -(-time // queries_per_tile), chosen  # more splits than the top's query tiles
+
+
 def test_atomics_backward_from_forward_selections():
     q, k, v = make_inputs(1, 40, 1, 2, 16, 8, torch.float32, seed=16)
     check_backward(q, k, v, block_c=16, with_dlse=True, from_forward=True, compression_rate=4, top_k=5,

@@ -13,6 +13,10 @@ token layer. Here each node's gradient has one writer, which loops over the quer
   inverted index (CSR, built here with torch from the recorded selections) lists them, each with
   j's rank in that selection (the children's buffer positions are rank * r + c).
 
+Where those programs are few (the top layer: B * H_kv * ceil(top nodes / BLOCK_N) of them; a layer
+whose parents are few), each group's query range is cut into `splits` contiguous parts, one program
+each, that write partial sums which torch adds (query_splits).
+
 A candidate merges (contributes here) unless it was itself selected, which a bitmask of each
 selecting layer's selections [B, H_kv, T, nodes / 8] answers. The rows of one tile's dots are the
 QUERIES x G_ROWS (query, head) pairs; the scores, probabilities and gradients are those of
@@ -26,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import dot, tl, triton
+from .._triton import dot, interpreted, tl, triton
 from .tiles import HTreePlan
 
-__all__ = ["node_gradients", "selection_bitmasks", "selection_index"]
+__all__ = ["node_gradients", "query_splits", "selection_bitmasks", "selection_index"]
 
 # Queries per tile, as rows of the dots: QUERIES * G_ROWS of them (G_ROWS = G rounded up to a power
 # of two). H200, T 32K, G 8 (779e58a): fwd+bwd 280 ms at 128 rows, 301 at 64.
@@ -40,6 +44,12 @@ SORT_ENTRIES = 1 << 25
 STAGING_BYTES = 256 << 20
 # Warps per node-gradient program: at 4, 64 rows x K 128 spill 64-232 bytes on sm_90 (compile_check).
 NODE_WARPS = 8
+# Programs per SM that query_splits aims for on a layer whose groups are few (its query ranges are
+# then split over several programs): TARGET_PROGRAMS_PER_SM * multiprocessors in all.
+TARGET_PROGRAMS_PER_SM = 4
+# The multiprocessors query_splits assumes under the interpreter or off CUDA: few, so that the
+# interpreter's small tests split the top layer's queries too.
+INTERPRETER_SMS = 2
 
 
 if triton is not None:
@@ -52,16 +62,19 @@ if triton is not None:
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
         stride_dob, stride_dot, stride_doh, stride_dod,
-        T, H_KV, G, KH, V, num_layers, layer, r, top_k, pooled_nodes, all_nodes, groups, bit_bytes, scale,
-        TOKENS: tl.constexpr, IS_TOP: tl.constexpr, SELECTS: tl.constexpr, G_ROWS: tl.constexpr, QUERIES: tl.constexpr,
+        B, T, H_KV, G, KH, V, num_layers, layer, r, top_k, pooled_nodes, all_nodes, groups, splits, bit_bytes, scale,
+        TOKENS: tl.constexpr, IS_TOP: tl.constexpr, SELECTS: tl.constexpr, PARTIAL: tl.constexpr,
+        G_ROWS: tl.constexpr, QUERIES: tl.constexpr,
         BLOCK_N: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
     ):
-        # One program: (batch, KV head, group), a group being a block of top nodes or one parent.
+        # One program: (batch, KV head, group, split), a group being a block of top nodes or one parent,
+        # a split one of the `splits` parts of the group's queries.
         pid = tl.program_id(0)
-        group = pid % groups
-        h = (pid // groups) % H_KV
-        b = pid // (groups * H_KV)
+        split = pid % splits
+        group = (pid // splits) % groups
+        h = (pid // (splits * groups)) % H_KV
+        b = pid // (splits * groups * H_KV)
         size = tl.load(layer_ptr + layer * 4).to(tl.int32)
         pooled_offset = tl.load(layer_ptr + layer * 4 + 1)
         all_offset = tl.load(layer_ptr + layer * 4 + 2)
@@ -109,6 +122,11 @@ if triton is not None:
             parent = (b * H_KV + h).to(tl.int64) * (groups + 1) + group  # selection_index's layout
             begin = tl.load(offsets_ptr + parent)
             end = tl.load(offsets_ptr + parent + 1)
+        # This split's share: whole tiles of the range, `splits` contiguous parts of nearly equal
+        # tile counts (possibly none); one split: all of it.
+        tiles = (end - begin + QUERIES - 1) // QUERIES
+        lo = begin + (split * tiles // splits) * QUERIES
+        hi = tl.minimum(begin + ((split + 1) * tiles // splits) * QUERIES, end)
         rows = tl.arange(0, QUERIES * G_ROWS)
         g = rows % G_ROWS
         head_ok = g < G
@@ -116,16 +134,16 @@ if triton is not None:
         dkr1 = tl.zeros([BLOCK_N, KH_PAD], tl.float32)
         dkr2 = tl.zeros([BLOCK_N, KH_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, V_PAD], tl.float32)
-        for e0 in range(begin, end, QUERIES):
+        for e0 in range(lo, hi, QUERIES):
             entry = e0 + rows // G_ROWS
-            row_ok = (entry < end) & head_ok
+            row_ok = (entry < hi) & head_ok
             if IS_TOP:
                 # Clamped: rows past T are masked, but their addresses must stay in bounds too (a
                 # pipeliner's speculative load, see tiles.candidate_tile).
                 t = tl.minimum(entry, T - 1).to(tl.int32)
                 tile_start = t * 0 + first  # buffer positions are node indices at the top
             else:
-                listed = tl.where(entry < end, entry, begin)  # an address in the list for masked rows
+                listed = tl.where(entry < hi, entry, lo)  # an address in the list for masked rows
                 packed = tl.load(entries_ptr + listed, mask=row_ok, other=0)  # t * top_k + rank
                 t = packed // top_k
                 tile_start = (packed % top_k) * r
@@ -172,10 +190,13 @@ if triton is not None:
             dkr2 += dot(dscores_t, qr2, DOT_PRECISION, UPCAST_OPERANDS)
             dv += dot(tl.trans(probs.to(DOT_DTYPE)), do, DOT_PRECISION, UPCAST_OPERANDS)
 
-        # Rotated back by each node's offset, as backward.py's key side.
+        # Rotated back by each node's offset, as backward.py's key side. An empty share stores zeros.
         dk1 = dkr1 * cos_k + dkr2 * sin_k
         dk2 = dkr2 * cos_k - dkr1 * sin_k
-        grad_rows = ((b * H_KV + h).to(tl.int64) * all_nodes + all_offset + node_rows)
+        if PARTIAL:  # this split's row of the layer's partial sums [splits, B, H_kv, size, D]
+            grad_rows = ((split * B + b) * H_KV + h).to(tl.int64) * size + node_rows
+        else:  # the node's row of every layer's gradients [B, H_kv, all_nodes, D]
+            grad_rows = (b * H_KV + h).to(tl.int64) * all_nodes + all_offset + node_rows
         tl.store(dk_ptr + grad_rows * (2 * KH) + cols_k[None, :], dk1, mask=k_mask)
         tl.store(dk_ptr + grad_rows * (2 * KH) + KH + cols_k[None, :], dk2, mask=k_mask)
         tl.store(dv_ptr + grad_rows * V + cols_v[None, :], dv, mask=v_mask)
@@ -248,13 +269,35 @@ def selection_index(selected: torch.Tensor, nodes: int) -> tuple[torch.Tensor, t
     return offsets, entries
 
 
+def query_splits(programs: int, device: torch.device, interpreted: bool) -> int:
+    """Parts to cut each group's query range into, for a layer of `programs` groups over all (batch,
+    KV head) slices: 1 (each program writes its nodes' gradients) when they fill TARGET_PROGRAMS_PER_SM
+    programs per multiprocessor, else enough parts to reach about that many.
+
+    A group's program walks its queries one tile after another, so a layer of few groups is latency-
+    bound: H200, B 1, T 32K, HQ 32, H_kv 4, D 128, r 16, top_k 64 (08794b7): the top layer's 32 programs
+    (each walking every query from its block's first on) took 24.9 ms and layer 1's 512 (one per parent,
+    ~16K queries each) 42.0 ms, against 37.8 ms for the 8192 of the token layer, on 132 SMs.
+    From the shapes only: nothing waits for the GPU."""
+    if interpreted or device.type != "cuda":
+        sms = INTERPRETER_SMS
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    target = TARGET_PROGRAMS_PER_SM * sms
+    return 1 if programs >= target else -(-target // max(1, programs))
+
+
 def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_rows, plan: HTreePlan,
                    r: int, top_k: int, scale: float, dk_nodes: torch.Tensor, dv_nodes: torch.Tensor,
                    launch: dict) -> None:
     """Writes every layer's node gradients into dk_nodes [B, H_kv, all_nodes, K] and dv_nodes
     [B, H_kv, all_nodes, V] (float32), from the selections `record` [L, B, T, H_kv, top_k] (the
     forward's, or those the dq kernel recorded) and their bitmasks (selection_bitmasks: buffer and
-    rows); lse, delta [B, T, H] float32 (delta = <do, o> - dlse)."""
+    rows); lse, delta [B, T, H] float32 (delta = <do, o> - dlse).
+
+    A layer split over several programs per group (query_splits) has them write partial sums into
+    float32 buffers [splits, B, H_kv, layer nodes, D], each element by one program (poisoned, as the
+    node buffers), summed over the splits in a fixed order: deterministic from run to run."""
     batch, time, heads, key_dim = q.shape
     kv_heads, value_dim = k.shape[2], v.shape[3]
     group_size = heads // kv_heads
@@ -266,6 +309,7 @@ def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bi
     num_layers = len(sizes)
     block_n = max(16, 1 << max(0, (r - 1).bit_length()))
     placeholder = torch.zeros(1, dtype=torch.int32, device=q.device)
+    is_interpreted = interpreted(_node_gradients_kernel)
     for layer in range(num_layers):
         is_top = layer == num_layers - 1
         selects = layer > 0
@@ -276,12 +320,25 @@ def node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bi
         else:
             groups = sizes[layer + 1]
             offsets, entries = selection_index(record[layer + 1], groups)
-        _node_gradients_kernel[(batch * kv_heads * groups,)](
+        splits = query_splits(batch * kv_heads * groups, q.device, is_interpreted)
+        if splits > 1:
+            dk_out = torch.full((splits, batch, kv_heads, sizes[layer], key_dim), float("nan"), dtype=torch.float32,
+                                device=q.device)
+            dv_out = torch.full((splits, batch, kv_heads, sizes[layer], value_dim), float("nan"),
+                                dtype=torch.float32, device=q.device)
+        else:
+            dk_out, dv_out = dk_nodes, dv_nodes
+        _node_gradients_kernel[(batch * kv_heads * groups * splits,)](
             q, k, v, do, lse, delta, tree_k, tree_v, plan.layer_table, cos, sin,
-            offsets, entries, bits[bits_offset:], dk_nodes, dv_nodes,
+            offsets, entries, bits[bits_offset:], dk_out, dv_out,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            time, kv_heads, group_size, key_dim // 2, value_dim, num_layers, layer, r, top_k,
-            plan.pooled_nodes, plan.all_nodes, groups, max(bit_bytes, 1), scale,
-            TOKENS=layer == 0, IS_TOP=is_top, SELECTS=selects, G_ROWS=g_rows, QUERIES=queries_per_tile, BLOCK_N=block_n,
-            KH_PAD=plan.kh_pad, V_PAD=plan.v_pad, num_warps=NODE_WARPS, **launch,
+            batch, time, kv_heads, group_size, key_dim // 2, value_dim, num_layers, layer, r, top_k,
+            plan.pooled_nodes, plan.all_nodes, groups, splits, max(bit_bytes, 1), scale,
+            TOKENS=layer == 0, IS_TOP=is_top, SELECTS=selects, PARTIAL=splits > 1, G_ROWS=g_rows,
+            QUERIES=queries_per_tile, BLOCK_N=block_n, KH_PAD=plan.kh_pad, V_PAD=plan.v_pad, num_warps=NODE_WARPS,
+            **launch,
         )
+        if splits > 1:
+            first = sum(sizes[:layer])  # the layer's offset over all layers (layer_table's, on the host)
+            dk_nodes[:, :, first : first + sizes[layer]] = dk_out.sum(0)
+            dv_nodes[:, :, first : first + sizes[layer]] = dv_out.sum(0)
