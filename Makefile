@@ -25,11 +25,11 @@ demo: $(STAMP)
 # 280e64d 1906 s on this 2-core machine (3621 worker-seconds; a 170 s tail without the ordering).
 # TESTS: the paths to run; PYTEST_ARGS: options for every pytest process.
 CPU_WORKERS ?= 2
-CPU_CHUNK ?= 40
+CPU_CHUNK ?= 80
 TESTS ?= tests
 test: $(STAMP)
 	rm -rf .cpu-suite  # a crashed chunk must not find an earlier run's report
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV)/bin/python tests/parallel.py -n $(CPU_WORKERS) \
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV)/bin/python tests/parallel.py -n $(CPU_WORKERS) --across-files \
 		--chunk $(CPU_CHUNK) --log-dir .cpu-suite --durations tests/cpu_durations.json $(TESTS) -- -m "not gpu" $(PYTEST_ARGS) \
 		|| { tail -n 300 .cpu-suite/worker*.log; exit 1; }  # the failures' tracebacks
 
@@ -48,7 +48,7 @@ $(VENV_OLDEST)/.installed-stamp: pyproject.toml
 
 test-triton-oldest: $(VENV_OLDEST)/.installed-stamp
 	rm -rf .cpu-suite-oldest
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV_OLDEST)/bin/python tests/parallel.py -n $(CPU_WORKERS) \
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VENV_OLDEST)/bin/python tests/parallel.py -n $(CPU_WORKERS) --across-files \
 		--chunk $(CPU_CHUNK) --log-dir .cpu-suite-oldest --durations tests/cpu_durations.json tests/kernels tests/distributed \
 		-- -m "not gpu" $(PYTEST_ARGS) \
 		|| { tail -n 300 .cpu-suite-oldest/worker*.log; exit 1; }

@@ -96,8 +96,9 @@ class Durations:
 
 
 def chunk(ids: list[str], size: int, durations: Durations | None = None,
-          seconds: float | None = None) -> list[list[str]]:
-    """Consecutive ids of one file, at most `size` per chunk, in collection order. With `durations`
+          seconds: float | None = None, across_files: bool = False) -> list[list[str]]:
+    """Consecutive ids of one file (of several with across_files: fewer processes to start, each
+    importing torch and compiling anew), at most `size` per chunk, in collection order. With `durations`
     and `seconds`, a chunk also closes before its expected time would pass `seconds`: a file of slow
     tests becomes several chunks that run at once instead of one that ends the run alone (on two
     H200s, 2026-11-27, six test_hc_fuse tests made one 1018 s chunk, the run's last)."""
@@ -105,8 +106,8 @@ def chunk(ids: list[str], size: int, durations: Durations | None = None,
     spent = 0.0
     for test_id in ids:
         cost = durations.expected(test_id) if durations and seconds else 0.0
-        same_file = chunks and file_of(chunks[-1][0]) == file_of(test_id)
-        if same_file and len(chunks[-1]) < size and (not seconds or spent + cost <= seconds):
+        joins = chunks and (across_files or file_of(chunks[-1][0]) == file_of(test_id))
+        if joins and len(chunks[-1]) < size and (not seconds or spent + cost <= seconds):
             chunks[-1].append(test_id)
             spent += cost
         else:
@@ -300,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="JSON of an earlier run's seconds per test (each run writes its own to "
                              "<log-dir>/durations.json): chunks are cut to even expected times and the "
                              "slowest start first")
+    parser.add_argument("--across-files", action="store_true",
+                        help="chunks may hold tests of consecutive files (the CPU suite: 29 processes instead "
+                             "of 58 on its 2026-11-27 times; the GPU suite keeps one file per process)")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("paths", nargs="+")
     options = parser.parse_args(argv)
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     # them all (they start processes over the GPUs themselves).
     every_gpu = frozenset(i for i, markers in collected.items() if options.gpus > 1 and "multi_gpu" in markers)
     seconds = chunk_seconds(ids, durations, options.workers)
-    chunks = (chunk([i for i in ids if i not in every_gpu], options.chunk, durations, seconds)
+    chunks = (chunk([i for i in ids if i not in every_gpu], options.chunk, durations, seconds, options.across_files)
               + chunk([i for i in ids if i in every_gpu], options.chunk))
     if durations:
         chunks = longest_first(chunks, durations)

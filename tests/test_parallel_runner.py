@@ -37,6 +37,12 @@ def test_chunks_cut_by_expected_seconds_and_ordered_by_test_times():
     assert chunk_seconds(ids, Durations(), 2) is None
     order = longest_first(chunk(ids, 6, durations, 40.0), durations)
     assert order[0] == ["a.py::slow"] and order[-1] == ["b.py::t1", "b.py::t2"]
+    # across_files: a chunk goes on into the next file while the count and the seconds allow.
+    assert chunk(ids, 6, durations, 40.0, across_files=True) == [["a.py::t1"], ["a.py::slow"],
+                                                                 ["a.py::t2", "a.py::t3"], ["b.py::t1", "b.py::t2"]]
+    assert chunk(ids, 6, durations, 45.0, across_files=True) == [["a.py::t1"], ["a.py::slow"],
+                                                                 ["a.py::t2", "a.py::t3", "b.py::t1", "b.py::t2"]]
+    assert chunk(ids, 3, across_files=True) == [ids[:3], ids[3:]]
     assert Durations(files={"a.py": 2.0}).expected("a.py::x") == 2.0
 
 
