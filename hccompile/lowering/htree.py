@@ -273,8 +273,8 @@ htree_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def saves_selections(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the forward op should keep its selections for the backward (save_selections): with
-    the node-stationary backward (off until timed, tiles.NODE_GRADIENTS) and when a gradient will
-    be taken. The htree pass asks it too, with the graph's example values."""
+    the node-stationary backward (the default, tiles.NODE_GRADIENTS) and when a gradient will be
+    taken. The htree pass asks it too, with the graph's example values."""
     return bool(htree_tiles.NODE_GRADIENTS) and torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v))
 

@@ -40,7 +40,7 @@ __all__ = ["node_gradients", "query_splits", "selection_bitmasks", "selection_in
 TILE_ROWS = 128
 # Entries that selection_index sorts at once (its int64 order: 256 MB).
 SORT_ENTRIES = 1 << 25
-# Transient bytes that selection_bits stages at once.
+# Transient bytes of the int64 indices that selection_bits scatters at once.
 STAGING_BYTES = 256 << 20
 # Warps per node-gradient program: at 4, 64 rows x K 128 spill 64-232 bytes on sm_90 (compile_check).
 NODE_WARPS = 8
@@ -206,19 +206,17 @@ def selection_bits(selected: torch.Tensor, nodes: int) -> torch.Tensor:
     """[B, T, H_kv, top_k] node indices (-1: none) -> [B, H_kv, T, ceil(nodes / 8)] uint8 bitmasks."""
     batch, time, kv_heads, top_k = selected.shape
     width = (nodes + 7) // 8
-    out = torch.empty((batch, kv_heads, time, width), dtype=torch.uint8, device=selected.device)
-    # Built in int32 words (scatter_add_ on bytes is not on every backend), a block of queries at a
-    # time: one staging block for all of T is 4x the bitmasks (2 GB at T 128K, 8192 nodes, H_kv 4).
-    step = max(1, STAGING_BYTES // max(1, batch * kv_heads * (width + 3 * top_k) * 4))
+    out = torch.zeros((batch, kv_heads, time, width), dtype=torch.uint8, device=selected.device)
+    # A block of queries at a time: scatter_add_ wants int64 indices, 8 bytes per (query, selected
+    # node), 2 GB at once in the public regime at T 128K (H_kv 4, top_k 512).
+    step = max(1, STAGING_BYTES // max(1, batch * kv_heads * top_k * 8 * 2))
     for t0 in range(0, time, step):
         chosen = selected[:, t0 : t0 + step].permute(0, 2, 1, 3).long()
         valid = chosen >= 0
-        words = torch.zeros(chosen.shape[:3] + (width,), dtype=torch.int32, device=selected.device)
         index = torch.where(valid, chosen // 8, 0)
-        bit = torch.where(valid, 1 << (chosen % 8), 0).to(torch.int32)
-        # A query selects a node at most once, so adding the bits is or-ing them.
-        words.scatter_add_(3, index, bit)
-        out[:, :, t0 : t0 + step] = words
+        bit = torch.where(valid, 1 << (chosen % 8), 0).to(torch.uint8)
+        # A query selects a node at most once, so adding the bits is or-ing them (no carries).
+        out[:, :, t0 : t0 + step].scatter_add_(3, index, bit)
     return out
 
 
