@@ -70,6 +70,10 @@ GPU_MEMORY_GIB ?= 4.75
 GPU_REPORT ?= benchmarks/results/gpu-suite.txt
 GPU_TESTS ?= tests
 GPU_PYTEST_ARGS ?=
+# Tests per pytest process, consecutive files sharing one: each process start (import torch, CUDA
+# context, Dynamo and Inductor warm-up) cost ~27 s on the 4x H200 at 08794b7 (chunks' wall 20857
+# worker-seconds against the tests' own 14468 over 239 chunks of 6); 30 across files makes ~60.
+GPU_CHUNK ?= 30
 COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
 
 # A COMMIT read from git is trusted only for a clean tree: the device copies the working tree over a
@@ -128,7 +132,7 @@ test-gpu:
 	TRITON_CACHE_DIR=$(GPU_CACHE_DIR)/triton TORCHINDUCTOR_CACHE_DIR=$(GPU_CACHE_DIR)/inductor \
 	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpus $(GPU_COUNT) --gpu-memory-gib $(GPU_MEMORY_GIB) \
 		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
-		--durations tests/gpu_durations.json \
+		--durations tests/gpu_durations.json --chunk $(GPU_CHUNK) --across-files \
 		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS); status=$$?; \
 	rm -rf $(GPU_CACHE_OUT) && mkdir -p $(GPU_CACHE_OUT) && du -sh $(GPU_CACHE_DIR)/* > $(GPU_CACHE_OUT)/sizes.txt; \
 	budget=$$(( $(GPU_CACHE_MAX_MIB) * 1048576 )); \

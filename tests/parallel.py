@@ -147,7 +147,7 @@ class Outcome:
     test_id: str
     status: str            # passed, failed, error, skipped
     message: str = ""
-    seconds: float = 0.0   # JUnit's time: setup, call and teardown
+    seconds: float | None = None   # JUnit's time (setup, call and teardown); None: no JUnit record
 
 
 def read_junit(xml_path: Path, ids: list[str]) -> dict[str, Outcome]:
@@ -190,7 +190,7 @@ class Run:
     def durations(self) -> dict[str, dict[str, float]]:
         """What the next run's --durations reads (see Durations)."""
         return {"files": {f: round(self.file_seconds[f] / self.file_tests[f], 2) for f in sorted(self.file_seconds)},
-                "tests": {i: round(o.seconds, 2) for i, o in sorted(self.outcomes.items()) if o.seconds}}
+                "tests": {i: round(o.seconds, 2) for i, o in sorted(self.outcomes.items()) if o.seconds is not None}}
 
 
 def worker_env(env: dict[str, str], slot: int, gpus: int) -> dict[str, str]:
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                              "slowest start first")
     parser.add_argument("--across-files", action="store_true",
                         help="chunks may hold tests of consecutive files (the CPU suite: 29 processes instead "
-                             "of 58 on its 2026-11-27 times; the GPU suite keeps one file per process)")
+                             "of 58 on its 2026-11-27 times; the GPU suite too, where each process start costs ~27 s)")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("paths", nargs="+")
     options = parser.parse_args(argv)
