@@ -147,8 +147,8 @@ test-gpu:
 
 # The GPU suite over more than one device call (a call may run 10 minutes). Compiling is most of the
 # suite's time, so the machine's cores decide it: 626 s on four cards and 64 cores (56 workers, session
-# 27), 1063 s on two (session 26); one card's 16 cores ran 159 of 1217 tests in 523 s (session 27),
-# which does not end inside a machine's 30-minute lease: ask for four or two cards. `make test-gpu-start COMMIT=<sha>` copies the tree to GPU_COPY (the next call re-copies the
+# 27), 1063 s on two (session 26); on one H200's 16 cores, 14 workers, 760 s since GPU_CHUNK's 30 tests per
+# process across files (session 28; with 6 per process one card ran 159 of 1217 tests in 523 s). `make test-gpu-start COMMIT=<sha>` copies the tree to GPU_COPY (the next call re-copies the
 # working tree under running workers) and starts `make test-gpu` there in its own session; each
 # following call runs `make test-gpu-wait`, which waits up to GPU_WAIT_S seconds for the suite to end
 # (GPU_COPY/exit-status) and copies the report to benchmarks/results/gpu-suite.txt (and to $$OUT when
