@@ -6,6 +6,19 @@ import torch
 import hccompile  # noqa: F401  (registers ops)
 import interpreter_compat
 
+
+def _check_expected_triton() -> None:
+    """`make test-triton-oldest` puts Triton 3.6 ahead of .venv's on PYTHONPATH and names the version
+    in HCCOMPILE_EXPECT_TRITON: a process that imported another Triton would test the wrong one."""
+    import triton
+
+    expected = os.environ.get("HCCOMPILE_EXPECT_TRITON")
+    if expected and triton.__version__ != expected:
+        raise pytest.UsageError(f"HCCOMPILE_EXPECT_TRITON={expected}, but this process imported Triton "
+                                f"{triton.__version__} from {triton.__file__}")
+
+
+_check_expected_triton()
 interpreter_compat.apply()  # before any kernel runs: the package's interpreter probe is cached
 
 

@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: interp
 
 import interpreter_compat  # noqa: E402
 
+if os.environ.get("HCCOMPILE_EXPECT_TRITON"):  # make test-triton-oldest: this rank runs that Triton too
+    import triton
+    assert triton.__version__ == os.environ["HCCOMPILE_EXPECT_TRITON"], (triton.__version__, triton.__file__)
 interpreter_compat.apply()  # before any kernel runs (TRITON_INTERPRET=1 in every rank)
 
 import hccompile  # noqa: E402
