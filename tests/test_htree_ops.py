@@ -227,3 +227,50 @@ def test_bad_inputs_raise_clear_errors(index):
     with pytest.raises(error, match=message) as raised:
         call()
     assert type(raised.value) is error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
+def test_gpu_inductor_code_launches_the_htree_kernels_directly(node_gradients, monkeypatch):
+    """Issue 24: on CUDA htree is traced into its kernel launches, so Inductor's output code launches
+    our kernels itself (no call through torch.ops.hccompile), the report still names one op per
+    direction, and the compiled function (GQA, causal, four layers) matches float64 through the
+    reference, both backward versions. Compiled with dynamic=True: lengths of other depths (two
+    layers, one) run the same graphs, no recompile."""
+    from hccompile.kernels.htree import tiles
+    from helpers import Collect, calls_through_hccompile_ops, inductor_step
+
+    monkeypatch.setattr(tiles, "NODE_GRADIENTS", node_gradients)
+    options = dict(compression_rate=4, top_k=4, max_top_nodes=16, causal=True)
+    leaves = [x.requires_grad_() for x in make_inputs(T=300, H_kv=2, G=2, K=64, V=64, seed=7)]
+    be = Collect()
+    compiled = torch.compile(lambda q, k, v: htree_attention(q, k, v, return_lse=True, **options), backend=be,
+                             fullgraph=True, dynamic=True)
+    (o, lse), code = inductor_step(compiled, leaves, (torch.randn(1, 300, 4, 64, device=DEVICE),
+                                                      torch.randn(1, 300, 4, device=DEVICE)))
+    kernels = ["_htree_forward_kernel", "_pool_kernel", "_htree_backward_kernel", "_unpool_kernel"]
+    kernels += ["_selection_bits_kernel", "_node_gradients_kernel"] if node_gradients else []
+    for kernel in kernels:
+        assert kernel in code, kernel
+    if not node_gradients:
+        assert "_node_gradients_kernel" not in code
+    assert not calls_through_hccompile_ops(code), calls_through_hccompile_ops(code)[:5]
+    assert be.ops("forward") == ["hccompile.htree_attention.default"], be.ops("forward")
+    assert be.ops("backward") == ["hccompile.htree_attention_backward.default"], be.ops("backward")
+
+    reports = len(be.reports)
+    for T in (300, 40, 16):  # depths 4 (300, 75, 19, 5), 2 (40, 10) and 1 (16: dense)
+        leaves = [x.requires_grad_() for x in make_inputs(T=T, H_kv=2, G=2, K=64, V=64, seed=T)]
+        o, lse = compiled(*leaves)
+        do, dlse = torch.randn_like(o), torch.randn_like(lse)
+        grads = torch.autograd.grad((o, lse), leaves, (do, dlse))
+        assert len(be.reports) == reports, f"T={T} compiled again"
+        as64 = [t.detach().double().requires_grad_() for t in leaves]
+        for got, want in zip(htree_selections(*[t.detach() for t in leaves[:2]], **options),
+                             htree_selections(*[t.detach() for t in as64[:2]], **options)):
+            assert got.selected is None or torch.equal(got.selected, want.selected)
+        o_ref, lse_ref = htree_attention_ref(*as64, return_lse=True, **options)
+        assert rel_err(o, o_ref) < TOLERANCE and rel_err(lse, lse_ref) < TOLERANCE, T
+        grads_ref = torch.autograd.grad((o_ref, lse_ref), as64, (do.double(), dlse.double()))
+        for name, grad, grad_ref in zip("qkv", grads, grads_ref):
+            assert rel_err(grad, grad_ref) < TOLERANCE, (T, name)

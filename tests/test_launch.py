@@ -9,7 +9,8 @@ from hccompile.lowering import _launch
 
 
 @pytest.mark.parametrize("name", ["mhc_post", "mhc_post_backward", "mhc_aggregate",
-                                  "mhc_aggregate_backward", "mhc_mapping", "mhc_mapping_backward"])
+                                  "mhc_aggregate_backward", "mhc_mapping", "mhc_mapping_backward",
+                                  "htree_attention", "htree_attention_backward"])
 def test_op_and_its_host_twin_share_one_schema(name):
     op = getattr(torch.ops.hccompile, name).default
     host = getattr(torch.ops.hccompile, f"{name}_host").default

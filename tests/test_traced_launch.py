@@ -222,3 +222,53 @@ def test_lightning_ops_trace_to_their_launches(dtype, monkeypatch):
                  q, q, ((B, T, H, V), dtype), decay, h0), "lightning_attn")
     _check(trace(lambda q, k, v, decay, h0, do, dht: L.lightning_attn_backward_op(q, k, v, decay, h0, do, dht, 0.125),
                  q, q, ((B, T, H, V), dtype), decay, h0, ((B, T, H, V), dtype), h0), "lightning_attn_backward")
+
+
+@pytest.fixture
+def gpu_properties(monkeypatch):
+    """The launch plans that fill the GPU ask for its multiprocessors: without a GPU, an H100's."""
+    import types
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: types.SimpleNamespace(multi_processor_count=132))
+
+
+# r 4, top_k 3, max_top_nodes 12: the lengths the check tries (16 .. 65536) have trees of 2 to 8 layers.
+HTREE_OPTIONS = (4, 3, 12, 0.125, 10000.0, True, "exact")
+
+
+@needs_compiled_kernels
+@pytest.mark.parametrize("save_selections", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_htree_forward_traces_to_its_launches(dtype, save_selections, gpu_properties):
+    """The forward, with and without the selections it saves for the node-stationary backward: one
+    graph for every length (the tree's depth is read by the kernels, the selections' layer count is
+    an expression of T)."""
+    from hccompile.lowering import htree as HT
+
+    B, T, H, H_kv, K, V = 2, 100, 6, 3, 64, 32
+    q, k, v = ((B, T, H, K), dtype), ((B, T, H_kv, K), dtype), ((B, T, H_kv, V), dtype)
+    _check(trace(lambda q, k, v: HT.htree_attention_op(q, k, v, *HTREE_OPTIONS, save_selections), q, k, v),
+           "htree_attention")
+
+
+@needs_compiled_kernels
+@pytest.mark.parametrize("selections", [False, True], ids=["reselected", "forward-selections"])
+@pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
+def test_htree_backward_traces_to_its_launches(node_gradients, selections, gpu_properties, monkeypatch):
+    """Both backward versions (tiles.NODE_GRADIENTS), selecting again or reading the forward's
+    selections; with a gradient into lse."""
+    from hccompile.kernels.htree import tiles
+    from hccompile.lowering import htree as HT
+
+    monkeypatch.setattr(tiles, "NODE_GRADIENTS", node_gradients)
+    B, T, H, H_kv, K, V = 2, 100, 6, 3, 64, 32
+    q, k, v = ((B, T, H, K), BF16), ((B, T, H_kv, K), BF16), ((B, T, H_kv, V), BF16)
+    o, lse = ((B, T, H, V), BF16), ((B, T, H), F32)
+    saved = [((5, B, T, H_kv, 3), torch.int32)] if selections else []
+
+    def backward(q, k, v, o, lse, do, dlse, *saved):
+        return HT.htree_attention_backward_op(q, k, v, o, lse, do, dlse, *HTREE_OPTIONS, *saved)
+
+    _check(trace(backward, q, k, v, o, lse, o, lse, *saved), "htree_attention_backward")

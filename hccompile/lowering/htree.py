@@ -4,7 +4,8 @@ Layout is FLA's: q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V], H a multi
 (query head h uses KV head h // (H / H_kv)); output [B, T, H, V]. Semantics, options and the
 decisions on the points the seed leaves open are those of hccompile/kernels/htree/reference.py
 (docs/htree.md). One op per direction, so AOTAutograd puts the forward op in the forward graph
-and the backward op in the backward graph:
+and the backward op in the backward graph (both triton_ops: compiled on CUDA, they are traced
+into their kernel launches, lowering/_launch.py, one graph for every length, see below):
 
     hccompile::htree_attention(Tensor q, Tensor k, Tensor v, int compression_rate, int top_k,
         int max_top_nodes, float scale, float rope_base, bool causal, str sort_mode,
@@ -13,10 +14,11 @@ and the backward op in the backward graph:
         Tensor do, Tensor? dlse, int compression_rate, int top_k, int max_top_nodes, float scale,
         float rope_base, bool causal, str sort_mode, Tensor? selections=None) -> (Tensor dq, Tensor dk, Tensor dv)
 
-selections: with save_selections, on the kernels' path, the forward's selected nodes [L, B, T, H_kv,
-top_k] int32 (kernels/htree/forward.py), which the backward then reads instead of selecting again;
-otherwise an empty int32 tensor. htree_attention saves them when the node-stationary backward is
-on (kernels/htree/tiles.NODE_GRADIENTS) and a gradient is wanted.
+selections: with save_selections, on the kernels' path, the forward's selected nodes [S, B, T, H_kv,
+top_k] int32 (kernels/htree/forward.py; S = the tree's depth L, at least 2: tiles.selection_slots),
+which the backward then reads instead of selecting again; otherwise an empty int32 tensor.
+htree_attention saves them when the node-stationary backward is on
+(kernels/htree/tiles.NODE_GRADIENTS) and a gradient is wanted.
 
 o has v's dtype; lse [B, T, H] is the log of each output row's softmax normaliser, float32
 (float64 for float64 inputs); it is differentiable too (a gradient into it shifts the softmax
@@ -25,9 +27,14 @@ gradient). The selection of nodes is a constant for autograd, as in the seed.
 On CUDA, and on CPU under TRITON_INTERPRET=1, the ops run the Triton kernels
 (kernels/htree/forward.py, backward.py) for float16, bfloat16 and float32 inputs; otherwise (CPU
 without the interpreter, or float64) the vectorised PyTorch reference, with the backward by
-autograd through it: same math, documented fallback. The kernels score in the input precision
-(bfloat16 dots, float32 accumulation) and may decide near-ties of the importance differently from
-the float32 reference; the backward always recomputes the forward's own selection.
+autograd through it: same math, documented fallback. On CUDA the op bodies launch the kernels
+through wrap_triton; everywhere else they call the host twins (hccompile::htree_attention_host,
+hccompile::htree_attention_backward_host). The tree's depth depends on T: a call traced with a
+symbolic T plans for every length (kernels/htree/tiles.make_plan: the deepest tree's layers, the
+kernels reading the depth from T), so the graph holds no guard on the depth. The kernels score in
+the input precision (bfloat16 dots, float32 accumulation) and may decide near-ties of the
+importance differently from the float32 reference; the backward always recomputes the forward's
+own selection.
 
 Usage::
 
@@ -47,12 +54,14 @@ from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels._triton import triton_available
-from ..kernels.htree.backward import htree_backward
-from ..kernels.htree.forward import htree_forward
 from ..kernels.htree import tiles as htree_tiles
-from ..kernels.htree.reference import (HTreeConfig, htree_attention_ref, htree_layer_sizes, htree_selections,
-                                      resolve_htree_config)
-from ..kernels.htree.tiles import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ..kernels.htree.backward import _htree_backward_kernel, _unpool_kernel, htree_backward
+from ..kernels.htree.forward import _htree_forward_kernel, htree_forward
+from ..kernels.htree.node_gradients import _node_gradients_kernel, _selection_bits_kernel
+from ..kernels.htree.reference import HTreeConfig, htree_attention_ref, htree_selections, resolve_htree_config
+from ..kernels.htree.tiles import (MAX_HEAD_DIM, MAX_SELECT_WIDTH, SUPPORTED_DTYPES, _pool_kernel, max_layers,
+                                   selection_slots)
+from ._launch import HEADS, kernel_op, wrap_triton
 from ._symbols import symbols_explained
 
 __all__ = [
@@ -142,39 +151,35 @@ def implementation(device: torch.device | str, dtype: torch.dtype = torch.float3
 # Forward op
 
 
-def _selections_shape(q: Tensor, k: Tensor, cfg: HTreeConfig, save_selections: bool) -> tuple[int, ...]:
-    """The forward's selections output: [L, B, T, H_kv, top_k] when saved, else empty; the same on
-    either path (the reference computes its own). L, the tree's depth,
-    depends on T: a symbolic T gets guards on the depth's thresholds (T <= max_top_nodes * r^l),
-    so one graph serves the lengths of one depth."""
+def _selections_shape(q: Tensor, k: Tensor, cfg: HTreeConfig, save_selections: bool) -> tuple:
+    """The forward's selections output: [S, B, T, H_kv, top_k] when saved (S = the tree's depth L, at
+    least 2: tiles.selection_slots), else empty; the same on either path (the reference computes its
+    own). L depends on T: for a symbolic T it is an expression of T (no guard on the depth's
+    thresholds), so one graph serves every length."""
     if not save_selections:
         return (0,)
     batch, time = q.shape[:2]
-    layers = len(htree_layer_sizes(time, cfg.compression_rate, cfg.max_top_nodes))
-    return (layers, batch, time, k.shape[2], cfg.top_k)
+    return (selection_slots(time, cfg), batch, time, k.shape[2], cfg.top_k)
 
 
-@torch.library.custom_op("hccompile::htree_attention", mutates_args=())
-def htree_attention_op(
+def _htree_attention_host(
     q: Tensor, k: Tensor, v: Tensor, compression_rate: int, top_k: int, max_top_nodes: int, scale: float,
     rope_base: float, causal: bool, sort_mode: str, save_selections: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
     _check_dtypes(q, k, v)
-    selections = None
+    selections = torch.full(_selections_shape(q, k, cfg, save_selections), -1, dtype=torch.int32, device=q.device)
     if _uses_triton(q):
-        o, lse, selections = htree_forward(q, k, v, cfg, record_selections=save_selections)
+        o, lse, _ = htree_forward(q, k, v, cfg, record_selections=save_selections,
+                                  record_out=selections if save_selections else None)
     else:
         with torch.no_grad():
             o, lse = htree_attention_ref(q, k, v, compression_rate=compression_rate, top_k=top_k,
                                          max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base,
                                          causal=causal, sort_mode=sort_mode, return_lse=True)
-    if selections is None:
-        # The reference path's selections are its own, so whichever path the backward takes reads
-        # the right ones.
-        selections = torch.full(_selections_shape(q, k, cfg, save_selections), -1, dtype=torch.int32,
-                                device=q.device)
         if save_selections:
+            # The reference path's selections are its own, so whichever path the backward takes reads
+            # the right ones.
             layers = htree_selections(q.detach(), k.detach(), compression_rate=compression_rate, top_k=top_k,
                                       max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base, causal=causal,
                                       sort_mode=sort_mode)
@@ -183,7 +188,18 @@ def htree_attention_op(
     return o.to(v.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous(), selections
 
 
-@htree_attention_op.register_fake
+def _htree_attention_traced(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode,
+                            save_selections=False):
+    """The forward op on CUDA, traced into its launches: the pooling kernel per layer, the forward
+    kernel (which writes the selections when saved), for every length at once (tiles.make_plan)."""
+    cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+    _check_dtypes(q, k, v)
+    selections = torch.full(_selections_shape(q, k, cfg, save_selections), -1, dtype=torch.int32, device=q.device)
+    o, lse, _ = htree_forward(q, k, v, cfg, record_selections=save_selections,
+                              record_out=selections if save_selections else None, wrap=wrap_triton)
+    return o, lse, selections
+
+
 @symbols_explained
 def _htree_attention_fake(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode,
                           save_selections=False):
@@ -211,8 +227,12 @@ def _reference_backward(q, k, v, do, dlse, options):
     return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
 
 
-@torch.library.custom_op("hccompile::htree_attention_backward", mutates_args=())
-def htree_attention_backward_op(
+def _saved(selections: Tensor | None) -> Tensor | None:
+    """The forward's selections, if it saved them (an empty tensor when it did not)."""
+    return selections if selections is not None and selections.numel() > 0 else None
+
+
+def _htree_attention_backward_host(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, dlse: Tensor | None, compression_rate: int,
     top_k: int, max_top_nodes: int, scale: float, rope_base: float, causal: bool, sort_mode: str,
     selections: Tensor | None = None,
@@ -222,8 +242,8 @@ def htree_attention_backward_op(
     _check_backward_inputs(q, v, o, lse, do, dlse)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q):
-        saved = selections if selections is not None and selections.numel() > 0 else None
-        dq, dk, dv, _ = htree_backward(q, k, v, o.to(v.dtype), lse, do.to(v.dtype), cfg, dlse, selections=saved)
+        dq, dk, dv, _ = htree_backward(q, k, v, o.to(v.dtype), lse, do.to(v.dtype), cfg, dlse,
+                                       selections=_saved(selections))
     else:
         options = dict(compression_rate=compression_rate, top_k=top_k, max_top_nodes=max_top_nodes, scale=scale,
                        rope_base=rope_base, causal=causal, sort_mode=sort_mode)
@@ -231,13 +251,59 @@ def htree_attention_backward_op(
     return tuple(g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), (q, k, v)))
 
 
-@htree_attention_backward_op.register_fake
+def _htree_attention_backward_traced(q, k, v, o, lse, do, dlse, compression_rate, top_k, max_top_nodes, scale,
+                                     rope_base, causal, sort_mode, selections=None):
+    """The backward op on CUDA, traced into its launches: the pooling kernel per layer, the dq kernel
+    and, node-stationary (tiles.NODE_GRADIENTS), the bitmask kernel, torch's sort of the inverted index
+    and the node-gradient kernel per layer; then the unpooling kernel for dk and for dv."""
+    cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
+    _check_dtypes(q, k, v)
+    _check_backward_inputs(q, v, o, lse, do, dlse)
+    dq, dk, dv, _ = htree_backward(q, k, v, o.to(v.dtype), lse, do.to(v.dtype), cfg, dlse,
+                                   selections=_saved(selections), wrap=wrap_triton)
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip((dq, dk, dv), (q, k, v)))
+
+
 @symbols_explained
 def _htree_attention_backward_fake(q, k, v, o, lse, do, dlse, compression_rate, top_k, max_top_nodes, scale,
                                    rope_base, causal, sort_mode, selections=None):
     _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
     _check_backward_inputs(q, v, o, lse, do, dlse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ----------------------------------------------------------------------------------------
+# The ops: traced into their launches on CUDA (lowering/_launch.py), host ops elsewhere
+
+
+def _traceable(q=None, compression_rate=None, top_k=None, max_top_nodes=None, **_) -> bool:
+    """Traced on CUDA, but for a symbolic T (torch.compile(dynamic=True)) whose widest possible
+    selection exceeds the kernels' (a top layer of up to max_top_nodes candidates, or top_k * r per
+    lower layer, above tiles.MAX_SELECT_WIDTH): a traced call plans for every length at once, with the
+    widths' bounds as compile-time constants, so those calls stay host ops
+    (hccompile::htree_attention_host), which check the width of the tree they get. Invalid options
+    are traced: the body raises the error that names them."""
+    if not isinstance(q.shape[1], torch.SymInt):
+        return True
+    options = (compression_rate, top_k, max_top_nodes)
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in options) or compression_rate < 2 or top_k < 1 \
+            or max_top_nodes < 1:
+        return True
+    layers = max_layers(HTreeConfig(compression_rate, top_k, max_top_nodes, 1.0, 1.0, False, "exact"))
+    return not ((layers > 1 and max_top_nodes > MAX_SELECT_WIDTH)
+                or (layers > 2 and top_k * compression_rate > MAX_SELECT_WIDTH))
+
+
+# H (H_kv), K and V: see fix_sizes
+_FIXED_DIMS = {"q": HEADS, "k": HEADS, "v": HEADS}
+htree_attention_op = kernel_op("htree_attention", _htree_attention_host, _htree_attention_fake,
+                               _htree_attention_traced, SUPPORTED_DTYPES, kernels=(_htree_forward_kernel, _pool_kernel),
+                               traceable=_traceable, fixed_dims=_FIXED_DIMS)
+htree_attention_backward_op = kernel_op(
+    "htree_attention_backward", _htree_attention_backward_host, _htree_attention_backward_fake,
+    _htree_attention_backward_traced, SUPPORTED_DTYPES,
+    kernels=(_htree_backward_kernel, _pool_kernel, _selection_bits_kernel, _node_gradients_kernel, _unpool_kernel),
+    traceable=_traceable, fixed_dims=_FIXED_DIMS)
 
 
 # ----------------------------------------------------------------------------------------

@@ -265,6 +265,101 @@ def test_selection_index_lists_each_nodes_queries_with_ranks(monkeypatch, budget
             assert int(offsets[last]) - (b * kv_heads + h) * time * top_k == int((selected[b, :, h] >= 0).sum())
 
 
+@pytest.mark.parametrize("budget", ["one-at-a-time", "all"])
+def test_inverted_index_and_bitmasks_of_every_layer_at_once(monkeypatch, budget):
+    """The backward's index and bitmasks of all selecting layers (node_gradients.inverted_index, the
+    bitmask kernel) against the per-layer torch versions above: record slots 1.. are layers, each
+    listed and masked as selection_index and selection_bits list and mask it alone."""
+    from hccompile.kernels.htree import node_gradients
+    from hccompile.kernels.htree.node_gradients import (inverted_index, selection_bitmasks, selection_bits,
+                                                        selection_index)
+
+    monkeypatch.setattr(node_gradients, "SORT_ENTRIES", 1 if budget == "one-at-a-time" else 1 << 25)
+    generator = torch.Generator().manual_seed(6)
+    batch, time, kv_heads, top_k, r, max_top_nodes = 2, 37, 3, 4, 3, 4
+    cfg = resolve_htree_config(*make_inputs(batch, time, kv_heads, 1, 8, 8, torch.float32, seed=1),
+                               compression_rate=r, top_k=top_k, max_top_nodes=max_top_nodes)
+    plan = tiles.make_plan(time, 1, 8, 8, cfg, DEVICE)
+    sizes = plan.layer_sizes
+    assert sizes == (37, 13, 5, 2)
+    record = torch.full((len(sizes), batch, time, kv_heads, top_k), -1, dtype=torch.int32)
+    for layer in range(1, len(sizes)):
+        for index in range(batch * time * kv_heads):
+            count = int(torch.randint(0, min(top_k, sizes[layer]) + 1, (1,), generator=generator))
+            chosen = torch.randperm(sizes[layer], generator=generator)[:count].sort().values
+            record[layer].view(-1, top_k)[index, :count] = chosen.to(torch.int32)
+    offsets, entries, rows = inverted_index(record.to(DEVICE), sizes[1], whole=budget == "all")
+    assert rows == (len(sizes) - 1) * batch
+    bits, table = selection_bitmasks(record.to(DEVICE), plan, r, max_top_nodes)
+    offsets, entries, bits, table = (x.cpu() for x in (offsets, entries, bits, table))
+    for layer in range(1, len(sizes)):
+        want_offsets, want_entries = selection_index(record[layer], sizes[layer])
+        want_bits = selection_bits(record[layer], sizes[layer])
+        start, width = (int(x) for x in table[layer])
+        assert width == want_bits.shape[-1]
+        assert torch.equal(bits[start:start + want_bits.numel()].view_as(want_bits), want_bits), layer
+        for b in range(batch):
+            for h in range(kv_heads):
+                owner = (h * rows + (layer - 1) * batch + b) * (sizes[1] + 1)
+                want = (b * kv_heads + h) * (sizes[layer] + 1)
+                for j in range(sizes[layer]):
+                    got = entries[offsets[owner + j]:offsets[owner + j + 1]]
+                    assert torch.equal(got, want_entries[want_offsets[want + j]:want_offsets[want + j + 1]]), \
+                        (layer, b, h, j)
+
+
+# (case, backward): every backward on a three-layer and a one-layer tree; two batches and two KV
+# heads (the index's rows) once, the slowest under the interpreter (12 layers planned, 3 used).
+EVERY_LENGTH_CASES = [(name, backward) for name in ("fp32_three_layers_g2", "one_layer")
+                      for backward in ("atomics", "node-stationary", "forward-selections")]
+EVERY_LENGTH_CASES += [("bf16", "atomics"), ("r5_two_batches_g3", "forward-selections")]
+
+
+@pytest.mark.parametrize("name,backward", EVERY_LENGTH_CASES)
+def test_the_plan_of_a_traced_call(monkeypatch, name, backward):
+    """tiles.PLAN_EVERY_LENGTH: the launch plan of a call traced under torch.compile(dynamic=True),
+    which on the GPU only compiled graphs run (the deepest tree's layers, each kernel reading the depth
+    from T, the widths' bounds, the selections' slots at least 2, every layer's node gradients laid out
+    for any top), run by the interpreter: the forward as the call's own plan, bit for bit; the
+    gradients against the float64 reference."""
+    batch, time, kv_heads, group, key_dim, value_dim, dtype, options = NODE_GRADIENT_CASES[name]
+    q, k, v = make_inputs(batch, time, kv_heads, group, key_dim, value_dim, dtype, seed=len(name) + 80)
+    cfg = resolve_htree_config(q, k, v, **options)
+    o, lse, record = htree_forward(q, k, v, cfg, record_selections=True)
+    monkeypatch.setattr(tiles, "PLAN_EVERY_LENGTH", True)
+    plan = tiles.make_plan(time, group, key_dim, value_dim, cfg, DEVICE)
+    assert plan.layers == tiles.max_layers(cfg) > plan.depth == record.shape[0]
+    o_all, lse_all, record_all = htree_forward(q, k, v, cfg, record_selections=True)
+    depth = record.shape[0]
+    assert record_all.shape[0] == max(depth, 2) and torch.equal(record_all[:depth], record)
+    assert bool((record_all[depth:] == -1).all())
+    assert torch.equal(o_all, o) and torch.equal(lse_all, lse)
+    generator = torch.Generator().manual_seed(12)
+    do = torch.randn(o.shape, generator=generator).to(q.device, q.dtype)
+    dlse = torch.randn(lse.shape, generator=generator).to(q.device)
+    dq, dk, dv, record_bwd = htree_backward(q, k, v, o, lse, do, cfg, dlse, record_selections=True,
+                                            node_gradients=backward != "atomics",
+                                            selections=record_all.clone() if backward == "forward-selections"
+                                            else None)
+    assert torch.equal(record_bwd, record_all)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref, ref_lse = htree_attention_ref(*leaves, selections=selections_from_record(record), return_lse=True,
+                                       **options)
+    grads = torch.autograd.grad((ref * do.double()).sum() + (ref_lse * dlse.double()).sum(), leaves)
+    for grad_name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        assert got.dtype == q.dtype, grad_name
+        assert rel_err(got, want) < TOLERANCE[q.dtype], grad_name
+
+
+def test_the_tables_of_a_traced_plan_are_those_of_its_values():
+    """The symbolic plan's tables are built entry by entry (tiles.int_table: torch.full, so that each
+    stays an expression of T); with the values in place, the same as torch.tensor's."""
+    rows = [(37, 0, 0, 1), (13, 0, 37, 4), (5, 13, 50, 16)]
+    assert torch.equal(tiles.int_table(rows, "cpu"), torch.tensor(rows))
+    for time in (1, 3, 4, 5, 12, 13, 48, 49, 1000, 4097):
+        assert tiles.tree_depth(time, 4, 12, 30) == len(htree_layer_sizes(time, 4, 12)), time
+
+
 def test_backward_streaming_radix_and_lse_gradient(radix_select):
     q, k, v = make_inputs(1, 40, 1, 2, 16, 8, torch.float32, seed=6)
     check_backward(q, k, v, block_c=16, with_dlse=True, compression_rate=4, top_k=5, max_top_nodes=12)

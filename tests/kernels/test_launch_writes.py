@@ -125,9 +125,14 @@ def test_causal_linear_attn_launches_write_only_outputs():
 
 # --- htree ---------------------------------------------------------------------------------------
 @needs_compiled_kernels
+@pytest.mark.parametrize("from_forward", [False, True], ids=["selected-again", "forward-selections"])
 @pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_htree_launches_write_only_outputs(causal, node_gradients):
+def test_htree_launches_write_only_outputs(causal, node_gradients, from_forward):
+    """Both backward versions, each selecting again or reading the forward's selections (the ops' way
+    for the node-stationary one). The atomics store at nodes computed from the selections: taken from a
+    jit helper given their pointer, they counted as a write of the selections, an input (caught
+    by tests/test_traced_launch.py when htree was first traced, before any GPU run)."""
     from hccompile.kernels.htree.backward import htree_backward
     from hccompile.kernels.htree.forward import htree_forward
     from hccompile.kernels.htree.reference import resolve_htree_config
@@ -140,11 +145,11 @@ def test_htree_launches_write_only_outputs(causal, node_gradients):
     o, lse = torch.randn(B, T, H, D, dtype=torch.bfloat16), torch.randn(B, T, H)
     # The node-stationary backward reads the forward's selections (not run here: their values do not
     # matter to the analysis, only that the record is read).
-    selections = torch.full((3, B, T, H_kv, 3), -1, dtype=torch.int32) if node_gradients else None
-    calls = recorded(lambda: (htree_forward(q, k, v, cfg, record_selections=node_gradients),
+    selections = torch.full((3, B, T, H_kv, 3), -1, dtype=torch.int32) if from_forward else None
+    calls = recorded(lambda: (htree_forward(q, k, v, cfg, record_selections=from_forward),
                               htree_backward(q, k, v, o, lse, do, cfg, node_gradients=node_gradients,
                                              selections=selections)))
-    inputs = (q, k, v, do, o, lse) + ((selections,) if node_gradients else ())
+    inputs = (q, k, v, do, o, lse) + ((selections,) if from_forward else ())
     assert check_launches(calls, inputs) >= (2 if not node_gradients else 2 + 3)
 
 

@@ -13,24 +13,27 @@ For each merged candidate of a query head (P = exp(s - lse), D = <do, o> - dlse)
     dk_node  += scale ds R(p)^T R(n-1) q                  (float32 atomics, see below)
     dv_node  += P do                                      (float32 atomics)
 
-Key and value gradients of the nodes go into float32 buffers over every layer [B, H_kv, nodes, D]
-with tl.atomic_add: which queries merge a node depends on every query's selection, so there is no
-K-stationary order to visit them without an inverted index. The G query heads of a KV head are
-reduced in registers first (one atomic per node row and item, not per head). Then the pooling is
-undone top-down in PyTorch: a child receives its parent's gradient divided by the parent's child
-count, plus its own.
+Key and value gradients of the nodes go into float32 buffers over every layer (layer l's rows
+[B, H_kv, N_l, D] one after another) with tl.atomic_add: which queries merge a node depends on every
+query's selection, so there is no K-stationary order to visit them without an inverted index. The G
+query heads of a KV head are reduced in registers first (one atomic per node row and item, not per
+head). Then the pooling is undone top-down by _unpool_kernel: a child receives its parent's
+gradient divided by the parent's child count, plus its own.
+
+Everything between the launches is traceable (torch ops on sizes, no host synchronisation), so that
+hccompile.lowering.htree traces the op into these launches under torch.compile (`wrap`).
 """
 from __future__ import annotations
 
 import torch
 
-from .._triton import dot, interpreted, require_triton, tl, triton
+from .._triton import direct, dot, interpreted, require_triton, tl, triton
 from . import tiles
 from .forward import launch_config
-from .node_gradients import node_gradients as write_node_gradients, selection_bitmasks
+from .node_gradients import gradient_layout, node_gradients as write_node_gradients, selection_bitmasks
 from .reference import HTreeConfig
-from .tiles import (HTreePlan, build_pooled, candidate_tile, check_kernel_limits, load_values,
-                    make_plan, num_programs, rank_select, rope_table, select_layer, tile_nodes, tile_scores)
+from .tiles import (HTreePlan, candidate_tile, check_kernel_limits, int_table, load_values, make_plan,
+                    num_programs, num_tree_layers, pool_tree, rank_select, rope_table, select_layer, tile_scores)
 
 __all__ = ["htree_backward", "unpool_gradient"]
 
@@ -40,17 +43,25 @@ if triton is not None:
     @triton.jit
     def _gradient_layer(layer, is_top, n, q1, q2, do, lse, delta, parents_ptr, flags_ptr, bits_ptr, r,
                         k_ptr, stride_kt, stride_kd, v_ptr, stride_vt, stride_vd,
-                        tree_k_ptr, tree_v_ptr, pooled_offset, dk_ptr, dv_ptr, all_offset,
+                        tree_k_ptr, tree_v_ptr, pooled_offset, dk_ptr, dv_ptr,
                         cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
                         BLOCK_C: tl.constexpr, KEY_GRADS: tl.constexpr, FROM_RECORD: tl.constexpr,
                         DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr):
         """Gradients through the merged candidates of one layer; returns the updated dq halves.
-        KEY_GRADS: also add the nodes' dk and dv (atomics); without it node_gradients.py does.
+        KEY_GRADS: also add the nodes' dk and dv (atomics) into the layer's rows at dk_ptr, dv_ptr
+        (node n at row n); without it node_gradients.py does.
         FROM_RECORD: which candidates were selected comes from the forward's selections, as a
         bitmask over the layer's nodes at bits_ptr (this item's row), not from the flags row."""
         do_dot = do.to(DOT_DTYPE)
         for p0 in range(0, n, BLOCK_C):
-            positions, valid, nodes = tile_nodes(p0, n, is_top, parents_ptr, r, BLOCK_C)
+            # tile_nodes' positions and nodes, computed here: torch's mutation analysis takes what a call
+            # returns as derived from every pointer passed to it, and the atomics below store at these
+            # nodes, so a call given parents_ptr (the forward's selections under FROM_RECORD, an input)
+            # would count as writing it (tests/test_traced_launch.py). A loaded value is no address.
+            positions = p0 + tl.arange(0, BLOCK_C)
+            valid = positions < n
+            parent = tl.load(parents_ptr + positions // r, mask=positions < tl.where(is_top == 0, n, 0), other=0)
+            nodes = tl.where(is_top != 0, positions, parent * r + positions % r)
             qr1, qr2, kr1, kr2, cos_q, sin_q, cos_k, sin_k = candidate_tile(
                 p0, n, nodes, valid, layer, q1, q2, k_ptr, stride_kt, stride_kd, tree_k_ptr,
                 pooled_offset, cos_ptr, sin_ptr, cols_k, KH, BLOCK_C, DOT_DTYPE)
@@ -85,7 +96,7 @@ if triton is not None:
                 dk1 = dkr1 * cos_k + dkr2 * sin_k
                 dk2 = dkr2 * cos_k - dkr1 * sin_k
                 dv = dot(tl.trans(probs.to(DOT_DTYPE)), do_dot, DOT_PRECISION, UPCAST_OPERANDS)
-                rows = (all_offset + nodes).to(tl.int64)
+                rows = nodes.to(tl.int64)
                 k_mask = merge[:, None] & (cols_k[None, :] < KH)
                 k_offsets = rows[:, None] * (2 * KH) + cols_k[None, :]
                 tl.atomic_add(dk_ptr + k_offsets, dk1, mask=k_mask)
@@ -96,7 +107,7 @@ if triton is not None:
 
     @triton.jit
     def _htree_backward_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, tree_k_ptr, tree_v_ptr, layer_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dlse_ptr, tree_k_ptr, tree_v_ptr, layer_table_ptr,
         cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, delta_out_ptr, scores_ptr, keys_ptr, flags_ptr, parents_ptr,
         record_ptr, bits_ptr, bits_table_ptr,
         stride_qb, stride_qt, stride_qh, stride_qd,
@@ -105,7 +116,7 @@ if triton is not None:
         stride_ob, stride_ot, stride_oh, stride_od,
         stride_dob, stride_dot, stride_doh, stride_dod,
         stride_dqb, stride_dqt, stride_dqh, stride_dqd,
-        B, T, H_KV, G, KH, V, num_layers, r, top_k, pooled_nodes, all_nodes, n_items, n_programs, scale,
+        B, T, H_KV, G, KH, V, max_top_nodes, r, top_k, pooled_nodes, n_items, n_programs, scale,
         HAS_DLSE: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr,
         RECORD: tl.constexpr, KEY_GRADS: tl.constexpr, FROM_RECORD: tl.constexpr,
         G_PAD: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr,
@@ -122,6 +133,7 @@ if triton is not None:
         keys_row = keys_ptr + pid.to(tl.int64) * SELECT_PAD
         flags_row = flags_ptr + pid.to(tl.int64) * SELECT_PAD
         parents_row = parents_ptr + pid.to(tl.int64) * (2 * top_k)
+        num_layers = num_tree_layers(T, r, max_top_nodes)
 
         for item in range(pid, n_items, n_programs):
             t = item % T
@@ -153,18 +165,18 @@ if triton is not None:
             tree_row = (b * H_KV + h).to(tl.int64) * pooled_nodes
             tree_k_item = tree_k_ptr + tree_row * (2 * KH)
             tree_v_item = tree_v_ptr + tree_row * V
-            grad_row = (b * H_KV + h).to(tl.int64) * all_nodes
-            dk_item = dk_ptr + grad_row * (2 * KH)
-            dv_item = dv_ptr + grad_row * V
 
             dq1 = tl.zeros([G_PAD, KH_PAD], tl.float32)
             dq2 = tl.zeros([G_PAD, KH_PAD], tl.float32)
             n_parents = t * 0
             for step in range(0, num_layers):
                 layer = num_layers - 1 - step
-                pooled_offset = tl.load(layer_ptr + layer * 4 + 1)
-                all_offset = tl.load(layer_ptr + layer * 4 + 2)
-                span = tl.load(layer_ptr + layer * 4 + 3).to(tl.int32)
+                size = tl.load(layer_table_ptr + layer * 4)
+                pooled_offset = tl.load(layer_table_ptr + layer * 4 + 1)
+                all_offset = tl.load(layer_table_ptr + layer * 4 + 2)
+                span = tl.load(layer_table_ptr + layer * 4 + 3).to(tl.int32)
+                # The layer's node gradients [B, H_kv, size, D] start at row B * H_kv * all_offset.
+                grad_row = B * H_KV * all_offset + (b * H_KV + h).to(tl.int64) * size
                 rightmost = t // span
                 is_top = 1 - tl.minimum(step, 1)
                 n = tl.where(is_top != 0, rightmost + 1, (n_parents - 1) * r + rightmost % r + 1)
@@ -191,7 +203,7 @@ if triton is not None:
                 dq1, dq2 = _gradient_layer(
                     layer, is_top, n, q1, q2, do, lse, delta, parents_prev, flags_row, bits_row, r,
                     k_item, stride_kt, stride_kd, v_item, stride_vt, stride_vd,
-                    tree_k_item, tree_v_item, pooled_offset, dk_item, dv_item, all_offset,
+                    tree_k_item, tree_v_item, pooled_offset, dk_ptr + grad_row * (2 * KH), dv_ptr + grad_row * V,
                     cos_ptr, sin_ptr, cols_k, KH, cols_v, V, scale, row_ok, dq1, dq2,
                     BLOCK_C, KEY_GRADS, FROM_RECORD, DOT_DTYPE, DOT_PRECISION, UPCAST_OPERANDS)
                 n_parents = tl.minimum(n, top_k)
@@ -202,21 +214,67 @@ if triton is not None:
             tl.store(dq_rows + KH * stride_dqd + dq_offsets, dq2.to(dq_ptr.dtype.element_ty), mask=q_mask)
             tl.debug_barrier()
 
+    @triton.jit
+    def _unpool_kernel(grad_ptr, grad_table_ptr, layer_table_ptr, out_ptr,
+                       stride_ob, stride_ot, stride_oh, stride_od,
+                       B, T, H_KV, D, r, max_top_nodes, blocks,
+                       BLOCK_T: tl.constexpr, D_PAD: tl.constexpr):
+        """The tokens' gradients [B, T, H_kv, D] from every layer's node gradients, BLOCK_T tokens of one
+        (batch, KV head) per program: top-down, a node's gradient reaches each of its c existing
+        children divided by c. Layer l's node gradients are the partial sums of its query splits,
+        [splits, B, H_kv, N_l, D] rows of grad_ptr from grad_table's row l (first row, splits if l is the
+        top layer, splits if it is below), added in split order."""
+        pid = tl.program_id(0)
+        bh = pid // blocks
+        b = bh // H_KV
+        h = bh % H_KV
+        t = (pid % blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, D_PAD)
+        t_ok = t < T
+        mask = t_ok[:, None] & (cols[None, :] < D)
+        token = tl.where(t_ok, t, 0).to(tl.int64)  # in-bounds addresses for the masked rows too
+        num_layers = num_tree_layers(T, r, max_top_nodes)
+        acc = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+        for step in range(0, num_layers):
+            layer = num_layers - 1 - step
+            size = tl.load(layer_table_ptr + layer * 4)
+            node = token // tl.load(layer_table_ptr + layer * 4 + 3)
+            if step > 0:  # the gradient of the parent (one layer up), spread over its children
+                count = tl.minimum(size - (node // r) * r, r).to(tl.float32)
+                acc = acc / count[:, None]
+            first = tl.load(grad_table_ptr + layer * 3)
+            splits = tl.load(grad_table_ptr + layer * 3 + tl.where(step == 0, 1, 2))
+            grad = tl.zeros([BLOCK_T, D_PAD], tl.float32)
+            for split in range(0, splits):
+                rows = first + ((split * B + b) * H_KV + h).to(tl.int64) * size + node
+                grad += tl.load(grad_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+            acc = grad + acc
+        out = (out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + token[:, None] * stride_ot
+               + cols[None, :] * stride_od)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-def unpool_gradient(grad: torch.Tensor, plan: HTreePlan, r: int) -> torch.Tensor:
-    """Gradients of every layer's nodes [B, H_kv, all_nodes, D] -> of the tokens [B, H_kv, T, D].
+else:
+    _htree_backward_kernel = _unpool_kernel = None
 
-    Top-down: a node's gradient reaches each of its c existing children divided by c.
-    """
-    sizes = plan.layer_sizes
-    offsets = [int(row[2]) for row in plan.layer_table.tolist()]
-    total = grad[:, :, offsets[-1] : offsets[-1] + sizes[-1]]
-    for layer in range(len(sizes) - 1, 0, -1):
-        below = sizes[layer - 1]
-        counts = (below - torch.arange(sizes[layer], device=grad.device) * r).clamp(max=r).to(grad.dtype)
-        spread = (total / counts[:, None]).repeat_interleave(r, dim=2)[:, :, :below]
-        total = grad[:, :, offsets[layer - 1] : offsets[layer - 1] + below] + spread
-    return total
+
+# Tokens per unpooling program.
+UNPOOL_TOKENS = 32
+
+
+def unpool_gradient(grads: torch.Tensor, grad_table: torch.Tensor, plan: HTreePlan, like: torch.Tensor, r: int,
+                    max_top_nodes: int, wrap=direct) -> torch.Tensor:
+    """Gradients of every layer's nodes (grads [rows, D] float32, gradient_layout's rows; grad_table its
+    (first row, splits as the top layer, splits below it) per layer) -> of the tokens, [B, T, H_kv, D] in
+    `like`'s dtype: top-down, a node's gradient reaches each of its c existing children divided by c
+    (one _unpool_kernel launch)."""
+    batch, time, kv_heads, dim = like.shape
+    out = torch.empty((batch, time, kv_heads, dim), dtype=like.dtype, device=like.device)
+    blocks = triton.cdiv(time, UNPOOL_TOKENS)
+    wrap(_unpool_kernel)[(batch * kv_heads * blocks,)](
+        grads, grad_table, plan.layer_table, out, *out.stride(), batch, time, kv_heads, dim, r, max_top_nodes,
+        blocks, BLOCK_T=UNPOOL_TOKENS, D_PAD=max(16, 1 << max(0, (dim - 1).bit_length())),
+    )
+    return out
 
 
 def _require_triton(device: torch.device) -> None:
@@ -237,30 +295,35 @@ def htree_backward(
     record_selections: bool = False,
     node_gradients: bool | None = None,
     selections: torch.Tensor | None = None,
+    wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq, dk, dv) in the inputs' dtypes, and with record_selections the selections the backward
     recomputed ([L, B, T, H_kv, top_k], as htree_forward records them).
 
-    selections: the forward's (htree_forward(record_selections=True)); given, the backward selects
-    nothing again, reads them (and returns them as its record).
+    selections: the forward's (htree_forward(record_selections=True), or its record_out: [S, B, T,
+    H_kv, top_k] with S >= L); given, the backward selects nothing again, reads them (and returns them
+    as its record).
 
     node_gradients (default tiles.NODE_GRADIENTS): the nodes' dk and dv node-stationary from the
     recorded selections (node_gradients.py) instead of the float32 atomics of this kernel.
 
     o, lse: the forward's outputs for these inputs and this cfg (same block_c); do [B, T, H, V];
-    dlse [B, T, H] optional gradient into lse.
+    dlse [B, T, H] optional gradient into lse. `wrap`: torch.library.wrap_triton when the launches are
+    traced for Inductor; T may then be symbolic (tiles.make_plan plans for every length).
     """
     check_kernel_limits(q, k, v, cfg)
     _require_triton(q.device)
+    wrap = wrap or direct
     batch, time, heads, key_dim = q.shape
     kv_heads, value_dim = k.shape[2], v.shape[3]
     group = heads // kv_heads
+    r, top_k = cfg.compression_rate, cfg.top_k
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     if batch * time * heads == 0:
         return dq, torch.zeros_like(k), torch.zeros_like(v), None
     plan = make_plan(time, group, key_dim, value_dim, cfg, q.device, block_c)
-    tree_k = build_pooled(k, plan, cfg.compression_rate)
-    tree_v = build_pooled(v, plan, cfg.compression_rate)
+    tree_k = pool_tree(k, plan, r, wrap)
+    tree_v = pool_tree(v, plan, r, wrap)
     cos, sin = rope_table(plan, key_dim, cfg.rope_base, q.device)
     items = batch * kv_heads * time
     is_interpreted = interpreted(_htree_backward_kernel)
@@ -271,41 +334,45 @@ def htree_backward(
     scores = torch.empty((rows, group, plan.select_pad), dtype=torch.float32, device=q.device)
     keys = torch.empty((rows, plan.select_pad), dtype=torch.int32, device=q.device)
     flags = torch.empty((rows, plan.select_pad), dtype=torch.int32, device=q.device)
-    parents = torch.empty((rows, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
-    num_layers = len(plan.layer_sizes)
+    parents = torch.empty((rows, 2 * top_k), dtype=torch.int32, device=q.device)
     if node_gradients is None:
         node_gradients = tiles.NODE_GRADIENTS
-    # Atomics add into zeros; node-stationary programs write every node once: poisoned, so a node
-    # left unwritten fails the tests.
+    # Every layer's node gradients, float32 rows: the atomics add into zeros; node-stationary programs
+    # write each element once: poisoned, so a node left unwritten fails the tests.
+    layout, grad_rows = gradient_layout(plan, batch, kv_heads, q.device, is_interpreted, node_gradients, r)
     fill = float("nan") if node_gradients else 0.0
-    dk_nodes = torch.full((batch, kv_heads, plan.all_nodes, key_dim), fill, dtype=torch.float32, device=q.device)
-    dv_nodes = torch.full((batch, kv_heads, plan.all_nodes, value_dim), fill, dtype=torch.float32, device=q.device)
+    dk_nodes = torch.full((grad_rows, key_dim), fill, dtype=torch.float32, device=q.device)
+    dv_nodes = torch.full((grad_rows, value_dim), fill, dtype=torch.float32, device=q.device)
+    grad_table = int_table([row[:3] for row in layout], q.device)
     record = None
     if from_record:
-        if tuple(selections.shape) != (num_layers, batch, time, kv_heads, cfg.top_k) or selections.dtype != torch.int32:
-            raise ValueError(f"selections: expected int32 {(num_layers, batch, time, kv_heads, cfg.top_k)} (the "
-                             f"forward's record), got {selections.dtype} {tuple(selections.shape)}")
+        expected = (batch, time, kv_heads, top_k)
+        slots = selections.shape[0] if selections.dim() == 5 else 0
+        if (selections.dim() != 5 or tuple(selections.shape[1:]) != expected or selections.dtype != torch.int32
+                or (not isinstance(slots, torch.SymInt) and not plan.depth <= slots <= max(plan.depth, 2))):
+            raise ValueError(f"selections: expected int32 {(plan.depth, *expected)} (the forward's record), got "
+                             f"{selections.dtype} {tuple(selections.shape)}")
         record = selections.contiguous()
     elif record_selections or node_gradients:
-        record = torch.full((num_layers, batch, time, kv_heads, cfg.top_k), -1, dtype=torch.int32,
+        record = torch.full((plan.record_slots, batch, time, kv_heads, top_k), -1, dtype=torch.int32,
                             device=q.device)
     bits, bits_table = keys, plan.layer_table  # placeholders: read only when FROM_RECORD
     lse = lse.float().contiguous()
     if dlse is not None:
         dlse = dlse.float().contiguous()
     if from_record:
-        bits, bits_table, bits_rows = selection_bitmasks(record, plan.layer_sizes)
+        bits, bits_table = selection_bitmasks(record, plan, r, cfg.max_top_nodes, wrap)
     # delta = <do, o> - dlse per (query, head), which the dq kernel computes in registers anyway: it
     # writes it for the node-gradient programs (in torch it took float32 copies of do and o: 6 GB
     # of transients at T 128K, HQ 32).
     delta = torch.full_like(lse, float("nan")) if node_gradients else lse
-    _htree_backward_kernel[(programs,)](
+    wrap(_htree_backward_kernel)[(programs,)](
         q, k, v, o, lse, do, dlse if dlse is not None else lse, tree_k, tree_v, plan.layer_table,
         cos, sin, dq, dk_nodes, dv_nodes, delta, scores, keys, flags, parents, record if record is not None else keys,
         bits, bits_table,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
-        batch, time, kv_heads, group, key_dim // 2, value_dim, num_layers, cfg.compression_rate, cfg.top_k,
-        plan.pooled_nodes, plan.all_nodes, items, programs, cfg.scale,
+        batch, time, kv_heads, group, key_dim // 2, value_dim, cfg.max_top_nodes, r, top_k,
+        plan.pooled_rows, items, programs, cfg.scale,
         HAS_DLSE=dlse is not None, CAUSAL=cfg.causal, PACKED=cfg.sort_mode == "packed",
         INDEX_BITS=plan.index_bits, RECORD=record is not None and not from_record, KEY_GRADS=not node_gradients,
         FROM_RECORD=from_record,
@@ -316,9 +383,9 @@ def htree_backward(
     )
     if node_gradients:
         if not from_record:  # the dq kernel has recorded them now
-            bits, bits_table, bits_rows = selection_bitmasks(record, plan.layer_sizes)
-        write_node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_rows,
-                             plan, cfg.compression_rate, cfg.top_k, cfg.scale, dk_nodes, dv_nodes, launch_config(q))
-    dk = unpool_gradient(dk_nodes, plan, cfg.compression_rate).transpose(1, 2).to(k.dtype)
-    dv = unpool_gradient(dv_nodes, plan, cfg.compression_rate).transpose(1, 2).to(v.dtype)
+            bits, bits_table = selection_bitmasks(record, plan, r, cfg.max_top_nodes, wrap)
+        write_node_gradients(q, k, v, do, lse, delta, tree_k, tree_v, cos, sin, record, bits, bits_table, plan, r,
+                             top_k, cfg.max_top_nodes, cfg.scale, layout, dk_nodes, dv_nodes, launch_config(q), wrap)
+    dk = unpool_gradient(dk_nodes, grad_table, plan, k, r, cfg.max_top_nodes, wrap)
+    dv = unpool_gradient(dv_nodes, grad_table, plan, v, r, cfg.max_top_nodes, wrap)
     return dq, dk, dv, record if record_selections else None

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import dot, interpreted, require_triton, tl, triton
+from .._triton import direct, dot, interpreted, require_triton, tl, triton
 from . import tiles
 from .reference import HTreeConfig, HTreeLayerSelection
-from .tiles import (build_pooled, candidate_tile, check_kernel_limits, dot_dtype, load_scores, load_values,
-                    make_plan, num_programs, rank_select, rope_table, safe_max, select_layer, tile_nodes, tile_scores)
+from .tiles import (candidate_tile, check_kernel_limits, dot_dtype, load_scores, load_values, make_plan,
+                    num_programs, num_tree_layers, pool_tree, rank_select, rope_table, safe_max, select_layer,
+                    tile_nodes, tile_scores)
 
 __all__ = ["htree_forward", "selections_from_record"]
 
@@ -71,13 +72,13 @@ if triton is not None:
 
     @triton.jit
     def _htree_forward_kernel(
-        q_ptr, k_ptr, v_ptr, tree_k_ptr, tree_v_ptr, layer_ptr, cos_ptr, sin_ptr,
+        q_ptr, k_ptr, v_ptr, tree_k_ptr, tree_v_ptr, layer_table_ptr, cos_ptr, sin_ptr,
         o_ptr, lse_ptr, scores_ptr, keys_ptr, flags_ptr, parents_ptr, record_ptr,
         stride_qb, stride_qt, stride_qh, stride_qd,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
         stride_ob, stride_ot, stride_oh, stride_od,
-        B, T, H_KV, G, KH, V, num_layers, r, top_k, pooled_nodes, n_items, n_programs, scale,
+        B, T, H_KV, G, KH, V, max_top_nodes, r, top_k, pooled_nodes, n_items, n_programs, scale,
         CAUSAL: tl.constexpr, PACKED: tl.constexpr, INDEX_BITS: tl.constexpr, RECORD: tl.constexpr,
         G_PAD: tl.constexpr, KH_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
         SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -92,6 +93,7 @@ if triton is not None:
         keys_row = keys_ptr + pid.to(tl.int64) * SELECT_PAD
         flags_row = flags_ptr + pid.to(tl.int64) * SELECT_PAD
         parents_row = parents_ptr + pid.to(tl.int64) * (2 * top_k)
+        num_layers = num_tree_layers(T, r, max_top_nodes)
 
         for item in range(pid, n_items, n_programs):
             t = item % T
@@ -115,8 +117,8 @@ if triton is not None:
             n_parents = t * 0
             for step in range(0, num_layers):
                 layer = num_layers - 1 - step
-                pooled_offset = tl.load(layer_ptr + layer * 4 + 1)
-                span = tl.load(layer_ptr + layer * 4 + 3).to(tl.int32)
+                pooled_offset = tl.load(layer_table_ptr + layer * 4 + 1)
+                span = tl.load(layer_table_ptr + layer * 4 + 3).to(tl.int32)
                 rightmost = t // span
                 is_top = 1 - tl.minimum(step, 1)
                 # Top layer: nodes 0..rightmost. Below: the parents' children, the rightmost parent's
@@ -174,6 +176,8 @@ def htree_forward(
     *,
     block_c: int | None = None,
     record_selections: bool = False,
+    record_out: torch.Tensor | None = None,
+    wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """htree forward; q [B, T, H, K], k [B, T, H_kv, K], v [B, T, H_kv, V] (one dtype of float16,
     bfloat16, float32, on CUDA or on CPU under TRITON_INTERPRET=1); cfg from resolve_htree_config.
@@ -181,9 +185,15 @@ def htree_forward(
     Returns (o [B, T, H, V] in v's dtype, lse [B, T, H] float32 — the log of each output row's
     softmax normaliser, which the backward needs — and, with record_selections, the selected
     nodes [L, B, T, H_kv, top_k] int32, ascending, -1 padded, layer 0's row all -1).
+
+    record_out: where to record them (int32 [S, B, T, H_kv, top_k] filled with -1, S >= L; the ops'
+    selections, tiles.selection_slots), returned as the record. `wrap`:
+    torch.library.wrap_triton when the launches are traced for Inductor (hccompile.lowering.htree);
+    T may then be symbolic (tiles.make_plan plans for every length).
     """
     check_kernel_limits(q, k, v, cfg)
     _require_triton(q.device)
+    wrap = wrap or direct
     if block_c is not None and (block_c < tiles.MIN_DOT_DIM or block_c & (block_c - 1)):
         raise ValueError(f"block_c: must be a power of two >= {tiles.MIN_DOT_DIM}, got {block_c}")
     batch, time, heads, key_dim = q.shape
@@ -192,10 +202,10 @@ def htree_forward(
     o = torch.full((batch, time, heads, value_dim), float("nan"), dtype=v.dtype, device=q.device)
     lse = torch.full((batch, time, heads), float("nan"), dtype=torch.float32, device=q.device)
     if batch * time * heads == 0:
-        return o, lse, None
+        return o, lse, record_out
     plan = make_plan(time, group, key_dim, value_dim, cfg, q.device, block_c)
-    tree_k = build_pooled(k, plan, cfg.compression_rate)
-    tree_v = build_pooled(v, plan, cfg.compression_rate)
+    tree_k = pool_tree(k, plan, cfg.compression_rate, wrap)
+    tree_v = pool_tree(v, plan, cfg.compression_rate, wrap)
     cos, sin = rope_table(plan, key_dim, cfg.rope_base, q.device)
     items = batch * kv_heads * time
     programs = num_programs(plan, q.device, items, interpreted(_htree_forward_kernel))
@@ -203,17 +213,16 @@ def htree_forward(
     keys = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
     flags = torch.empty((programs, plan.select_pad), dtype=torch.int32, device=q.device)
     parents = torch.empty((programs, 2 * cfg.top_k), dtype=torch.int32, device=q.device)
-    num_layers = len(plan.layer_sizes)
-    record = None
-    if record_selections:
-        record = torch.full((num_layers, batch, time, kv_heads, cfg.top_k), -1, dtype=torch.int32,
+    record = record_out
+    if record is None and record_selections:
+        record = torch.full((plan.record_slots, batch, time, kv_heads, cfg.top_k), -1, dtype=torch.int32,
                             device=q.device)
-    _htree_forward_kernel[(programs,)](
+    wrap(_htree_forward_kernel)[(programs,)](
         q, k, v, tree_k, tree_v, plan.layer_table, cos, sin,
         o, lse, scores, keys, flags, parents, record if record is not None else keys,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        batch, time, kv_heads, group, key_dim // 2, value_dim, num_layers, cfg.compression_rate, cfg.top_k,
-        plan.pooled_nodes, items, programs, cfg.scale,
+        batch, time, kv_heads, group, key_dim // 2, value_dim, cfg.max_top_nodes, cfg.compression_rate, cfg.top_k,
+        plan.pooled_rows, items, programs, cfg.scale,
         CAUSAL=cfg.causal, PACKED=cfg.sort_mode == "packed", INDEX_BITS=plan.index_bits,
         RECORD=record is not None, G_PAD=plan.g_pad, KH_PAD=plan.kh_pad, V_PAD=plan.v_pad,
         BLOCK_C=plan.block_c, SELECT_PAD=plan.select_pad,

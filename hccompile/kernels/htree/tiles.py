@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._triton import dot, tl, triton
+from .._triton import direct, dot, tl, triton
 from .reference import HTreeConfig, htree_layer_sizes, packed_index_bits, rope_cos_sin
 
 __all__ = [
@@ -39,6 +39,10 @@ __all__ = [
     "HTreePlan",
     "check_kernel_limits",
     "make_plan",
+    "max_layers",
+    "pool_tree",
+    "selection_slots",
+    "tree_depth",
 ]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,6 +70,10 @@ MIN_DOT_DIM = 16
 # HCCOMPILE_HTREE_NODE_GRADIENTS=0 selects the atomics.
 NODE_GRADIENTS = os.environ.get("HCCOMPILE_HTREE_NODE_GRADIENTS", "1") != "0"
 INTERPRETER_PROGRAMS = 4
+# Plan every call as a traced one is planned (for every length: the deepest tree's layers, the widths'
+# bounds; make_plan). Tests set it so that the interpreter runs the launch plans that on the GPU only
+# compiled graphs (torch.compile(dynamic=True)) use.
+PLAN_EVERY_LENGTH = False
 # Under the interpreter, widths up to this select by counting ranks (fewer, larger ops) instead
 # of the 31-step search the GPU runs; both select the same. Tests set it to 0 to run the search.
 INTERPRETER_RANK_SELECT_WIDTH = 256
@@ -80,16 +88,77 @@ def _pow2(value: int, minimum: int = MIN_DOT_DIM) -> int:
     return max(minimum, 1 << max(0, (int(value) - 1).bit_length()))
 
 
+def _concrete(size):
+    """`size` as an int where it has one value (a SymInt that the shape environment fixed)."""
+    if isinstance(size, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+        if is_concrete_int(size):
+            return int(size)
+    return size
+
+
+def max_layers(cfg: HTreeConfig) -> int:
+    """Layers of the deepest tree the kernels take: check_kernel_limits bounds T * top_k below 2**31."""
+    return len(htree_layer_sizes(max(1, (2**31 - 1) // cfg.top_k), cfg.compression_rate, cfg.max_top_nodes))
+
+
+def tree_depth(time, r: int, max_top_nodes: int, layers: int):
+    """The tree's depth L (htree_layer_sizes' length) for `time` tokens, if it is at most `layers`: 1
+    plus one term min(1, max(0, N_l - max_top_nodes)) per layer that could grow another above it. For
+    a symbolic T (a call traced under torch.compile(dynamic=True)) that is an expression of T, not a
+    guard on each depth's threshold (T <= max_top_nodes * r^l), so one graph serves every length."""
+    depth, size = 1, time
+    for _ in range(1, layers):
+        depth = depth + torch.sym_min(1, torch.sym_max(0, size - max_top_nodes))
+        size = (size + r - 1) // r
+    return depth
+
+
+def selection_slots(time, cfg: HTreeConfig):
+    """Layers of the ops' selections [slots, B, T, H_kv, top_k]: the depth L (slot 0, the tokens, stays
+    -1), at least 2. A size that can be 1 would make torch ask whether it is (a traced launch clones
+    what it writes, and the clone's layout depends on it): a guard on T's depth thresholds."""
+    time = _concrete(time)
+    if isinstance(time, torch.SymInt):
+        depth = tree_depth(time, cfg.compression_rate, cfg.max_top_nodes, max_layers(cfg))
+    else:
+        depth = len(htree_layer_sizes(time, cfg.compression_rate, cfg.max_top_nodes))
+    return torch.sym_max(depth, 2)
+
+
+def int_table(rows: list[tuple], device) -> torch.Tensor:
+    """An int64 device table of ints or SymInts. Ints are copied to the device at once; a table with
+    SymInts (a traced launch plan) is built by torch.full per entry, each an expression of the sizes
+    (torch.tensor would fix every symbol at its traced value)."""
+    if all(isinstance(value, int) for row in rows for value in row):
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+    return torch.stack([torch.stack([torch.full((), value, dtype=torch.int64, device=device) for value in row])
+                        for row in rows])
+
+
 @dataclass(frozen=True)
 class HTreePlan:
-    """Everything the launchers derive from the shapes and the configuration."""
+    """Everything the launchers derive from the shapes and the configuration.
 
-    layer_sizes: tuple[int, ...]
-    layer_table: torch.Tensor  # int64 [L, 4]: size, offset in the pooled buffer, offset over all layers, r^l
-    pooled_nodes: int  # rows of the pooled buffer (layers >= 1)
-    all_nodes: int  # rows over every layer, tokens included
+    A symbolic T (a traced call) plans for every length at once (every_length): `layers` is then the
+    deepest tree's (max_layers) and `depth` an expression of T; sizes and offsets are SymInts, the
+    kernels compute the depth themselves (num_tree_layers) and read the first `depth` rows of the
+    tables, and the widths that must be compile-time constants (the selection's, the RoPE table's) are
+    their bounds over every depth. A concrete T plans its own tree: layers == depth."""
+
+    every_length: bool
+    depth: object  # L: int, or a SymInt of T
+    layers: int  # rows of the tables
+    layer_sizes: tuple  # N_0 = T, ..., N_{layers-1}: ceil(T / r^l)
+    pooled_offsets: tuple  # each layer's first row in the pooled buffer (layers >= 1)
+    all_offsets: tuple  # each layer's offset over all layers, tokens included
+    layer_table: torch.Tensor  # int64 [layers, 4]: size, offset in the pooled buffer, offset over all layers, r^l
+    pooled_nodes: object  # rows of the pooled layers (layers >= 1)
+    pooled_rows: object  # rows of the pooled buffer per (batch, KV head): pooled_nodes, at least 1 (2 traced)
+    all_nodes: object  # rows over every layer, tokens included
     select_width: int  # widest candidate buffer of a layer that selects (0: no such layer)
-    table_rows: int
+    table_rows: object
     g_pad: int
     kh_pad: int
     v_pad: int
@@ -99,31 +168,59 @@ class HTreePlan:
     programs_per_sm: int
     index_bits: int
 
+    @property
+    def record_slots(self):
+        """Layers of the selections a launch records itself: L, at least 2 when planned for every
+        length (selection_slots)."""
+        return torch.sym_max(self.depth, 2) if self.every_length else self.depth
 
-def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeConfig, device,
+
+def make_plan(time, group: int, key_dim: int, value_dim: int, cfg: HTreeConfig, device,
               block_c: int | None = None) -> HTreePlan:
-    r = cfg.compression_rate
-    sizes = htree_layer_sizes(time, r, cfg.max_top_nodes)
-    num_layers = len(sizes)
-    rows, pooled, all_nodes, span = [], 0, 0, 1
-    for layer, size in enumerate(sizes):
-        rows.append((size, pooled if layer > 0 else 0, all_nodes, span))
-        if layer > 0:
-            pooled += size
-        all_nodes += size
-        span *= r
-    # Candidate widths: the top layer offers up to its node count, every other layer top_k * r.
-    widths = [sizes[-1] if layer == num_layers - 1 else cfg.top_k * r for layer in range(num_layers)]
-    select_width = max(widths[1:], default=0)
-    select_pad = _pow2(select_width) if select_width else MIN_DOT_DIM
+    r, top_k, max_top_nodes = cfg.compression_rate, cfg.top_k, cfg.max_top_nodes
     block_c = DEFAULT_BLOCK_C if block_c is None else block_c
+    time = _concrete(time)
+    every_length = isinstance(time, torch.SymInt) or PLAN_EVERY_LENGTH
+    if every_length:
+        layers = max_layers(cfg)
+        depth = tree_depth(time, r, max_top_nodes, layers)
+        # Bounds over every depth: the top layer offers at most max_top_nodes candidates (T of them in
+        # a one-layer tree), every other layer top_k * r.
+        select_width = max(max_top_nodes if layers > 1 else 0, top_k * r if layers > 2 else 0)
+        table_rows = max(max_top_nodes, top_k * r, block_c) if layers > 1 else torch.sym_max(time, block_c)
+    else:
+        sizes = htree_layer_sizes(time, r, max_top_nodes)
+        layers = depth = len(sizes)
+        # Candidate widths: the top layer offers up to its node count, every other layer top_k * r.
+        widths = [sizes[-1] if layer == layers - 1 else top_k * r for layer in range(layers)]
+        select_width = max(widths[1:], default=0)
+        table_rows = max(max(widths), block_c)
+    sizes, pooled_offsets, all_offsets, rows = [time], [], [], []
+    for _ in range(1, layers):
+        sizes.append((sizes[-1] + r - 1) // r)
+    pooled = all_nodes = 0
+    for layer, size in enumerate(sizes):
+        pooled_offsets.append(pooled if layer > 0 else 0)
+        all_offsets.append(all_nodes)
+        rows.append((size, pooled_offsets[-1], all_nodes, r**layer))
+        if layer > 0:
+            pooled = pooled + size
+        all_nodes = all_nodes + size
+    pooled_rows = torch.sym_max(pooled, 2) if every_length and layers > 1 else max(pooled, 1)
+    select_pad = _pow2(select_width) if select_width else MIN_DOT_DIM
     return HTreePlan(
+        every_length=every_length,
+        depth=depth,
+        layers=layers,
         layer_sizes=tuple(sizes),
-        layer_table=torch.tensor(rows, dtype=torch.int64, device=device),
+        pooled_offsets=tuple(pooled_offsets),
+        all_offsets=tuple(all_offsets),
+        layer_table=int_table(rows, device),
         pooled_nodes=pooled,
+        pooled_rows=pooled_rows,
         all_nodes=all_nodes,
         select_width=select_width,
-        table_rows=max(max(widths), block_c),
+        table_rows=table_rows,
         g_pad=_pow2(group),
         kh_pad=_pow2(key_dim // 2),
         v_pad=_pow2(value_dim),
@@ -131,7 +228,7 @@ def make_plan(time: int, group: int, key_dim: int, value_dim: int, cfg: HTreeCon
         block_c=block_c,
         num_warps=DEFAULT_NUM_WARPS,
         programs_per_sm=PROGRAMS_PER_SM,
-        index_bits=packed_index_bits(r, cfg.top_k, cfg.max_top_nodes),
+        index_bits=packed_index_bits(r, top_k, max_top_nodes),
     )
 
 
@@ -147,11 +244,17 @@ def check_kernel_limits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: 
         raise ValueError(f"v: head dim V={v.shape[3]} exceeds the kernels' maximum {MAX_HEAD_DIM}")
     if v.shape[3] < 1:
         raise ValueError(f"v: head dim V must be at least 1, got {v.shape[3]}")
-    sizes = htree_layer_sizes(q.shape[1], cfg.compression_rate, cfg.max_top_nodes)
-    if len(sizes) > 1 and sizes[-1] > MAX_SELECT_WIDTH:
-        raise ValueError(f"max_top_nodes: the top layer has {sizes[-1]} nodes; the kernels select among "
+    time = _concrete(q.shape[1])
+    if isinstance(time, torch.SymInt):  # every length at once (make_plan): the widths' bounds
+        layers, top = max_layers(cfg), f"up to {cfg.max_top_nodes}"
+        top_width = cfg.max_top_nodes
+    else:
+        sizes = htree_layer_sizes(time, cfg.compression_rate, cfg.max_top_nodes)
+        layers, top, top_width = len(sizes), sizes[-1], sizes[-1]
+    if layers > 1 and top_width > MAX_SELECT_WIDTH:
+        raise ValueError(f"max_top_nodes: the top layer has {top} nodes; the kernels select among "
                          f"at most {MAX_SELECT_WIDTH} candidates (lower max_top_nodes)")
-    if len(sizes) > 2 and cfg.top_k * cfg.compression_rate > MAX_SELECT_WIDTH:
+    if layers > 2 and cfg.top_k * cfg.compression_rate > MAX_SELECT_WIDTH:
         raise ValueError(f"top_k*compression_rate: {cfg.top_k * cfg.compression_rate} candidates per layer "
                          f"exceed the kernels' maximum {MAX_SELECT_WIDTH}")
     if q.shape[1] * max(1, q.shape[0]) * k.shape[2] >= 2**31:
@@ -165,30 +268,38 @@ def rope_table(plan: HTreePlan, key_dim: int, base: float, device) -> tuple[torc
     return cos.contiguous(), sin.contiguous()
 
 
-def build_pooled(x: torch.Tensor, plan: HTreePlan, r: int) -> torch.Tensor:
-    """Pooled layers 1..L-1 of x [B, T, H_kv, D] as one float32 buffer [B, H_kv, pooled_nodes, D].
+# Nodes per program of the pooling kernel.
+POOL_NODES = 32
+
+
+def pool_tree(x: torch.Tensor, plan: HTreePlan, r: int, wrap=direct) -> torch.Tensor:
+    """Pooled layers 1..L-1 of x [B, T, H_kv, D] as one float32 buffer [B, H_kv, pooled_rows, D], layer l
+    at rows pooled_offsets[l].
 
     A node is the mean of its existing children one layer down (a ragged tail's parent is the mean
-    of its children's means), computed in float32 as the reference does for half inputs.
+    of its children's means), computed in float32 as the reference does for half inputs: one launch
+    of _pool_kernel per layer. `wrap`: torch.library.wrap_triton when the launches are traced.
     """
     batch, _, kv_heads, dim = x.shape
-    out = x.new_empty((batch, kv_heads, max(plan.pooled_nodes, 1), dim), dtype=torch.float32)
-    child = x.transpose(1, 2).float()
-    for layer in range(1, len(plan.layer_sizes)):
-        size, offset = plan.layer_sizes[layer], int(plan.layer_table[layer, 1])
-        pad = size * r - child.shape[2]
-        sums = torch.nn.functional.pad(child, (0, 0, 0, pad)).unflatten(2, (size, r)).sum(3)
-        counts = (child.shape[2] - torch.arange(size, device=x.device) * r).clamp(max=r).to(torch.float32)
-        child = sums / counts[:, None]
-        out[:, :, offset : offset + size] = child
-    return out
+    tree = torch.empty((batch, kv_heads, plan.pooled_rows, dim), dtype=torch.float32, device=x.device)
+    for layer in range(1, plan.layers):
+        size = plan.layer_sizes[layer]
+        blocks = triton.cdiv(size, POOL_NODES)
+        wrap(_pool_kernel)[(batch * kv_heads * blocks,)](
+            x, tree, *x.stride(), kv_heads, dim, r, plan.pooled_offsets[layer - 1], plan.layer_sizes[layer - 1],
+            plan.pooled_offsets[layer], size, plan.pooled_rows, blocks,
+            FROM_TOKENS=layer == 1, BLOCK_N=POOL_NODES, D_PAD=_pow2(dim, 1),
+        )
+    return tree
 
 
-def num_programs(plan: HTreePlan, device: torch.device, items: int, interpreted: bool) -> int:
+def num_programs(plan: HTreePlan, device: torch.device, items, interpreted: bool):
+    """Persistent programs for `items` work items (at least 1): torch.sym_min keeps a symbolic count
+    (a traced call) an expression of the sizes."""
     if interpreted or device.type != "cuda":
-        return max(1, min(items, INTERPRETER_PROGRAMS))
+        return torch.sym_max(1, torch.sym_min(items, INTERPRETER_PROGRAMS))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(items, sms * plan.programs_per_sm))
+    return torch.sym_max(1, torch.sym_min(items, sms * plan.programs_per_sm))
 
 
 def rank_select(plan: HTreePlan, is_interpreted: bool) -> bool:
@@ -200,6 +311,51 @@ def dot_dtype(dtype: torch.dtype):
 
 
 if triton is not None:
+
+    @triton.jit
+    def num_tree_layers(T, r, max_top_nodes):
+        """The tree's depth L for T tokens (htree_layer_sizes' length), in the kernel: a traced launch
+        plans for every length, so its tables hold the deepest tree's layers and the kernels read the
+        first L rows."""
+        size = (tl.program_id(0) * 0 + T).to(tl.int64)
+        depth = tl.program_id(0) * 0 + 1
+        while size > max_top_nodes:
+            size = (size + r - 1) // r
+            depth += 1
+        return depth
+
+    @triton.jit
+    def _pool_kernel(x_ptr, tree_ptr, stride_xb, stride_xt, stride_xh, stride_xd, H_KV, D, r, child_offset,
+                     child_size, offset, size, pooled_rows, blocks,
+                     FROM_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
+        """One pooled layer of one (batch, KV head), BLOCK_N nodes per program: node p is the mean of its
+        existing children p*r .. p*r + r-1 one layer down (the tokens x, or the pooled layer at rows
+        child_offset of tree_ptr), summed in float32 in child order."""
+        pid = tl.program_id(0)
+        bh = pid // blocks
+        nodes = (pid % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, D_PAD)
+        node_ok = nodes < size
+        col_ok = cols < D
+        b = bh // H_KV
+        h = bh % H_KV
+        tree_rows = tree_ptr + bh.to(tl.int64) * pooled_rows * D
+        total = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        for c in range(0, r):
+            child = nodes * r + c
+            exists = node_ok & (child < child_size)
+            child = tl.where(exists, child, 0).to(tl.int64)  # in-bounds addresses for the masked rows too
+            mask = exists[:, None] & col_ok[None, :]
+            if FROM_TOKENS:
+                ptrs = (x_ptr + b.to(tl.int64) * stride_xb + h * stride_xh + child[:, None] * stride_xt
+                        + cols[None, :] * stride_xd)
+            else:
+                ptrs = tree_rows + (child_offset + child)[:, None] * D + cols[None, :]
+            total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        count = tl.maximum(tl.minimum(child_size - nodes * r, r), 1).to(tl.float32)
+        out_rows = (offset + tl.where(node_ok, nodes, 0)).to(tl.int64)
+        tl.store(tree_rows + out_rows[:, None] * D + cols[None, :], total / count[:, None],
+                 mask=node_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def load_values(layer, nodes, mask_rows, v_ptr, stride_vt, stride_vd, tree_v_ptr, pooled_offset, cols_v, V,
@@ -418,5 +574,6 @@ if triton is not None:
         tl.debug_barrier()
 
 else:
+    num_tree_layers = _pool_kernel = None
     load_values = tile_nodes = candidate_tile = tile_scores = safe_max = None
     score_layer = load_scores = store_keys = select_top_k = select_layer = None
