@@ -161,7 +161,8 @@ mhc_post_op = kernel_op("mhc_post", _mhc_post_host, _mhc_post_fake, _mhc_post_tr
                         fixed_dims=_STREAMS_AND_CHANNELS)
 mhc_post_backward_op = kernel_op("mhc_post_backward", _mhc_post_backward_host, _mhc_post_backward_fake,
                                  _mhc_post_backward_traced, common.SUPPORTED_DTYPES,
-                                 _kernels(K_post, "_mhc_post_bwd_kernel"), fixed_dims=_STREAMS_AND_CHANNELS)
+                                 _kernels(K_post, "_mhc_post_bwd_kernel", "_mhc_post_bwd_sums_kernel"),
+                                 fixed_dims=_STREAMS_AND_CHANNELS)
 
 
 def _post_setup(ctx, inputs, output) -> None:

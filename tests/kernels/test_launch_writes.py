@@ -156,11 +156,18 @@ def test_htree_launches_write_only_outputs(causal, node_gradients, from_forward)
 # --- mHC (post, aggregate, mapping; compile_check records them) ------------------------------------
 @needs_compiled_kernels
 def test_mhc_launches_write_only_outputs():
+    """n = 4 and n = 9: the post backward's slot sweep and its column sweep, whose helpers take the
+    input tiles' pointers beside the outputs' and the scratch's (its second launch reads the
+    scratch into dA and dH_post)."""
     from hccompile.kernels.mhc.compile_check import recorded_launches
 
-    calls = [(kernel, _named(kernel, args, kwargs))
-             for _, kernel, args, kwargs in recorded_launches(n=4, C=256, steps=4)]
-    assert check_launches(calls) >= 6
+    calls = [(kernel, _named(kernel, args, kwargs)) for n in (4, 9)
+             for _, kernel, args, kwargs in recorded_launches(n=n, C=256, steps=4)]
+    assert check_launches(calls) >= 13
+    for name, kernel, args, kwargs in recorded_launches(n=9, C=256, steps=4):
+        if name.startswith("post_bwd"):
+            written = written_tensors(kernel, _named(kernel, args, kwargs))
+            assert written and set(written) <= {"dx_ptr", "df_ptr", "da_ptr", "dhp_ptr", "sums_ptr"}, written
 
 
 # --- the check itself ------------------------------------------------------------------------------

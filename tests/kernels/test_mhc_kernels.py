@@ -139,10 +139,13 @@ def test_aggregate_kernel_matches_float64(case, poisoned):
     assert dx.permute(*order).is_contiguous()
 
 
-# The backward sweeps (post, aggregate) walk C in [tokens, BLOCK_C] tiles, the streams unrolled and
-# the n² + n sums over C in slots of one register tile: C over several tiles with a tail, token
-# counts off the token block, n from 1 to MAX_STREAMS (slot blocks of 2 to 512), token dims in any
-# memory order, a non-unit channel stride.
+# The backward sweeps (post, aggregate) walk C in [tokens, BLOCK_C] tiles: C over several tiles with
+# a tail, token counts off the token block, n from 1 to MAX_STREAMS, token dims in any memory order,
+# a non-unit channel stride. The post backward's slot sweep (n = 1, 2, 4: the streams unrolled, the
+# n² + n sums over C in slots of one register tile) and its column sweep (other n: run-time loops over
+# columns and streams, the sums through a scratch): n = 3 (one stream past an unroll of 2), 5, 8,
+# 9 and 13 (one past 4 and 12), 12 and 16 (no remainder); fp32 steps of one tile, 16-bit steps of
+# two, C a multiple of 16 or not (unrolled 4 or 2 fp32 tiles), partial and empty second halves.
 SWEEP_CASES = [
     # T1, T2, n, C, dtype, transpose_res, out_order, input layout
     (3, 13, 5, 150, torch.float32, True, (2, 0, 1, 3), "tokens-swapped"),
@@ -150,6 +153,9 @@ SWEEP_CASES = [
     (1, 5, 16, 40, torch.float32, True, (0, 1, 2, 3), "dense"),
     (4, 9, 1, 300, torch.float16, False, (0, 1, 2, 3), "tokens-swapped"),
     (2, 17, 3, 64, torch.bfloat16, True, (1, 0, 2, 3), "dense"),
+    (2, 9, 9, 130, torch.float32, False, (0, 1, 2, 3), "dense"),
+    (3, 5, 13, 96, torch.float32, True, (1, 0, 2, 3), "tokens-swapped"),
+    (1, 7, 12, 200, torch.bfloat16, True, (2, 0, 1, 3), "strided"),
 ]
 
 
@@ -191,14 +197,31 @@ def test_backward_sweeps_awkward_shapes(case, poisoned):
 
 
 @requires_triton
+@pytest.mark.parametrize("n", [4, 6], ids=["slots", "columns"])
+def test_post_backward_mixing_matrices_in_other_dtypes(n, poisoned):
+    """H_post and H_res in different dtypes (the mapping's outputs have one dtype each): the column
+    sweep then loads H_post on its own instead of through one pointer with H_res."""
+    x, h_res, h_post, f, dout = _post_inputs(2, 9, n, 70, torch.bfloat16, False, seed=4)
+    for h_res, h_post in ((h_res, h_post.float()), (h_res.float(), h_post)):
+        grads = mhc_post_bwd(x, h_res, h_post, f, dout, True)
+        refs = mhc_post_bwd_ref(*(t.double() for t in (x, h_res, h_post, f, dout)), True)
+        for name, g, r, like in zip(("dx", "dh_res", "dh_post", "df"), grads, refs, (x, h_res, h_post, f)):
+            assert g.shape == like.shape and g.dtype == like.dtype, name
+            assert rel(g, r) < TOL[torch.bfloat16], name
+
+
+@requires_triton
 def test_backward_sweep_blocks_keep_c_inside_a_warp():
     """The sweep tiles: C over 8 lanes of 16-byte vectors (less for a small C), the rest of the
-    4 warps' lanes over tokens, slots for every sum over C."""
+    4 warps' lanes over tokens, slots for every sum over C. The column sweep's tiles: 8 lanes of
+    4 fp32 (the scratch's sums take the data tiles' layout), two per step in 16-bit dtypes."""
     assert _common.sweep_blocks(1024, 2, 20) == (16, 64, 32, 4)     # bf16, n = 4: 16 tokens
     assert _common.sweep_blocks(1024, 4, 20) == (16, 32, 32, 4)     # fp32
-    assert _common.sweep_blocks(37, 2, 272) == (16, 64, 512, 4)     # n = 16
+    assert _common.sweep_blocks(37, 2, 272) == (16, 64, 512, 4)     # n² + n slots of n = 16
     bt, bc, _, warps = _common.sweep_blocks(1, 4, 2)
     assert bc == 16 and bt * bc == warps * 32 * 4                   # every lane busy
+    assert _common.column_sweep_blocks(4) == (16, 32, 1, 4)         # fp32: 128 bytes per row
+    assert _common.column_sweep_blocks(2) == (16, 32, 2, 4)         # bf16, fp16: two tiles
 
 
 # ----------------------------------------------------------------------------------------
@@ -480,3 +503,27 @@ def test_kernels_compile_for_h100_without_spills():
             field = lambda key: int(line.split(f" {key} ")[1].split()[0])  # noqa: E731
             assert field("LOOPCVT") == 0, line
             assert field("CVT") <= final_stores[name] and field("BAR") <= 2 * final_stores[name] - 1, line
+
+
+def test_post_backward_compiles_for_h100_at_other_stream_counts_without_spills():
+    """The post backward at stream counts that take the column sweep (n = 3, 5, 9, 16; the test
+    above compiles n = 4's slot sweep), its sums kernel included, compiled for sm_90 at the
+    benchmark shape: no register spills and no layout conversion inside a loop, since the scratch's
+    sums tile takes the data tiles' layout. At n = 16 the slot sweep spilled and took minutes."""
+    import pathlib
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
+        pytest.skip("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "hccompile.kernels.mhc.compile_check", "--streams", "3", "5", "9", "16",
+               "--launches", "post_bwd"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.strip().splitlines()
+    # bfloat16 and float32, per n the sweep and the sums kernel
+    assert len(lines) == 16 and all("STACK 0" in line and "LOOPCVT 0" in line for line in lines), run.stdout
+    assert sum("'BY_COLUMN': True" in line for line in lines) == 8, run.stdout

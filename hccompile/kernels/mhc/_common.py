@@ -104,10 +104,21 @@ def sweep_blocks(C: int, element_size: int, slots: int) -> tuple[int, int, int, 
     return rows_per_warp * SWEEP_WARPS, bc, triton.next_power_of_2(slots), SWEEP_WARPS
 
 
+def column_sweep_blocks(element_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_C, HALVES, num_warps) for the post backward's column sweep (n = 3, 5, ...). Its
+    partial sums go through an fp32 scratch tile of the data tiles' shape, so that both take one
+    layout: BLOCK_C is SWEEP_LANES lanes of 16 bytes of fp32 for every dtype (a 16-bit tile of
+    16-byte vectors would take another layout than the fp32 one: a conversion through shared memory
+    inside the sweep). A step of C is HALVES such tiles, SWEEP_LANES lanes of 16 bytes per row and
+    stream as in the slot sweep: the n streams' tiles of one step are reread per column from L1,
+    and more would not stay there. BLOCK_T fills the warps' other lanes."""
+    return 32 // SWEEP_LANES * SWEEP_WARPS, SWEEP_LANES * 4, max(1, 4 // element_size), SWEEP_WARPS
+
+
 def require(device: torch.device, kernel, module: str) -> None:
     require_triton(device, kernel, module, f"the reference in {module.rsplit('.', 1)[0]}.reference")
 
 
 __all__ = ["MAX_STREAMS", "SUPPORTED_DTYPES", "block_c", "block_n", "block_t", "channel_blocks",
-           "check_order", "check_same_device", "check_streams", "check_tensor", "interpreted",
-           "new_output", "require", "stream_blocks", "sweep_blocks", "triton_available"]
+           "check_order", "check_same_device", "check_streams", "check_tensor", "column_sweep_blocks",
+           "interpreted", "new_output", "require", "stream_blocks", "sweep_blocks", "triton_available"]

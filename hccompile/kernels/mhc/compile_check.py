@@ -11,9 +11,11 @@ pointers get divisibility hints), so unit strides vectorise as on the GPU. It ne
 without TRITON_INTERPRET, so run it in a process without that variable:
 
     python -m hccompile.kernels.mhc.compile_check            # prints one line per kernel launch
+    python -m hccompile.kernels.mhc.compile_check --streams 3 9 16 --launches post_bwd
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import re
@@ -128,19 +130,27 @@ def loop_conversions(ttgir: str) -> int:
     return count
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="compile the mHC kernels' launches for sm_90")
+    parser.add_argument("--streams", type=int, nargs="+", default=[4], help="stream counts n")
+    parser.add_argument("--launches", nargs="+", default=None,
+                        help="only these launchers' launches (post_bwd, mapping_fwd, ...)")
+    args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter does not compile kernels", file=sys.stderr)
         return 2
     worst = 0
     for dtype in (torch.bfloat16, torch.float32):
-        for name, kernel, args, kwargs in recorded_launches(dtype=dtype):
-            usage = resources(compile_launch(kernel, args, kwargs))
-            worst = max(worst, usage.get("STACK", 0))
-            consts = {k: v for k, v in kwargs.items()}
-            print(f"{name:16s} {str(dtype)[6:]:8s} {consts} REG {usage['REG']} STACK {usage.get('STACK', 0)}"
-                  f" SHARED {usage.get('SHARED', 0)} BAR {usage['BAR']} SHFL {usage['SHFL']}"
-                  f" CVT {usage['CVT']} LOOPCVT {usage['LOOPCVT']}")
+        for n in args.streams:
+            for name, kernel, largs, kwargs in recorded_launches(n=n, dtype=dtype):
+                if args.launches is not None and name.split(".")[0] not in args.launches:
+                    continue
+                usage = resources(compile_launch(kernel, largs, kwargs))
+                worst = max(worst, usage.get("STACK", 0))
+                consts = {k: v for k, v in kwargs.items()}
+                print(f"{name:16s} {str(dtype)[6:]:8s} {consts} REG {usage['REG']} STACK {usage.get('STACK', 0)}"
+                      f" SHARED {usage.get('SHARED', 0)} BAR {usage['BAR']} SHFL {usage['SHFL']}"
+                      f" CVT {usage['CVT']} LOOPCVT {usage['LOOPCVT']}")
     return 0 if worst == 0 else 1
 
 
