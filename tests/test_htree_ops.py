@@ -178,6 +178,24 @@ def test_compile_fullgraph_backend_hc_dynamic_time(mode):
     assert counter.frame_count == 1
 
 
+def test_options_from_a_dict_under_dynamic_compile(mode):
+    # dynamic=True makes ints read from a dict or a closure symbols; the options are fixed at their
+    # values (a guard), not rejected as non-integers, and every length still runs one graph.
+    options = dict(compression_rate=3, top_k=2, max_top_nodes=5, causal=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("hc")
+    compiled = torch.compile(lambda q, k, v: htree_attention(q, k, v, return_lse=True, **options),
+                             backend=counter, fullgraph=True, dynamic=True)
+    frames = None
+    for T in (20, 11):  # depths 3 (20, 7, 3) and 2 (11, 4)
+        inputs = make_inputs(T=T, seed=T)
+        for got, want in zip(compiled(*inputs), htree_attention(*inputs, return_lse=True, **options)):
+            assert rel_err(got, want) < 1e-6
+        # (the first call may trace twice: hc asks Dynamo to specialise the default scale, a float
+        # of the symbolic head dim, which the op takes as a Python float)
+        frames = frames or counter.frame_count
+    assert counter.frame_count == frames, "the second length compiled again"
+
+
 def test_compile_graph_has_our_ops():
     from helpers import Collect, fwd_bwd
 

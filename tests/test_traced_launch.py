@@ -254,6 +254,24 @@ def test_htree_forward_traces_to_its_launches(dtype, save_selections, gpu_proper
 
 
 @needs_compiled_kernels
+def test_htree_deeper_than_the_traced_limit_stays_a_host_op(gpu_properties):
+    """r 2, top_k 2, max_top_nodes 2 plans 30 layers for every length: tracing that took a minute
+    per direction (and hung an opcheck on the GPU), so the call stays the opaque host op, whose
+    output sizes are still expressions of T (no guard on the depth)."""
+    from hccompile.lowering import htree as HT
+    from hccompile.kernels.htree.reference import HTreeConfig
+    from hccompile.kernels.htree.tiles import max_layers
+
+    options = (2, 2, 2, 0.4, 100.0, True, "packed")
+    assert max_layers(HTreeConfig(*options)) > HT.MAX_TRACED_LAYERS
+    q = ((1, 40, 2, 16), F32)
+    gm, pinned = trace(lambda q, k, v: HT.htree_attention_op(q, k, v, *options, True), q, q, q)
+    calls = [str(n.target) for n in gm.graph.nodes if str(n.target).startswith("hccompile.")]
+    assert calls == ["hccompile.htree_attention_host.default"], calls
+    assert not pinned, pinned
+
+
+@needs_compiled_kernels
 @pytest.mark.parametrize("selections", [False, True], ids=["reselected", "forward-selections"])
 @pytest.mark.parametrize("node_gradients", [False, True], ids=["atomics", "node-stationary"])
 def test_htree_backward_traces_to_its_launches(node_gradients, selections, gpu_properties, monkeypatch):

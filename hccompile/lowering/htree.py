@@ -82,8 +82,12 @@ DEFAULT_TOP_K = 64
 
 def _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode) -> HTreeConfig:
     """The reference's validation (argument names and limits in every message). Reads shapes only,
-    so it also runs on fake tensors."""
+    so it also runs on fake tensors. Integer options that arrive as symbols (under dynamic=True Dynamo
+    makes ints read from a dict or a closure graph inputs) are fixed at their values, a guard: they
+    are the model's constants, and the plan and the kernels' widths depend on them."""
     _check_dtype_kinds(q, k, v)
+    compression_rate, top_k, max_top_nodes = (int(x) if isinstance(x, torch.SymInt) else x
+                                              for x in (compression_rate, top_k, max_top_nodes))
     return resolve_htree_config(q, k, v, compression_rate=compression_rate, top_k=top_k,
                                 max_top_nodes=max_top_nodes, scale=scale, rope_base=rope_base, causal=causal,
                                 sort_mode=sort_mode)
@@ -276,11 +280,19 @@ def _htree_attention_backward_fake(q, k, v, o, lse, do, dlse, compression_rate, 
 # The ops: traced into their launches on CUDA (lowering/_launch.py), host ops elsewhere
 
 
+# Layers of the deepest tree a call with a symbolic T is traced for. Tracing costs about 8 launches
+# per layer, each with its own mutation analysis and guards on the layer's size expression: the
+# node-stationary backward took 35 s to trace at 14 layers (r=4, top_k=4, max_top_nodes=16) and 60 s
+# at 30 (r=2, top_k=2, max_top_nodes=2) on a 2-core CPU, 2026-11-29. Deeper trees stay host ops.
+MAX_TRACED_LAYERS = 16
+
+
 def _traceable(q=None, compression_rate=None, top_k=None, max_top_nodes=None, **_) -> bool:
     """Traced on CUDA, but for a symbolic T (torch.compile(dynamic=True)) whose widest possible
     selection exceeds the kernels' (a top layer of up to max_top_nodes candidates, or top_k * r per
-    lower layer, above tiles.MAX_SELECT_WIDTH): a traced call plans for every length at once, with the
-    widths' bounds as compile-time constants, so those calls stay host ops
+    lower layer, above tiles.MAX_SELECT_WIDTH), or whose deepest tree has more than MAX_TRACED_LAYERS
+    layers: a traced call plans for every length at once, with the widths' bounds as compile-time
+    constants and a launch per layer of the deepest tree, so those calls stay host ops
     (hccompile::htree_attention_host), which check the width of the tree they get. Invalid options
     are traced: the body raises the error that names them."""
     if not isinstance(q.shape[1], torch.SymInt):
@@ -291,7 +303,8 @@ def _traceable(q=None, compression_rate=None, top_k=None, max_top_nodes=None, **
         return True
     layers = max_layers(HTreeConfig(compression_rate, top_k, max_top_nodes, 1.0, 1.0, False, "exact"))
     return not ((layers > 1 and max_top_nodes > MAX_SELECT_WIDTH)
-                or (layers > 2 and top_k * compression_rate > MAX_SELECT_WIDTH))
+                or (layers > 2 and top_k * compression_rate > MAX_SELECT_WIDTH)
+                or layers > MAX_TRACED_LAYERS)
 
 
 # H (H_kv), K and V: see fix_sizes

@@ -84,6 +84,9 @@ if triton is not None:
         SELECT_PAD: tl.constexpr, RANK_SELECT: tl.constexpr, DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST_OPERANDS: tl.constexpr,
     ):
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64, which would
+        # make the loop-carried maxima fp64: a compile error)
+        scale = tl.cast(scale, tl.float32)
         pid = tl.program_id(0)
         g_rows = tl.arange(0, G_PAD)
         row_ok = g_rows < G

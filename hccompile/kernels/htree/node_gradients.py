@@ -77,6 +77,8 @@ if triton is not None:
         # layer, else one below it) holds when T's depth (read here) gives it: a traced launch plans
         # for every depth, launching both roles for each layer of the deepest tree, and a program whose
         # role the layer has not has no nodes and no queries.
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
         pid = tl.program_id(0)
         split = pid % splits
         group = (pid // splits) % groups
