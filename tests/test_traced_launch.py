@@ -234,8 +234,9 @@ def gpu_properties(monkeypatch):
                             lambda device: types.SimpleNamespace(multi_processor_count=132))
 
 
-# r 4, top_k 3, max_top_nodes 12: the lengths the check tries (16 .. 65536) have trees of 2 to 8 layers.
-HTREE_OPTIONS = (4, 3, 12, 0.125, 10000.0, True, "exact")
+# r 32, top_k 16, max_top_nodes 16: the lengths the check tries (16 .. 65536) have trees of 1 to 4 layers,
+# the plan for every length 6 (lowering/htree.MAX_TRACED_LAYERS: a deeper plan stays a host op).
+HTREE_OPTIONS = (32, 16, 16, 0.125, 10000.0, True, "exact")
 
 
 @needs_compiled_kernels
@@ -284,7 +285,7 @@ def test_htree_backward_traces_to_its_launches(node_gradients, selections, gpu_p
     B, T, H, H_kv, K, V = 2, 100, 6, 3, 64, 32
     q, k, v = ((B, T, H, K), BF16), ((B, T, H_kv, K), BF16), ((B, T, H_kv, V), BF16)
     o, lse = ((B, T, H, V), BF16), ((B, T, H), F32)
-    saved = [((5, B, T, H_kv, 3), torch.int32)] if selections else []
+    saved = [((2, B, T, H_kv, 16), torch.int32)] if selections else []
 
     def backward(q, k, v, o, lse, do, dlse, *saved):
         return HT.htree_attention_backward_op(q, k, v, o, lse, do, dlse, *HTREE_OPTIONS, *saved)

@@ -280,11 +280,13 @@ def _htree_attention_backward_fake(q, k, v, o, lse, do, dlse, compression_rate, 
 # The ops: traced into their launches on CUDA (lowering/_launch.py), host ops elsewhere
 
 
-# Layers of the deepest tree a call with a symbolic T is traced for. Tracing costs about 8 launches
-# per layer, each with its own mutation analysis and guards on the layer's size expression: the
-# node-stationary backward took 35 s to trace at 14 layers (r=4, top_k=4, max_top_nodes=16) and 60 s
-# at 30 (r=2, top_k=2, max_top_nodes=2) on a 2-core CPU, 2026-11-29. Deeper trees stay host ops.
-MAX_TRACED_LAYERS = 16
+# Layers of the deepest tree a call with a symbolic T is traced for (the defaults plan 5, the seed's
+# r 16, top_k 512, max_top_nodes 8192 plan 4). Tracing costs about 8 launches per planned layer, each
+# with its own mutation analysis and guards on the layer's size expression: the node-stationary
+# backward traced in 5 s at 5 layers, 13 s at 10 and 60 s at 30 (r 2, top_k 2, max_top_nodes 2) on a
+# 2-core CPU; at 14 layers (r 4, top_k 4, max_top_nodes 16) its compile ran over 3 minutes on the H200
+# host, 2026-11-29. Deeper trees stay host ops.
+MAX_TRACED_LAYERS = 6
 
 
 def _traceable(q=None, compression_rate=None, top_k=None, max_top_nodes=None, **_) -> bool:
