@@ -79,6 +79,12 @@ GPU_WORKERS ?= $(shell echo $$(( 14 * $(GPU_COUNT) )))
 GPU_MEMORY_GIB ?= 4.75
 GPU_REPORT ?= benchmarks/results/gpu-suite.txt
 GPU_TESTS ?= tests
+# A chunk still running after GPU_CHUNK_TIMEOUT seconds is killed (the longest of a green one-card run took
+# 295 s): the tests its progress line shows keep their outcome, the running one is reported as the error, so
+# a hung test costs minutes, not the report (session 29: an htree opcheck ran 15 minutes and the suite ended
+# after the device call). A test running past GPU_TEST_STACK_S seconds has its stack written to the log.
+GPU_CHUNK_TIMEOUT ?= 600
+GPU_TEST_STACK_S ?= 240
 GPU_PYTEST_ARGS ?=
 # Tests per pytest process, consecutive files sharing one: each process start (import torch, CUDA
 # context, Dynamo and Inductor warm-up) cost ~27 s on the 4x H200 at 08794b7 (chunks' wall 20857
@@ -142,8 +148,8 @@ test-gpu:
 	TRITON_CACHE_DIR=$(GPU_CACHE_DIR)/triton TORCHINDUCTOR_CACHE_DIR=$(GPU_CACHE_DIR)/inductor \
 	$(GPU_PYTHON) tests/parallel.py -n $(GPU_WORKERS) --gpus $(GPU_COUNT) --gpu-memory-gib $(GPU_MEMORY_GIB) \
 		--report $(GPU_REPORT) --commit $(COMMIT) --log-dir .gpu-suite \
-		--durations tests/gpu_durations.json --chunk $(GPU_CHUNK) --across-files \
-		$(GPU_TESTS) -- $(GPU_PYTEST_ARGS); status=$$?; \
+		--durations tests/gpu_durations.json --chunk $(GPU_CHUNK) --across-files --chunk-timeout $(GPU_CHUNK_TIMEOUT) \
+		$(GPU_TESTS) -- -o faulthandler_timeout=$(GPU_TEST_STACK_S) $(GPU_PYTEST_ARGS); status=$$?; \
 	rm -rf $(GPU_CACHE_OUT) && mkdir -p $(GPU_CACHE_OUT) && du -sh $(GPU_CACHE_DIR)/* > $(GPU_CACHE_OUT)/sizes.txt; \
 	budget=$$(( $(GPU_CACHE_MAX_MIB) * 1048576 )); \
 	for part in triton inductor; do test -d $(GPU_CACHE_DIR)/$$part || continue; \

@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -179,6 +180,23 @@ def read_junit(xml_path: Path, ids: list[str]) -> dict[str, Outcome]:
     return outcomes
 
 
+_PROGRESS = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")
+_PROGRESS_STATUS = {".": "passed", "F": "failed", "E": "error", "s": "skipped", "x": "skipped", "X": "passed"}
+
+
+def read_progress(log_text: str, ids: list[str], why: str) -> dict[str, Outcome]:
+    """Outcomes of a chunk killed before pytest wrote its JUnit file, from its `-q` progress lines in
+    the worker's log (one character per test, in order; other lines, such as a faulthandler dump, are
+    skipped): the tests it reported keep their outcome, the next one was running (an error, `why`),
+    the rest never ran."""
+    marks = "".join(m.group(1) for m in map(_PROGRESS.match, log_text.splitlines()) if m)
+    outcomes = {test_id: Outcome(test_id, _PROGRESS_STATUS[mark], "from the progress line of a killed chunk")
+                for test_id, mark in zip(ids, marks)}
+    for position, test_id in enumerate(ids[len(marks):]):
+        outcomes[test_id] = Outcome(test_id, "error", why if position == 0 else f"not run: {why}")
+    return outcomes
+
+
 @dataclass
 class Run:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
@@ -225,15 +243,21 @@ def run_chunks(chunks: list[list[str]], workers: int, extra: list[str], log_dir:
                 log.flush()
                 command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
                            f"--junitxml={xml}", *extra, *group]
-                began = time.monotonic()
+                log_path = log_dir / f"worker{slot}.log"
+                began, log_start = time.monotonic(), log_path.stat().st_size
                 try:
                     code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
                                           env=env if group[0] in every_gpu else slot_env,
                                           timeout=chunk_timeout).returncode
                     why = f"worker exited with code {code} before reporting this test (see worker{slot}.log)"
+                    found = read_junit(xml, group)
                 except subprocess.TimeoutExpired:
-                    why = f"chunk {index} did not finish in {chunk_timeout:.0f} s (see worker{slot}.log)"
-                found = read_junit(xml, group)
+                    why = (f"running when chunk {index} was killed after {chunk_timeout:.0f} s "
+                           f"(see worker{slot}.log)")
+                    log.flush()
+                    with open(log_path, "rb") as text:
+                        text.seek(log_start)
+                        found = read_progress(text.read().decode(errors="replace"), group, why)
                 with run.lock:
                     test_file = file_of(group[0])
                     run.file_seconds[test_file] = run.file_seconds.get(test_file, 0.0) + time.monotonic() - began

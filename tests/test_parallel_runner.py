@@ -111,6 +111,29 @@ def test_runner_reports_every_outcome_and_fails_when_one_fails(tmp_path):
     assert "1 tests in 1 chunks over 1 workers" in result.stdout and "1 passed" in result.stdout
 
 
+def test_a_killed_chunk_keeps_the_outcomes_its_progress_line_shows(tmp_path):
+    """A chunk past --chunk-timeout writes no JUnit file: the tests its progress line reported keep
+    their outcome, the one running is an error that says so, the rest were not run."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time, pytest\n"
+        "def test_a():\n    pass\n"
+        "def test_b():\n    assert 1 == 2\n"
+        "def test_c():\n    pytest.skip('no')\n"
+        "def test_hangs():\n    time.sleep(600)\n"
+        "def test_after():\n    pass\n")
+    report = tmp_path / "suite.txt"
+    result = run_runner(tmp_path, "-n", "1", "--chunk", "10", "--chunk-timeout", "20", "--log-dir", "logs",
+                        "--report", str(report), "--commit", "abc123", "test_slow.py")
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = report.read_text().splitlines()
+    assert any(line.startswith("FAILED test_slow.py::test_b - ") for line in lines), lines
+    assert any(line.startswith("SKIPPED test_slow.py::test_c - ") for line in lines), lines
+    assert any(line.startswith("ERROR test_slow.py::test_hangs - running when chunk 0 was killed after 20 s")
+               for line in lines), lines
+    assert any(line.startswith("ERROR test_slow.py::test_after - not run: ") for line in lines), lines
+    assert lines[-1].startswith("1 passed, 1 skipped, 1 failed, 2 errors in "), lines[-1]
+
+
 def test_workers_spread_over_the_gpus(tmp_path):
     """--gpus N: worker i sees only GPU i mod N (each test then runs on its process's cuda:0);
     without it the inherited CUDA_VISIBLE_DEVICES stays."""
