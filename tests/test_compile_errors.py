@@ -72,4 +72,5 @@ def test_explain_symbols_leaves_other_messages_alone():
     assert explain_symbols(f"a size {symbol}9 that is not an argument's", {"time": time}) is None
     text = explain_symbols(f"time {symbol} is odd", {"time": time})
     assert text == f"time 33 is odd (under torch.compile sizes are symbols: time is {symbol} = 33 in this call)"
+    assert explain_symbols(f"{text}, {symbol}", {"time": time}) is None  # explained once (op body, host twin)
     assert env.guards == []  # reading a symbol's value adds no guard

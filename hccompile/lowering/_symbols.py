@@ -52,9 +52,14 @@ def _symbols_of(arguments: dict[str, Any]) -> dict[str, tuple[str, int | None]]:
     return found
 
 
+EXPLAINED = "under torch.compile sizes are symbols:"
+
+
 def explain_symbols(message: str, arguments: dict[str, Any]) -> str | None:
     """`message` with the symbols of `arguments`' sizes replaced by their values and explained, or
-    None when it names none of them."""
+    None when it names none of them or was explained already (an op's body calling its host twin)."""
+    if EXPLAINED in message:
+        return None
     symbols = _symbols_of(arguments)
     named = [s for s in dict.fromkeys(_SYMBOL.findall(message)) if s in symbols]
     if not named:
@@ -65,7 +70,7 @@ def explain_symbols(message: str, arguments: dict[str, Any]) -> str | None:
     for symbol in named:
         where, value = symbols[symbol]
         notes.append(f"{where} is {symbol}" + (f" = {value} in this call" if value is not None else ""))
-    return f"{text} (under torch.compile sizes are symbols: {'; '.join(notes)})"
+    return f"{text} ({EXPLAINED} {'; '.join(notes)})"
 
 
 def reraise_explained(error: Exception, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
