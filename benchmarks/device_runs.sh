@@ -7,6 +7,8 @@
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
+#   lightning-tune  the lightning sweeps' flat loop (sweeps.FLAT_SWEEPS) against the nested loops, by
+#               block, tile, warps and segment, into diag_ rows                         (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -41,6 +43,7 @@ for run in ${RUNS:-delta host}; do
             torchrun --nproc-per-node "$gpus" benchmarks/cp.py --ops gdn,kda --layouts one \
             --strategies all_gather --out "$out/cp_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
+    lightning-tune) cut_at python3 benchmarks/lightning_tune.py --flat-only --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \

@@ -13,7 +13,6 @@ and registers come from the compiled kernels' metadata.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -99,8 +98,17 @@ def run_shape(name, shape, decayed, args, bandwidth):
         rows.append(dict(impl=impl, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, fwd_gbs=fwd_bytes / f_ms / 1e6,
                          fwd_bwd_gbs=bwd_bytes / fb_ms / 1e6, note=note))
 
+    from hccompile.kernels.lightning import sweeps
+
     ours = lambda: hccompile.lightning_attn(q, k, v, decay=decay, scale=scale)[0]  # noqa: E731
     add("hccompile.lightning_attn", ours)
+    default_flat = sweeps.FLAT_SWEEPS
+    sweeps.FLAT_SWEEPS = not default_flat
+    try:  # the other sweep loop (sweeps.FLAT_SWEEPS), side by side
+        add(f"hccompile.lightning_attn, {'nested' if default_flat else 'flat'} sweeps", ours,
+            note=f"sweeps.FLAT_SWEEPS={not default_flat}")
+    finally:
+        sweeps.FLAT_SWEEPS = default_flat
 
     fla_err = None
     try:
@@ -111,13 +119,19 @@ def run_shape(name, shape, decayed, args, bandwidth):
         fla = lambda: chunk_simple_gla(q, k, v, g_gamma=decay, scale=scale)[0]  # noqa: E731
         add("FLA 0.6.0 chunk_simple_gla(g_gamma)", fla)
         outs = []
-        for f in (ours, fla):
+        for f, flat in ((ours, default_flat), (fla, default_flat), (ours, not default_flat)):
+            sweeps.FLAT_SWEEPS = flat
             for x in (q, k, v):
                 x.grad = None
             o = f()
             o.backward(do)
             outs.append([o.detach().float()] + [x.grad.detach().float() for x in (q, k, v)])
-        fla_err = {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), *outs)}
+        sweeps.FLAT_SWEEPS = default_flat
+        fla_err = {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), outs[0], outs[1])}
+        other_err = {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), outs[2], outs[1])}
+        for row in rows:
+            if row["impl"].endswith(" sweeps"):
+                row["error_vs_fla"] = other_err
 
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     add("SDPA causal (softmax)", lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2))
@@ -162,7 +176,10 @@ def main(argv=None):
     import triton
 
     bandwidth = copy_bandwidth()
-    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+    from targets import run_stamp  # benchmarks/ is the script's directory
+
+    # run_stamp: the date, a run id and the commit (HCCOMPILE_COMMIT on the device)
+    meta = dict(**run_stamp(), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, copy_gbs=bandwidth / 1e9)
     try:
         import fla
@@ -170,11 +187,14 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         meta["fla"] = None
     print(f"# {meta}")
-    results = []
     for name in args.shapes.split(","):
         for decayed in (True, False):
             rows = run_shape(name, SHAPES[name], decayed, args, bandwidth)
-            results += rows
+            if args.out:  # as measured: a run cut short keeps its finished shapes
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "a") as f:
+                    for r in rows:
+                        f.write(json.dumps({**meta, **r}) + "\n")
             print(f"\n## {name} {'decay' if decayed else 'no decay'} {args.dtype}")
             print("| impl | fwd ms | fwd+bwd ms | fwd GB/s | fwd+bwd GB/s | note |")
             print("|---|---|---|---|---|---|")
@@ -194,10 +214,7 @@ def main(argv=None):
     for r in resources:
         print(r)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps({**meta, **r}) + "\n")
             f.write(json.dumps({**meta, "kernel_resources": resources}) + "\n")
 
 

@@ -1,5 +1,5 @@
 """Sweep the lightning kernels' exact tuning knobs (block, micro-chunk, column tile, warps,
-segment) on the GPU and print the time of each forward and backward configuration, so the
+segment, the flat loop) on the GPU and print the time of each forward and backward configuration, so the
 defaults in kernels/lightning/chunk.py and sweeps.py are chosen by measurement.
 
     python benchmarks/lightning_tune.py [--shapes B4-T4096-H16-D128,...] [--out tune.jsonl]
@@ -25,7 +25,14 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="B4-T4096-H16-D128,B1-T32768-H16-D128")
     p.add_argument("--out", default=None)
+    p.add_argument("--flat-only", action="store_true",
+                   help="only the flat-loop configs (sweeps.FLAT_SWEEPS) and the nested ones at block 64, cblock 64, tile 128")
     args = p.parse_args(argv)
+    import triton
+
+    from targets import run_stamp
+
+    stamp = run_stamp()
     rows = []
     for name in args.shapes.split(","):
         b, t, h, d = SHAPES[name]
@@ -33,7 +40,12 @@ def main(argv=None):
         decay = alibi_decay(h, device="cuda")
         configs = list(itertools.product((64,), (32, 64), (64, 128), (4, 8), (None, 512)))
         configs += [(128, 32, 64, 8, None), (128, 64, 64, 8, None), (64, 16, 64, 4, None)]
-        for block, cblock, tile, warps, seg in configs:
+        # cblock == block configs run twice: the nested micro-chunk loops and the flat loop
+        configs = [(*c, False) for c in configs] + [(*c, True) for c in configs if c[0] == c[1]]
+        if args.flat_only:
+            configs = [c for c in configs if c[-1]] + [c for c in configs if c[:3] == (64, 64, 128) and not c[-1]]
+        for block, cblock, tile, warps, seg, flat in configs:
+            sweeps.FLAT_SWEEPS = flat
             knobs = dict(block=block, cblock=cblock, column_tile=tile, num_warps=warps, segment=seg)
             try:
                 f = do_bench(lambda: chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs))
@@ -43,19 +55,20 @@ def main(argv=None):
                 continue
             res = compiled_resources(sweeps._reverse_sweep_kernel)
             shared = max((r["shared_bytes"] or 0) for r in res) if res else None
-            row = dict(shape=name, **knobs, fwd_ms=f, bwd_ms=bw, max_reverse_shared=shared)
+            row = dict(**stamp, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=triton.__version__, shape=name, **knobs, flat=flat, fwd_ms=f, bwd_ms=bw,
+                       max_reverse_shared=shared)
             rows.append(row)
-            print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg}: "
+            if args.out:  # as measured: a run cut short keeps its rows
+                with open(args.out, "a") as sink:
+                    sink.write(json.dumps(row) + "\n")
+            print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg} flat={flat}: "
                   f"fwd {f:.3f} bwd {bw:.3f} ms", flush=True)
         best_f = min((r for r in rows if r["shape"] == name), key=lambda r: r["fwd_ms"])
         best_b = min((r for r in rows if r["shape"] == name), key=lambda r: r["bwd_ms"])
         print("best fwd", best_f, "\nbest bwd", best_b, flush=True)
     for r in compiled_resources(sweeps._reverse_sweep_kernel) + compiled_resources(sweeps._forward_sweep_kernel):
         print(r)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -367,3 +367,69 @@ def test_varlen_validation_errors(bounds, batch, error, message):
     with pytest.raises(ValueError, match=r"initial_state: expected shape \(2, 2, 16, 16\)"):
         lightning_attn_fwd(q[:1], k[:1], v[:1], make_decay("alibi", 2).to(DEVICE), None,
                            torch.zeros(1, 2, 16, 16, device=DEVICE), cu_seqlens=torch.tensor([0, 4, 8], device=DEVICE))
+
+
+FLAT_CASES = [
+    # (batch, T, cu_seqlens, segment, block, dtype): ragged last blocks and segments, one block,
+    # one token, several segments per row, varlen with an empty sequence and a one-token one
+    (2, 130, None, None, 32, torch.float32),
+    (2, 130, None, 64, 32, torch.float32),
+    (1, 1, None, None, 16, torch.float32),
+    (1, 48, None, None, 64, torch.float32),
+    (1, 161, [0, 1, 1, 97, 161], 64, 32, torch.float32),
+    (2, 200, None, 64, 64, torch.bfloat16),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("batch, time, bounds, segment, block, dtype", FLAT_CASES)
+def test_flat_sweeps_match_float64(monkeypatch, batch, time, bounds, segment, block, dtype):
+    """The sweeps' flat loop (cblock == block, sweeps.FLAT_SWEEPS): forward, final state and every
+    gradient against float64, with outputs poisoned so that an unwritten row fails."""
+    from hccompile.kernels.lightning import sweeps
+
+    monkeypatch.setattr(sweeps, "FLAT_SWEEPS", True)
+    heads, key_dim, value_dim = 3, 24, 40
+    q, k, v, do, _, _ = random_inputs(batch, time, heads, key_dim, value_dim, dtype, False, seed=11)
+    count = batch if bounds is None else len(bounds) - 1
+    generator = torch.Generator().manual_seed(12)
+    h0 = torch.randn(count, heads, key_dim, value_dim, generator=generator).to(DEVICE)
+    dht = torch.randn(count, heads, key_dim, value_dim, generator=generator).to(DEVICE)
+    decay = make_decay("mixed", heads).to(DEVICE)
+    cu_seqlens = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    if cu_seqlens is None:
+        ref = float64_reference(q, k, v, decay, do, 0.3, h0, dht)
+    else:
+        ref = float64_varlen_reference(q, k, v, decay, do, 0.3, h0, dht, cu_seqlens)
+    nan = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    knobs = dict(cu_seqlens=cu_seqlens, segment=segment, block=block, cblock=block)
+    o, final = lightning_attn_fwd(q, k, v, decay, 0.3, h0, True, out=nan(v), final_state_out=nan(h0), **knobs)
+    grads = lightning_attn_bwd(q, k, v, decay, do, 0.3, h0, dht, out=(nan(q), nan(k), nan(v), nan(h0)), **knobs)
+    out_tol, grad_tol = TOLERANCES[dtype]
+    for name, got, want in zip(("o", "final", "dq", "dk", "dv", "dh0"), (o, final, *grads), ref):
+        assert relative_rms_error(got, want) < (out_tol if name in ("o", "final") else grad_tol), name
+
+
+def test_flat_sweeps_are_chosen_only_for_one_micro_chunk_per_block(monkeypatch):
+    """The launcher passes FLAT to the sweep kernels exactly when the switch is on and cblock ==
+    block (the flat loop is exact only then)."""
+    from hccompile.kernels.lightning import chunk, sweeps
+
+    if sweeps.triton is None:
+        pytest.skip("needs Triton")
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["FLAT"])
+
+    q, k, v, do, _, _ = random_inputs(1, 40, 2, 16, 16, torch.float32, False)
+    decay = make_decay("alibi", 2).to(DEVICE)
+    monkeypatch.setattr(chunk, "_require_triton", lambda device: None)
+    monkeypatch.setattr(chunk, "_segment_states", lambda *a, **k: None)
+    for switch, cblock, expected in ((True, 32, True), (True, 16, False), (False, 32, False)):
+        monkeypatch.setattr(sweeps, "FLAT_SWEEPS", switch)
+        seen.clear()
+        chunk.lightning_attn_fwd(q, k, v, decay, None, block=32, cblock=cblock, wrap=lambda kernel: Recorder())
+        chunk.lightning_attn_bwd(q, k, v, decay, do, None, block=32, cblock=cblock, wrap=lambda kernel: Recorder())
+        assert seen == [expected] * 4, (switch, cblock, seen)

@@ -46,6 +46,7 @@ from .reference import check_attention_shapes
 from .segments import _plan_segments, _segment_states
 # The dtype, device and head-dim limits are the simple kernels' (same MAX_HEAD_DIM, same dtypes).
 from .simple import MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_kernel_inputs
+from . import sweeps
 from .sweeps import _forward_sweep_bwd_kernel, _forward_sweep_kernel, _launch_sweep, _reverse_sweep_kernel
 from .tiles import MAX_BLOCK, MIN_DOT_DIM
 
@@ -200,10 +201,10 @@ def lightning_attn_bwd(
     *,
     cu_seqlens: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
-    cblock: int = DEFAULT_BACKWARD_CBLOCK,
+    cblock: int | None = None,
     segment: int | None = None,
     column_tile: int = BACKWARD_COLUMN_TILE,
-    num_warps: int | None = BACKWARD_WARPS,
+    num_warps: int | None = None,
     out: tuple | None = None,
     wrap: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -211,9 +212,14 @@ def lightning_attn_bwd(
 
     dh0 (in initial_state's dtype) is None when there is no initial_state; no gradient is
     computed for the decay (a constant). `out` = (dq, dk, dv) or (dq, dk, dv, dh0) to write into.
-    The tuning arguments need not match the forward's: each is an exact split. `wrap`: as the
+    The tuning arguments need not match the forward's: each is an exact split. `cblock` and
+    `num_warps` None take the loop's defaults: with sweeps.FLAT_SWEEPS on, the flat loop (cblock =
+    block, warps by tile size), else DEFAULT_BACKWARD_CBLOCK and BACKWARD_WARPS. `wrap`: as the
     forward's.
     """
+    flat = sweeps.FLAT_SWEEPS
+    cblock = (block if flat else DEFAULT_BACKWARD_CBLOCK) if cblock is None else cblock
+    num_warps = num_warps if num_warps is not None or flat else BACKWARD_WARPS
     _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, do=do, initial_state=initial_state, dht=dht)
     scale = _default_scale(scale, q.shape[3])
     want_dh0 = initial_state is not None

@@ -7,10 +7,15 @@ and a state X of b^T c), and so have dk and dv ("reverse sweep"), so there are t
                             dq = sweep(a=do, b=v, c=k),  X = S^T [V, K tile]
     _reverse_sweep_kernel:  dk = sweep(a=v,  b=do, c=q), X = dS^T [V, K tile]
                             dv = sweep(a=k,  b=q, c=do), X = dS   [K, V tile]  (+ dh0)
+
+Each kernel has two loop structures over a segment's blocks: nested micro-chunk loops (any cblock
+dividing block), and, when a block is one micro-chunk and FLAT_SWEEPS is on, one flat loop whose
+tile loads the pipeliner can issue a block ahead.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from .segments import _Segments
@@ -21,6 +26,11 @@ from .._triton import direct, dot, load_tile, tl, triton
 # Triton software-pipelines the inner loops, keeping one copy of the loaded tiles per stage.
 PIPELINE_SHARED_MEMORY_BUDGET = 96 * 1024
 MAX_PIPELINE_STAGES = 3
+# When a block is one micro-chunk (cblock == block), the sweeps run one flat loop over blocks (the
+# kernels' FLAT branch) instead of the nested micro-chunk loops. Off until timed on the GPU
+# (benchmarks/lightning_tune.py's flat rows): HCCOMPILE_LIGHTNING_FLAT_SWEEPS=1 (read at import)
+# turns it on; the attribute is read at each launch.
+FLAT_SWEEPS = os.environ.get("HCCOMPILE_LIGHTNING_FLAT_SWEEPS", "0") == "1"
 
 
 if triton is not None:
@@ -32,6 +42,25 @@ if triton is not None:
         # Clamping first keeps the masked entries' exponent <= 0, so nothing overflows.
         weights = tl.exp(gamma * tl.maximum(distance, 0).to(tl.float32)) * scale
         return tl.where(distance >= 0, weights, 0.0)
+
+    @triton.jit
+    def _flat_forward_block(a, b, c, state, row_decay, intra, DOT_PRECISION: tl.constexpr,
+                            UPCAST_OPERANDS: tl.constexpr):
+        """One block's rows of the forward sweep when the block is one micro-chunk: the inter term
+        from the entering state plus the intra term, with `intra` the block's causal decay tile."""
+        acc = dot(a, state.to(a.dtype), DOT_PRECISION, UPCAST_OPERANDS) * row_decay[:, None]
+        scores = dot(a, tl.trans(b), DOT_PRECISION, UPCAST_OPERANDS) * intra
+        return acc + dot(scores.to(c.dtype), c, DOT_PRECISION, UPCAST_OPERANDS)
+
+    @triton.jit
+    def _flat_reverse_block(a, b, c, state, key_decay, intra_t, DOT_PRECISION: tl.constexpr,
+                            UPCAST_OPERANDS: tl.constexpr):
+        """One block's rows of the reverse sweep when the block is one micro-chunk; the scores are
+        formed transposed ([key row, query row], `intra_t` the decay tile so indexed) so that no
+        register tile is transposed."""
+        acc = dot(a, state.to(a.dtype), DOT_PRECISION, UPCAST_OPERANDS) * key_decay[:, None]
+        scores_t = dot(a, tl.trans(b), DOT_PRECISION, UPCAST_OPERANDS) * intra_t
+        return acc + dot(scores_t.to(c.dtype), c, DOT_PRECISION, UPCAST_OPERANDS)
 
     @triton.jit
     def _forward_sweep_kernel(
@@ -50,6 +79,7 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr,
+        FLAT: tl.constexpr = False,
     ):
         """out[t] = scale sum_{s<=t} exp(g (t-s)) (a_t . b_s) c_s + scale exp(g (t+1)) a_t X_seg
         for the rows t of one segment, X_seg its starting state (from the prefix pass).
@@ -81,41 +111,70 @@ if triton is not None:
         x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
         state = load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
 
-        for block_start in range(0, T, BLOCK):
-            block_len = tl.minimum(T - block_start, BLOCK)
-            n_micro = tl.cdiv(block_len, CBLOCK)
-            # Intra-block terms plus the inter-block term from the state entering the block.
-            for i in range(0, n_micro):
-                local_i = i * CBLOCK + micro
-                rows_i = block_start + local_i
-                a_i = load_tile(a_ptr, rows_i, ab_cols, stride_at, stride_ad, T, DIM_AB)
-                row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
-                acc = dot(a_i, state.to(a_i.dtype), DOT_PRECISION, UPCAST_OPERANDS) * row_decay[:, None]
-                for j in range(0, i + 1):
-                    rows_j = block_start + j * CBLOCK + micro
-                    b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
-                    distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
-                    scores = dot(a_i, tl.trans(b_j), DOT_PRECISION, UPCAST_OPERANDS)
-                    scores = scores * _decay_tile(gamma, distance, scale)
-                    acc += dot(scores.to(c_j.dtype), c_j, DOT_PRECISION, UPCAST_OPERANDS)
-                out_ptrs = out_ptr + rows_i[:, None] * stride_ot + c_cols[None, :] * stride_od
-                out_mask = (rows_i[:, None] < T) & (c_cols[None, :] < DIM_C)
-                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            # State step over the whole block: the same BLOCK as the intra split above. The
-            # segment's last step is never read (the prefix pass made the next segment's state).
-            if block_start + BLOCK < T:
-                state = state * tl.exp(gamma * block_len.to(tl.float32))
-                for j in range(0, n_micro):
-                    local_j = j * CBLOCK + micro
-                    rows_j = block_start + local_j
-                    b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
-                    key_decay = tl.where(
-                        local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
-                    )
-                    b_j = (b_j * key_decay[:, None]).to(c_j.dtype)
-                    state += dot(tl.trans(b_j), c_j, DOT_PRECISION, UPCAST_OPERANDS)
+        if FLAT:
+            # CBLOCK == BLOCK: one flat loop over blocks, whose tile loads Triton's pipeliner can
+            # issue a block ahead (it cannot across the nested loops below); the state step
+            # reuses the block's b and c tiles, and the decay tiles are formed once. Every block
+            # but the last has a successor, so a state step, and is whole.
+            causal = micro[:, None] - micro[None, :]
+            row_decay = tl.exp(gamma * (micro + 1).to(tl.float32)) * scale
+            key_decay = tl.exp(gamma * (BLOCK - 1 - micro).to(tl.float32))
+            block_decay = tl.exp(gamma * BLOCK)
+            for block_start in range(0, T - BLOCK, BLOCK):
+                rows = block_start + micro
+                a_i = load_tile(a_ptr, rows, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                b_i = load_tile(b_ptr, rows, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                c_i = load_tile(c_ptr, rows, c_cols, stride_ct, stride_cd, T, DIM_C)
+                acc = _flat_forward_block(a_i, b_i, c_i, state, row_decay, _decay_tile(gamma, causal, scale),
+                                          DOT_PRECISION, UPCAST_OPERANDS)
+                out_ptrs = out_ptr + rows[:, None] * stride_ot + c_cols[None, :] * stride_od
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(c_cols[None, :] < DIM_C))
+                b_i = (b_i * key_decay[:, None]).to(c_i.dtype)
+                state = state * block_decay + dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
+            rows = tl.maximum(tl.cdiv(T, BLOCK) - 1, 0) * BLOCK + micro
+            a_i = load_tile(a_ptr, rows, ab_cols, stride_at, stride_ad, T, DIM_AB)
+            b_i = load_tile(b_ptr, rows, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+            c_i = load_tile(c_ptr, rows, c_cols, stride_ct, stride_cd, T, DIM_C)
+            acc = _flat_forward_block(a_i, b_i, c_i, state, row_decay, _decay_tile(gamma, causal, scale),
+                                          DOT_PRECISION, UPCAST_OPERANDS)
+            out_ptrs = out_ptr + rows[:, None] * stride_ot + c_cols[None, :] * stride_od
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (c_cols[None, :] < DIM_C))
+        else:
+            for block_start in range(0, T, BLOCK):
+                block_len = tl.minimum(T - block_start, BLOCK)
+                n_micro = tl.cdiv(block_len, CBLOCK)
+                # Intra-block terms plus the inter-block term from the state entering the block.
+                for i in range(0, n_micro):
+                    local_i = i * CBLOCK + micro
+                    rows_i = block_start + local_i
+                    a_i = load_tile(a_ptr, rows_i, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                    row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
+                    acc = dot(a_i, state.to(a_i.dtype), DOT_PRECISION, UPCAST_OPERANDS) * row_decay[:, None]
+                    for j in range(0, i + 1):
+                        rows_j = block_start + j * CBLOCK + micro
+                        b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                        c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
+                        distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
+                        scores = dot(a_i, tl.trans(b_j), DOT_PRECISION, UPCAST_OPERANDS)
+                        scores = scores * _decay_tile(gamma, distance, scale)
+                        acc += dot(scores.to(c_j.dtype), c_j, DOT_PRECISION, UPCAST_OPERANDS)
+                    out_ptrs = out_ptr + rows_i[:, None] * stride_ot + c_cols[None, :] * stride_od
+                    out_mask = (rows_i[:, None] < T) & (c_cols[None, :] < DIM_C)
+                    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+                # State step over the whole block: the same BLOCK as the intra split above. The
+                # segment's last step is never read (the prefix pass made the next segment's state).
+                if block_start + BLOCK < T:
+                    state = state * tl.exp(gamma * block_len.to(tl.float32))
+                    for j in range(0, n_micro):
+                        local_j = j * CBLOCK + micro
+                        rows_j = block_start + local_j
+                        b_j = load_tile(b_ptr, rows_j, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                        c_j = load_tile(c_ptr, rows_j, c_cols, stride_ct, stride_cd, T, DIM_C)
+                        key_decay = tl.where(
+                            local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
+                        )
+                        b_j = (b_j * key_decay[:, None]).to(c_j.dtype)
+                        state += dot(tl.trans(b_j), c_j, DOT_PRECISION, UPCAST_OPERANDS)
 
     @triton.jit
     def _reverse_sweep_kernel(
@@ -134,6 +193,7 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr,
+        FLAT: tl.constexpr = False,
     ):
         """out[s] = scale sum_{t>=s} exp(g (t-s)) (b_t . a_s) c_t + exp(g (L-1-m)) a_s X_{c+1}.
 
@@ -167,43 +227,71 @@ if triton is not None:
         state = load_tile(x_ptr, ab_cols, c_cols, stride_xr, stride_xc, DIM_AB, DIM_C)
 
         n_blocks = tl.cdiv(T, BLOCK)
-        for reversed_index in range(0, n_blocks):
-            block_start = (n_blocks - 1 - reversed_index) * BLOCK
-            block_len = tl.minimum(T - block_start, BLOCK)
-            n_micro = tl.cdiv(block_len, CBLOCK)
-            # `state` is X_{c+1}: the gradient of the state leaving this block.
-            for j in range(0, n_micro):
-                local_j = j * CBLOCK + micro
-                rows_j = block_start + local_j
-                a_j = load_tile(a_ptr, rows_j, ab_cols, stride_at, stride_ad, T, DIM_AB)
-                key_decay = tl.where(
-                    local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
-                )
-                acc = dot(a_j, state.to(a_j.dtype), DOT_PRECISION, UPCAST_OPERANDS) * key_decay[:, None]
-                for i in range(j, n_micro):
-                    rows_i = block_start + i * CBLOCK + micro
-                    b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
-                    # scores[r, m] for query row r of micro-chunk i and key row m of micro-chunk j.
-                    distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
-                    scores = dot(b_i, tl.trans(a_j), DOT_PRECISION, UPCAST_OPERANDS)
-                    scores = scores * _decay_tile(gamma, distance, scale)
-                    acc += dot(tl.trans(scores.to(c_i.dtype)), c_i, DOT_PRECISION, UPCAST_OPERANDS)
-                out_ptrs = out_ptr + rows_j[:, None] * stride_ot + c_cols[None, :] * stride_od
-                out_mask = (rows_j[:, None] < T) & (c_cols[None, :] < DIM_C)
-                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            # State step over the whole block: the same BLOCK as the intra split above; the
-            # segment's first block needs none (the prefix pass made the previous segment's).
-            if block_start > 0:
-                state = state * tl.exp(gamma * block_len.to(tl.float32))
-                for i in range(0, n_micro):
-                    local_i = i * CBLOCK + micro
-                    rows_i = block_start + local_i
-                    b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
-                    c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
-                    row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
-                    c_i = (c_i * row_decay[:, None]).to(c_i.dtype)
-                    state += dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
+        if FLAT:
+            # CBLOCK == BLOCK: as the forward sweep's flat loop. Every block but the first has a
+            # predecessor, so a state step; only the last block (the loop's first) may be partial.
+            intra_t = _decay_tile(gamma, micro[None, :] - micro[:, None], scale)
+            row_decay = tl.exp(gamma * (micro + 1).to(tl.float32)) * scale
+            for reversed_index in range(0, n_blocks - 1):
+                block_start = (n_blocks - 1 - reversed_index) * BLOCK
+                block_len = tl.minimum(T - block_start, BLOCK)
+                rows = block_start + micro
+                a_j = load_tile(a_ptr, rows, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                b_j = load_tile(b_ptr, rows, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                c_j = load_tile(c_ptr, rows, c_cols, stride_ct, stride_cd, T, DIM_C)
+                key_decay = tl.where(micro < block_len, tl.exp(gamma * (block_len - 1 - micro).to(tl.float32)), 0.0)
+                acc = _flat_reverse_block(a_j, b_j, c_j, state, key_decay, intra_t, DOT_PRECISION, UPCAST_OPERANDS)
+                out_ptrs = out_ptr + rows[:, None] * stride_ot + c_cols[None, :] * stride_od
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (c_cols[None, :] < DIM_C))
+                c_j = (c_j * row_decay[:, None]).to(c_j.dtype)
+                state = state * tl.exp(gamma * block_len.to(tl.float32)) + dot(
+                    tl.trans(b_j), c_j, DOT_PRECISION, UPCAST_OPERANDS)
+            block_len = tl.minimum(T, BLOCK)
+            a_j = load_tile(a_ptr, micro, ab_cols, stride_at, stride_ad, T, DIM_AB)
+            b_j = load_tile(b_ptr, micro, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+            c_j = load_tile(c_ptr, micro, c_cols, stride_ct, stride_cd, T, DIM_C)
+            key_decay = tl.where(micro < block_len, tl.exp(gamma * (block_len - 1 - micro).to(tl.float32)), 0.0)
+            acc = _flat_reverse_block(a_j, b_j, c_j, state, key_decay, intra_t, DOT_PRECISION, UPCAST_OPERANDS)
+            out_ptrs = out_ptr + micro[:, None] * stride_ot + c_cols[None, :] * stride_od
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(micro[:, None] < T) & (c_cols[None, :] < DIM_C))
+        else:
+            for reversed_index in range(0, n_blocks):
+                block_start = (n_blocks - 1 - reversed_index) * BLOCK
+                block_len = tl.minimum(T - block_start, BLOCK)
+                n_micro = tl.cdiv(block_len, CBLOCK)
+                # `state` is X_{c+1}: the gradient of the state leaving this block.
+                for j in range(0, n_micro):
+                    local_j = j * CBLOCK + micro
+                    rows_j = block_start + local_j
+                    a_j = load_tile(a_ptr, rows_j, ab_cols, stride_at, stride_ad, T, DIM_AB)
+                    key_decay = tl.where(
+                        local_j < block_len, tl.exp(gamma * (block_len - 1 - local_j).to(tl.float32)), 0.0
+                    )
+                    acc = dot(a_j, state.to(a_j.dtype), DOT_PRECISION, UPCAST_OPERANDS) * key_decay[:, None]
+                    for i in range(j, n_micro):
+                        rows_i = block_start + i * CBLOCK + micro
+                        b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                        c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
+                        # scores[r, m] for query row r of micro-chunk i and key row m of micro-chunk j.
+                        distance = (i - j) * CBLOCK + micro[:, None] - micro[None, :]
+                        scores = dot(b_i, tl.trans(a_j), DOT_PRECISION, UPCAST_OPERANDS)
+                        scores = scores * _decay_tile(gamma, distance, scale)
+                        acc += dot(tl.trans(scores.to(c_i.dtype)), c_i, DOT_PRECISION, UPCAST_OPERANDS)
+                    out_ptrs = out_ptr + rows_j[:, None] * stride_ot + c_cols[None, :] * stride_od
+                    out_mask = (rows_j[:, None] < T) & (c_cols[None, :] < DIM_C)
+                    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+                # State step over the whole block: the same BLOCK as the intra split above; the
+                # segment's first block needs none (the prefix pass made the previous segment's).
+                if block_start > 0:
+                    state = state * tl.exp(gamma * block_len.to(tl.float32))
+                    for i in range(0, n_micro):
+                        local_i = i * CBLOCK + micro
+                        rows_i = block_start + local_i
+                        b_i = load_tile(b_ptr, rows_i, ab_cols, stride_bt, stride_bd, T, DIM_AB)
+                        c_i = load_tile(c_ptr, rows_i, c_cols, stride_ct, stride_cd, T, DIM_C)
+                        row_decay = tl.where(local_i < block_len, tl.exp(gamma * (local_i + 1).to(tl.float32)) * scale, 0.0)
+                        c_i = (c_i * row_decay[:, None]).to(c_i.dtype)
+                        state += dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
 
 
     # The forward sweep under a second JIT handle for the backward's launch (same source, same
@@ -222,7 +310,9 @@ def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, stat
         return
     block_ab = _block_dim(dim_ab)
     block_c = _block_dim(dim_c, column_tile)
-    stage_bytes = cblock * (block_ab + block_c) * a.element_size()
+    flat = FLAT_SWEEPS and cblock == block
+    # a stage holds the loop's tiles: b and c (the nested loops' inner one), a, b and c (flat)
+    stage_bytes = cblock * ((2 if flat else 1) * block_ab + block_c) * a.element_size()
     num_stages = max(1, min(MAX_PIPELINE_STAGES, PIPELINE_SHARED_MEMORY_BUDGET // stage_bytes))
     if num_warps is None:
         num_warps = 8 if cblock * max(block_ab, block_c) >= 64 * 128 else 4
@@ -232,6 +322,6 @@ def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, stat
         *a.stride(), *b.stride(), *c.stride(), *out.stride(),
         *_state_strides(states, states_transposed), decay.stride(0),
         heads, dim_ab, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
-        BLOCK=block, CBLOCK=cblock, BLOCK_AB=block_ab, BLOCK_C=block_c, **_dot_options(a.dtype),
+        BLOCK=block, CBLOCK=cblock, BLOCK_AB=block_ab, BLOCK_C=block_c, **_dot_options(a.dtype), FLAT=flat,
         num_stages=num_stages, num_warps=num_warps,
     )
