@@ -79,7 +79,7 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr,
-        FLAT: tl.constexpr = False,
+        FLAT: tl.constexpr,
     ):
         """out[t] = scale sum_{s<=t} exp(g (t-s)) (a_t . b_s) c_s + scale exp(g (t+1)) a_t X_seg
         for the rows t of one segment, X_seg its starting state (from the prefix pass).
@@ -193,7 +193,7 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr,
-        FLAT: tl.constexpr = False,
+        FLAT: tl.constexpr,
     ):
         """out[s] = scale sum_{t>=s} exp(g (t-s)) (b_t . a_s) c_t + exp(g (L-1-m)) a_s X_{c+1}.
 
