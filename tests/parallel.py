@@ -41,14 +41,26 @@ from pathlib import Path
 # markers, so one collection gives both the ids and the multi_gpu ones.
 _MARKERS_PLUGIN = """
 import json, os
+def shared_fixtures(item):
+    # the module- and class-scoped fixtures the test function asks for by name, keyed by instance
+    keys = []
+    for name in getattr(getattr(item, "_fixtureinfo", None), "argnames", ()):
+        defs = item._fixtureinfo.name2fixturedefs.get(name) or ()
+        scope = str(getattr(defs[-1], "scope", "")) if defs else ""
+        if scope.endswith("module"):
+            keys.append(item.nodeid.split("::")[0] + "::" + name)
+        elif scope.endswith("class"):
+            keys.append(item.nodeid.rsplit("::", 1)[0] + "::" + name)
+    return keys
 def pytest_collection_finish(session):
     with open(os.environ["PARALLEL_COLLECTED"], "w") as f:
-        json.dump([[item.nodeid, sorted({m.name for m in item.iter_markers()})] for item in session.items], f)
+        json.dump([[item.nodeid, sorted({m.name for m in item.iter_markers()}), shared_fixtures(item)]
+                   for item in session.items], f)
 """
 
 
-def collect(paths: list[str], extra: list[str]) -> dict[str, list[str]]:
-    """{test id: its marker names}, in collection order."""
+def collect(paths: list[str], extra: list[str]) -> dict[str, tuple[list[str], list[str]]]:
+    """{test id: (its marker names, the module/class fixtures it shares)}, in collection order."""
     with tempfile.TemporaryDirectory(prefix="parallel-collect-") as folder:
         (Path(folder) / "parallel_collect_plugin.py").write_text(_MARKERS_PLUGIN)
         listing = Path(folder) / "collected.json"
@@ -62,7 +74,7 @@ def collect(paths: list[str], extra: list[str]) -> dict[str, list[str]]:
         if result.returncode != 0 or not listing.exists():
             raise SystemExit(f"collection failed (exit {result.returncode}):\n{result.stdout[-3000:]}"
                              f"{result.stderr[-3000:]}")
-        return {test_id: markers for test_id, markers in json.loads(listing.read_text())}
+        return {test_id: (markers, shared) for test_id, markers, shared in json.loads(listing.read_text())}
 
 
 def file_of(test_id: str) -> str:
@@ -96,18 +108,53 @@ class Durations:
         return bool(self.tests or self.files)
 
 
+def sharing_groups(shared: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{test id: every id (in collection order) that shares a module- or class-scoped fixture with it,
+    directly or through another}, for the ids that share one. `shared`: {test id: fixture keys}."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+    for test_id, keys in shared.items():
+        for key in keys:
+            parent[root(test_id)] = root("fixture " + key)
+    members: dict[str, list[str]] = {}
+    for test_id in shared:
+        if shared[test_id]:
+            members.setdefault(root(test_id), []).append(test_id)
+    return {test_id: group for group in members.values() if len(group) > 1 for test_id in group}
+
+
 def chunk(ids: list[str], size: int, durations: Durations | None = None,
-          seconds: float | None = None, across_files: bool = False) -> list[list[str]]:
+          seconds: float | None = None, across_files: bool = False,
+          groups: dict[str, list[str]] | None = None) -> list[list[str]]:
     """Consecutive ids of one file (of several with across_files: fewer processes to start, each
     importing torch and compiling anew), at most `size` per chunk, in collection order. With `durations`
     and `seconds`, a chunk also closes before its expected time would pass `seconds`: a file of slow
     tests becomes several chunks that run at once instead of one that ends the run alone (on two
-    H200s, 2026-11-27, six test_hc_fuse tests made one 1018 s chunk, the run's last)."""
+    H200s, 2026-11-27, six test_hc_fuse tests made one 1018 s chunk, the run's last).
+
+    `groups` (sharing_groups): tests that share a module-scoped fixture make one chunk of their own,
+    whatever its size and time, placed where the first of them is: split, each process would build
+    the fixture again (on the H200, 2026-11-29, test_hc_passes' mhc_runs was built three times,
+    ~250 s each)."""
+    groups = groups or {}
     chunks: list[list[str]] = []
     spent = 0.0
+    present, placed, closed = set(ids), set(), False
     for test_id in ids:
+        if test_id in groups:
+            if test_id not in placed:
+                members = [i for i in groups[test_id] if i in present]
+                placed.update(members)
+                chunks.append(members)
+                closed = True  # the next test starts a chunk
+            continue
         cost = durations.expected(test_id) if durations and seconds else 0.0
-        joins = chunks and (across_files or file_of(chunks[-1][0]) == file_of(test_id))
+        joins = chunks and not closed and (across_files or file_of(chunks[-1][0]) == file_of(test_id))
+        closed = False
         if joins and len(chunks[-1]) < size and (not seconds or spent + cost <= seconds):
             chunks[-1].append(test_id)
             spent += cost
@@ -342,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     collected = collect(options.paths, extra)
     ids = list(collected)
+    groups = sharing_groups({i: shared for i, (_, shared) in collected.items()})
     if not ids:
         print("no tests collected")
         return 0
@@ -350,10 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     durations = Durations.read(options.durations)
     # With several GPUs each worker sees one; tests marked multi_gpu get chunks of their own that see
     # them all (they start processes over the GPUs themselves).
-    every_gpu = frozenset(i for i, markers in collected.items() if options.gpus > 1 and "multi_gpu" in markers)
+    every_gpu = frozenset(i for i, (markers, _) in collected.items() if options.gpus > 1 and "multi_gpu" in markers)
     seconds = chunk_seconds(ids, durations, options.workers)
-    chunks = (chunk([i for i in ids if i not in every_gpu], options.chunk, durations, seconds, options.across_files)
-              + chunk([i for i in ids if i in every_gpu], options.chunk))
+    chunks = (chunk([i for i in ids if i not in every_gpu], options.chunk, durations, seconds, options.across_files,
+                    groups)
+              + chunk([i for i in ids if i in every_gpu], options.chunk, groups=groups))
     if durations:
         chunks = longest_first(chunks, durations)
     workers = min(options.workers, len(chunks))

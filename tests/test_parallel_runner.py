@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel import Durations, chunk, chunk_seconds, junit_key, longest_first
+from parallel import Durations, chunk, chunk_seconds, junit_key, longest_first, sharing_groups
 
 RUNNER = Path(__file__).with_name("parallel.py")
 
@@ -44,6 +44,54 @@ def test_chunks_cut_by_expected_seconds_and_ordered_by_test_times():
                                                                  ["a.py::t2", "a.py::t3", "b.py::t1", "b.py::t2"]]
     assert chunk(ids, 3, across_files=True) == [ids[:3], ids[3:]]
     assert Durations(files={"a.py": 2.0}).expected("a.py::x") == 2.0
+
+
+def test_tests_sharing_a_module_fixture_make_one_chunk():
+    """Tests that share a module- or class-scoped fixture (directly or through a chain) stay in one
+    chunk, whatever the size and seconds limits, placed at the first of them; the rest chunk as before."""
+    shared = {"a.py::t1": [], "a.py::slow1": ["a.py::runs"], "a.py::t2": [], "a.py::slow2": ["a.py::runs"],
+              "a.py::mixed": ["a.py::runs", "a.py::other"], "a.py::other": ["a.py::other"], "b.py::t1": []}
+    groups = sharing_groups(shared)
+    members = ["a.py::slow1", "a.py::slow2", "a.py::mixed", "a.py::other"]
+    assert set(groups) == set(members) and all(groups[i] == members for i in members)
+    assert sharing_groups({"a.py::x": ["a.py::f"], "a.py::y": []}) == {}   # one user: nothing to keep together
+    ids = list(shared)
+    durations = Durations(tests={"a.py::slow1": 100.0, "a.py::slow2": 100.0})
+    assert chunk(ids, 2, durations, 40.0, groups=groups) == [["a.py::t1"], members, ["a.py::t2"], ["b.py::t1"]]
+    assert chunk(ids, 2, groups=groups) == [["a.py::t1"], members, ["a.py::t2"], ["b.py::t1"]]
+    assert chunk(ids, 2, across_files=True, groups=groups) == [["a.py::t1"], members, ["a.py::t2", "b.py::t1"]]
+    # a group member outside the ids given (the multi-GPU tests are chunked apart) stays out
+    assert chunk(["a.py::slow1", "a.py::slow2"], 6, groups=groups) == [["a.py::slow1", "a.py::slow2"]]
+
+
+def test_a_shared_module_fixture_is_built_once(tmp_path):
+    """End to end: the collection finds the module-scoped fixture (not a function-scoped or autouse one)
+    and its users run in one process, so it is built once; the other tests are chunked by size."""
+    (tmp_path / "test_shared.py").write_text(
+        "import os, pytest\n"
+        "@pytest.fixture(scope='module')\n"
+        "def runs():\n"
+        "    with open(os.environ['BUILT'], 'a') as f:\n"
+        "        f.write('built\\n')\n"
+        "    return 1\n"
+        "@pytest.fixture(scope='module', autouse=True)\n"
+        "def everywhere():\n"
+        "    return 2\n"
+        "@pytest.fixture\n"
+        "def each():\n"
+        "    return 3\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "def test_uses(runs, i):\n"
+        "    assert runs == 1\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "def test_plain(each, i):\n"
+        "    assert each == 3\n")
+    built = tmp_path / "built.txt"
+    result = run_runner(tmp_path, "-n", "3", "--chunk", "1", "--log-dir", "logs", "test_shared.py",
+                        env={"BUILT": str(built)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "8 tests in 5 chunks over 3 workers" in result.stdout, result.stdout
+    assert built.read_text().split() == ["built"]
 
 
 def test_durations_files_read_both_formats(tmp_path):
