@@ -7,6 +7,8 @@
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
+#   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
+#           (step, peak memory, compile time with hc's stages, floor)                     (issue 18)
 #   lightning-tune  the lightning sweeps' flat loop (sweeps.FLAT_SWEEPS) against the nested loops, by
 #               block, tile, warps and segment, into diag_ rows                         (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
@@ -42,6 +44,10 @@ for run in ${RUNS:-delta host}; do
         cut_at env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
             torchrun --nproc-per-node "$gpus" benchmarks/cp.py --ops gdn,kda --layouts one \
             --strategies all_gather --out "$out/cp_$tag.jsonl" ;;
+    mhc) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+             --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl"
+         cut_at python3 benchmarks/mhc.py --layers 2 --dim 4096 --heads 32 --batch 2 --seq 2048 \
+             --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
     lightning-tune) cut_at python3 benchmarks/lightning_tune.py --flat-only --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
