@@ -1,5 +1,6 @@
 """Sweep the lightning kernels' exact tuning knobs (block, micro-chunk, column tile, warps,
-segment, the flat loop) on the GPU and print the time of each forward and backward configuration, so the
+segment, the flat loop, the paired reverse sweep) on the GPU and print the time of each forward
+and backward configuration, so the
 defaults in kernels/lightning/chunk.py and sweeps.py are chosen by measurement.
 
     python benchmarks/lightning_tune.py [--shapes B4-T4096-H16-D128,...] [--out tune.jsonl]
@@ -40,12 +41,14 @@ def main(argv=None):
         decay = alibi_decay(h, device="cuda")
         configs = list(itertools.product((64,), (32, 64), (64, 128), (4, 8), (None, 512)))
         configs += [(128, 32, 64, 8, None), (128, 64, 64, 8, None), (64, 16, 64, 4, None)]
-        # cblock == block configs run twice: the nested micro-chunk loops and the flat loop
-        configs = [(*c, False) for c in configs] + [(*c, True) for c in configs if c[0] == c[1]]
+        # cblock == block configs run three times: the nested micro-chunk loops, the flat loop, and
+        # the flat loop with dk and dv from one paired reverse sweep (sweeps.PAIRED_REVERSE)
+        configs = ([(*c, False, False) for c in configs]
+                   + [(*c, True, paired) for c in configs if c[0] == c[1] for paired in (False, True)])
         if args.flat_only:
-            configs = [c for c in configs if c[-1]] + [c for c in configs if c[:3] == (64, 64, 128) and not c[-1]]
-        for block, cblock, tile, warps, seg, flat in configs:
-            sweeps.FLAT_SWEEPS = flat
+            configs = [c for c in configs if c[-2]] + [c for c in configs if c[:3] == (64, 64, 128) and not c[-2]]
+        for block, cblock, tile, warps, seg, flat, paired in configs:
+            sweeps.FLAT_SWEEPS, sweeps.PAIRED_REVERSE = flat, paired
             knobs = dict(block=block, cblock=cblock, column_tile=tile, num_warps=warps, segment=seg)
             try:
                 f = do_bench(lambda: chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs))
@@ -56,13 +59,13 @@ def main(argv=None):
             res = compiled_resources(sweeps._reverse_sweep_kernel)
             shared = max((r["shared_bytes"] or 0) for r in res) if res else None
             row = dict(**stamp, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=triton.__version__, shape=name, **knobs, flat=flat, fwd_ms=f, bwd_ms=bw,
+                       triton=triton.__version__, shape=name, **knobs, flat=flat, paired=paired, fwd_ms=f, bwd_ms=bw,
                        max_reverse_shared=shared)
             rows.append(row)
             if args.out:  # as measured: a run cut short keeps its rows
                 with open(args.out, "a") as sink:
                     sink.write(json.dumps(row) + "\n")
-            print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg} flat={flat}: "
+            print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg} flat={flat} paired={paired}: "
                   f"fwd {f:.3f} bwd {bw:.3f} ms", flush=True)
         best_f = min((r for r in rows if r["shape"] == name), key=lambda r: r["fwd_ms"])
         best_b = min((r for r in rows if r["shape"] == name), key=lambda r: r["bwd_ms"])

@@ -49,7 +49,8 @@ from torch import Tensor
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.lightning.chunk import (MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd,
                                        triton_available)
-from ..kernels.lightning.sweeps import _forward_sweep_bwd_kernel, _forward_sweep_kernel, _reverse_sweep_kernel
+from ..kernels.lightning.sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel,
+                                        _reverse_pair_sweep_kernel, _reverse_sweep_kernel)
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
 from ..kernels.value_checks import checks_on_gpu
@@ -299,11 +300,13 @@ def _traceable(cu_seqlens=None, **_) -> bool:
 lightning_attn_op = kernel_op("lightning_attn", _lightning_attn_host, _lightning_attn_fake,
                               _lightning_attn_traced, SUPPORTED_DTYPES, kernels=(_forward_sweep_kernel,),
                               traceable=_traceable, fixed_dims={"q": HEADS, "v": HEADS})
-# its launches: two reverse sweeps (dk, dv) per call
+# counted by its one dq sweep per call; dk and dv come from two reverse sweeps, or one paired sweep
+# (kernels/lightning/sweeps.py, PAIRED_REVERSE)
 lightning_attn_backward_op = kernel_op("lightning_attn_backward", _lightning_attn_backward_host,
                                        _lightning_attn_backward_fake, _lightning_attn_backward_traced,
-                                       SUPPORTED_DTYPES, kernels=(_reverse_sweep_kernel, _forward_sweep_bwd_kernel),
-                                       per_call=2, traceable=_traceable,
+                                       SUPPORTED_DTYPES, kernels=(_forward_sweep_bwd_kernel, _reverse_sweep_kernel,
+                                                                  _reverse_pair_sweep_kernel),
+                                       per_call=1, traceable=_traceable,
                                        fixed_dims={"q": HEADS, "v": HEADS})
 
 

@@ -103,10 +103,13 @@ def _lightning_inputs(varlen: bool):
 
 
 @needs_compiled_kernels
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["rows", "varlen"])
-def test_lightning_launches_write_only_outputs(varlen):
+def test_lightning_launches_write_only_outputs(varlen, flat, monkeypatch):
+    from hccompile.kernels.lightning import sweeps
     from hccompile.kernels.lightning.chunk import lightning_attn_bwd, lightning_attn_fwd
 
+    monkeypatch.setattr(sweeps, "FLAT_SWEEPS", flat)  # flat: the flat loops and the paired reverse sweep
     q, k, v, do, decay, h0, dht, cu_seqlens = _lightning_inputs(varlen)
     # segment=64 (one block): the automatic segment length asks the GPU for its multiprocessors
     calls = recorded(lambda: (lightning_attn_fwd(q, k, v, decay, None, h0, True, cu_seqlens=cu_seqlens, segment=64),

@@ -412,7 +412,8 @@ def test_flat_sweeps_match_float64(monkeypatch, batch, time, bounds, segment, bl
 
 def test_flat_sweeps_are_chosen_only_for_one_micro_chunk_per_block(monkeypatch):
     """The launcher passes FLAT to the sweep kernels exactly when the switch is on and cblock ==
-    block (the flat loop is exact only then)."""
+    block (the flat loop is exact only then); the flat backward takes dk and dv from one paired
+    sweep unless PAIRED_REVERSE is off or a head dim is over PAIR_MAX_DIM."""
     from hccompile.kernels.lightning import chunk, sweeps
 
     if sweeps.triton is None:
@@ -420,16 +421,26 @@ def test_flat_sweeps_are_chosen_only_for_one_micro_chunk_per_block(monkeypatch):
     seen = []
 
     class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs["FLAT"])
+        def __init__(self, kernel):
+            self.name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
 
-    q, k, v, do, _, _ = random_inputs(1, 40, 2, 16, 16, torch.float32, False)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((self.name, kwargs.get("FLAT")))
+
     decay = make_decay("alibi", 2).to(DEVICE)
     monkeypatch.setattr(chunk, "_require_triton", lambda device: None)
     monkeypatch.setattr(chunk, "_segment_states", lambda *a, **k: None)
-    for switch, cblock, expected in ((True, 32, True), (True, 16, False), (False, 32, False)):
+    fwd, rev, pair = "_forward_sweep_kernel", "_reverse_sweep_kernel", "_reverse_pair_sweep_kernel"
+    for switch, paired, cblock, dim, expected in (
+            (True, True, 32, 16, [(fwd, True), (fwd, True), (pair, None)]),
+            (True, False, 32, 16, [(fwd, True)] * 2 + [(rev, True)] * 2),
+            (True, True, 32, 200, [(fwd, True)] * 2 + [(rev, True)] * 2),
+            (True, True, 16, 16, [(fwd, False)] * 2 + [(rev, False)] * 2),
+            (False, True, 32, 16, [(fwd, False)] * 2 + [(rev, False)] * 2)):
+        q, k, v, do, _, _ = random_inputs(1, 40, 2, dim, dim, torch.float32, False)
         monkeypatch.setattr(sweeps, "FLAT_SWEEPS", switch)
+        monkeypatch.setattr(sweeps, "PAIRED_REVERSE", paired)
         seen.clear()
-        chunk.lightning_attn_fwd(q, k, v, decay, None, block=32, cblock=cblock, wrap=lambda kernel: Recorder())
-        chunk.lightning_attn_bwd(q, k, v, decay, do, None, block=32, cblock=cblock, wrap=lambda kernel: Recorder())
-        assert seen == [expected] * 4, (switch, cblock, seen)
+        chunk.lightning_attn_fwd(q, k, v, decay, None, block=32, cblock=cblock, wrap=Recorder)
+        chunk.lightning_attn_bwd(q, k, v, decay, do, None, block=32, cblock=cblock, wrap=Recorder)
+        assert seen == expected, (switch, paired, cblock, dim, seen)

@@ -47,7 +47,8 @@ from .segments import _plan_segments, _segment_states
 # The dtype, device and head-dim limits are the simple kernels' (same MAX_HEAD_DIM, same dtypes).
 from .simple import MAX_HEAD_DIM, SUPPORTED_DTYPES, _check_kernel_inputs
 from . import sweeps
-from .sweeps import _forward_sweep_bwd_kernel, _forward_sweep_kernel, _launch_sweep, _reverse_sweep_kernel
+from .sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel, _launch_reverse_pair, _launch_sweep,
+                     _reverse_sweep_kernel)
 from .tiles import MAX_BLOCK, MIN_DOT_DIM
 
 from .._triton import direct, interpreted, require_triton, triton, triton_available
@@ -253,6 +254,10 @@ def lightning_attn_bwd(
     # dq: forward sweep over S^T [V, K tile]; dk: reverse sweep over dS^T [V, K tile];
     # dv: reverse sweep over dS [K, V tile].
     _launch_sweep(_forward_sweep_bwd_kernel, segments, do, v, k, decay, dq, s_states, True, **sweep)
+    if flat and cblock == block and sweeps.PAIRED_REVERSE and max(q.shape[3], v.shape[3]) <= sweeps.PAIR_MAX_DIM:
+        # dk and dv in one sweep over the whole dS
+        _launch_reverse_pair(segments, q, k, v, do, decay, dk, dv, ds_states, scale, block, num_warps, wrap)
+        return dq, dk, dv, dh0
     _launch_sweep(_reverse_sweep_kernel, segments, v, do, q, decay, dk, ds_states, True, **sweep)
     _launch_sweep(_reverse_sweep_kernel, segments, k, q, do, decay, dv, ds_states, False, **sweep)
     return dq, dk, dv, dh0

@@ -31,6 +31,11 @@ MAX_PIPELINE_STAGES = 3
 # (benchmarks/lightning_tune.py's flat rows): HCCOMPILE_LIGHTNING_FLAT_SWEEPS=1 (read at import)
 # turns it on; the attribute is read at each launch.
 FLAT_SWEEPS = os.environ.get("HCCOMPILE_LIGHTNING_FLAT_SWEEPS", "0") == "1"
+# With the flat loop, the backward's dk and dv come from one reverse sweep over the whole state
+# (_reverse_pair_sweep_kernel) where the key and value dims are at most PAIR_MAX_DIM;
+# HCCOMPILE_LIGHTNING_PAIRED_REVERSE=0 keeps the two column-tiled reverse sweeps.
+PAIRED_REVERSE = os.environ.get("HCCOMPILE_LIGHTNING_PAIRED_REVERSE", "1") == "1"
+PAIR_MAX_DIM = 128
 
 
 if triton is not None:
@@ -294,10 +299,110 @@ if triton is not None:
                         state += dot(tl.trans(b_i), c_i, DOT_PRECISION, UPCAST_OPERANDS)
 
 
+    @triton.jit
+    def _reverse_pair_sweep_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, decay_ptr, table_ptr, x_ptr, dk_ptr, dv_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        stride_ob, stride_ot, stride_oh, stride_od,
+        stride_dkb, stride_dkt, stride_dkh, stride_dkd,
+        stride_dvb, stride_dvt, stride_dvh, stride_dvd,
+        stride_xs, stride_xh, stride_xr, stride_xc,
+        stride_decay,
+        H, DIM_K, DIM_V, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_OPERANDS: tl.constexpr,
+    ):
+        """dk and dv of one segment in one reverse sweep (the flat loop: a block is one micro-chunk),
+        from the whole gradient state dS [K, V] (x, from the reverse prefix pass):
+
+            dv[m] = exp(g (L-1-m)) k_m dS   + scale sum_{l>=m} exp(g (l-m)) (q_l . k_m) do_l
+            dk[m] = exp(g (L-1-m)) v_m dS^T + scale sum_{l>=m} exp(g (l-m)) (do_l . v_m) q_l
+            dS_c  = exp(g L) dS_{c+1} + scale sum_l exp(g (l+1)) q_l^T do_l
+
+        The two reverse sweeps of _reverse_sweep_kernel share their loads and the state step here,
+        and no score tile is formed twice (a column-tiled sweep forms it once per tile)."""
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_sh = tl.program_id(0)
+        seg = pid_sh // H
+        head = (pid_sh % H).to(tl.int64)
+        if IS_VARLEN:
+            row = table_ptr + seg * 4  # loaded here, not in a helper (see _fixed_segment)
+            batch, start, T = tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
+        else:
+            batch, start, T = _fixed_segment(seg, time, seg_length, per_sequence)
+        q_ptr += batch * stride_qb + start * stride_qt + head * stride_qh
+        k_ptr += batch * stride_kb + start * stride_kt + head * stride_kh
+        v_ptr += batch * stride_vb + start * stride_vt + head * stride_vh
+        do_ptr += batch * stride_ob + start * stride_ot + head * stride_oh
+        dk_ptr += batch * stride_dkb + start * stride_dkt + head * stride_dkh
+        dv_ptr += batch * stride_dvb + start * stride_dvt + head * stride_dvh
+        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
+
+        micro = tl.arange(0, BLOCK)
+        k_cols = tl.arange(0, BLOCK_K)
+        v_cols = tl.arange(0, BLOCK_V)
+        x_ptr += seg.to(tl.int64) * stride_xs + head * stride_xh
+        state = load_tile(x_ptr, k_cols, v_cols, stride_xr, stride_xc, DIM_K, DIM_V)
+        intra_t = _decay_tile(gamma, micro[None, :] - micro[:, None], scale)
+        row_decay = tl.exp(gamma * (micro + 1).to(tl.float32)) * scale
+        n_blocks = tl.cdiv(T, BLOCK)
+        # every block but the first has a predecessor, so a state step; the loop's first block
+        # (the segment's last) may be partial
+        for reversed_index in range(0, n_blocks):
+            block_start = (n_blocks - 1 - reversed_index) * BLOCK
+            block_len = tl.minimum(T - block_start, BLOCK)
+            rows = block_start + micro
+            q = load_tile(q_ptr, rows, k_cols, stride_qt, stride_qd, T, DIM_K)
+            k = load_tile(k_ptr, rows, k_cols, stride_kt, stride_kd, T, DIM_K)
+            v = load_tile(v_ptr, rows, v_cols, stride_vt, stride_vd, T, DIM_V)
+            do = load_tile(do_ptr, rows, v_cols, stride_ot, stride_od, T, DIM_V)
+            key_decay = tl.where(micro < block_len, tl.exp(gamma * (block_len - 1 - micro).to(tl.float32)), 0.0)
+            state_in = state.to(q.dtype)
+            dv = _flat_reverse_block(k, q, do, state, key_decay, intra_t, DOT_PRECISION, UPCAST_OPERANDS)
+            tl.store(dv_ptr + rows[:, None] * stride_dvt + v_cols[None, :] * stride_dvd,
+                     dv.to(dv_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (v_cols[None, :] < DIM_V))
+            dk = dot(v, tl.trans(state_in), DOT_PRECISION, UPCAST_OPERANDS) * key_decay[:, None]
+            scores_t = dot(v, tl.trans(do), DOT_PRECISION, UPCAST_OPERANDS) * intra_t
+            dk += dot(scores_t.to(q.dtype), q, DOT_PRECISION, UPCAST_OPERANDS)
+            tl.store(dk_ptr + rows[:, None] * stride_dkt + k_cols[None, :] * stride_dkd,
+                     dk.to(dk_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (k_cols[None, :] < DIM_K))
+            if block_start > 0:
+                do = (do * row_decay[:, None]).to(do.dtype)
+                state = state * tl.exp(gamma * block_len.to(tl.float32)) + dot(
+                    tl.trans(q), do, DOT_PRECISION, UPCAST_OPERANDS)
+
     # The forward sweep under a second JIT handle for the backward's launch (same source, same
     # binary): a compiled graph names kernels, and hccompile.lowering tells the backward op's
     # launches from the forward op's by the handle.
     _forward_sweep_bwd_kernel = triton.jit(_forward_sweep_kernel.fn)
+
+
+def _launch_reverse_pair(segments: _Segments, q, k, v, do, decay, dk, dv, states, scale: float, block: int,
+                         num_warps: int | None, wrap: Callable = direct) -> None:
+    """dk and dv in one reverse sweep (_reverse_pair_sweep_kernel); states [S, H, K, V] hold dS at
+    each segment's end. Key and value dims up to PAIR_MAX_DIM (the whole state is one tile)."""
+    heads, dim_k, dim_v = q.shape[2], q.shape[3], v.shape[3]
+    if heads == 0 or q.shape[1] == 0 or (dim_k == 0 and dim_v == 0):
+        return
+    block_k, block_v = _block_dim(dim_k), _block_dim(dim_v)
+    stage_bytes = block * 2 * (block_k + block_v) * q.element_size()
+    num_stages = max(1, min(MAX_PIPELINE_STAGES, PIPELINE_SHARED_MEMORY_BUDGET // stage_bytes))
+    table, _, time, length, per_sequence = segments.kernel_args(decay)
+    wrap(_reverse_pair_sweep_kernel)[(segments.count * heads,)](
+        q, k, v, do, decay, table, states, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        *_state_strides(states, False), decay.stride(0),
+        heads, dim_k, dim_v, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
+        BLOCK=block, BLOCK_K=block_k, BLOCK_V=block_v, **_dot_options(q.dtype),
+        num_stages=num_stages, num_warps=num_warps or 8,
+    )
 
 
 def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, states_transposed: bool,
