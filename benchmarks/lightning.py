@@ -13,6 +13,7 @@ and registers come from the compiled kernels' metadata.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -98,17 +99,29 @@ def run_shape(name, shape, decayed, args, bandwidth):
         rows.append(dict(impl=impl, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, fwd_gbs=fwd_bytes / f_ms / 1e6,
                          fwd_bwd_gbs=bwd_bytes / fb_ms / 1e6, note=note))
 
-    from hccompile.kernels.lightning import sweeps
+    from hccompile.kernels.lightning import segments, sweeps
 
     ours = lambda: hccompile.lightning_attn(q, k, v, decay=decay, scale=scale)[0]  # noqa: E731
     add("hccompile.lightning_attn", ours)
-    default_flat = sweeps.FLAT_SWEEPS
-    sweeps.FLAT_SWEEPS = not default_flat
-    try:  # the other sweep loop (sweeps.FLAT_SWEEPS), side by side
-        add(f"hccompile.lightning_attn, {'nested' if default_flat else 'flat'} sweeps", ours,
-            note=f"sweeps.FLAT_SWEEPS={not default_flat}")
-    finally:
-        sweeps.FLAT_SWEEPS = default_flat
+    # the kernels' switches flipped from their defaults, side by side (each row's note names them);
+    # they are read as each kernel launches, so they stay flipped through the backward too
+    switches = {"flat sweeps": [(sweeps, "FLAT_SWEEPS")], "sequential states": [(segments, "SEQUENTIAL_STATES")],
+                "flat sweeps, sequential states": [(sweeps, "FLAT_SWEEPS"), (segments, "SEQUENTIAL_STATES")]}
+
+    @contextlib.contextmanager
+    def flipped(label):
+        saved = [(m, a, getattr(m, a)) for m, a in switches[label]]
+        for m, a, value in saved:
+            setattr(m, a, not value)
+        try:
+            yield ", ".join(f"{m.__name__.rsplit('.', 1)[1]}.{a}={not value}" for m, a, value in saved)
+        finally:
+            for m, a, value in saved:
+                setattr(m, a, value)
+
+    for label in switches:
+        with flipped(label) as note:
+            add(f"hccompile.lightning_attn, {label} flipped", ours, note=note)
 
     fla_err = None
     try:
@@ -118,20 +131,24 @@ def run_shape(name, shape, decayed, args, bandwidth):
     else:
         fla = lambda: chunk_simple_gla(q, k, v, g_gamma=decay, scale=scale)[0]  # noqa: E731
         add("FLA 0.6.0 chunk_simple_gla(g_gamma)", fla)
-        outs = []
-        for f, flat in ((ours, default_flat), (fla, default_flat), (ours, not default_flat)):
-            sweeps.FLAT_SWEEPS = flat
+        def outputs(f):
             for x in (q, k, v):
                 x.grad = None
             o = f()
             o.backward(do)
-            outs.append([o.detach().float()] + [x.grad.detach().float() for x in (q, k, v)])
-        sweeps.FLAT_SWEEPS = default_flat
-        fla_err = {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), outs[0], outs[1])}
-        other_err = {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), outs[2], outs[1])}
-        for row in rows:
-            if row["impl"].endswith(" sweeps"):
-                row["error_vs_fla"] = other_err
+            return [o.detach().float()] + [x.grad.detach().float() for x in (q, k, v)]
+
+        def error(got, want):
+            return {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), got, want)}
+
+        reference = outputs(fla)
+        fla_err = error(outputs(ours), reference)
+        for label in switches:
+            with flipped(label):
+                flipped_err = error(outputs(ours), reference)
+            for row in rows:
+                if row["impl"] == f"hccompile.lightning_attn, {label} flipped":
+                    row["error_vs_fla"] = flipped_err
 
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     add("SDPA causal (softmax)", lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2))

@@ -184,7 +184,7 @@ def lightning_attn_fwd(
     segments = _plan_segments(q, cu_seqlens, segment, block, triton.cdiv(value_dim, min(column_tile, 256)))
     wrap = wrap or direct
     states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state,
-                             wrap=wrap)
+                             wrap=wrap, block=block)
     _launch_sweep(_forward_sweep_kernel, segments, q, k, v, decay, out, states, False,
                   scale, block, cblock, column_tile, num_warps, wrap)
     return out, final_state
@@ -248,8 +248,8 @@ def lightning_attn_bwd(
     segments = _plan_segments(q, cu_seqlens, segment, block, tiles)
     # S at each segment's start (the forward's states, recomputed) and dS at each segment's end.
     wrap = wrap or direct
-    s_states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, wrap=wrap)
-    ds_states = _segment_states(segments, q, do, decay, scale, reverse=True, x0=dht, xt=dh0, wrap=wrap)
+    s_states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, wrap=wrap, block=block)
+    ds_states = _segment_states(segments, q, do, decay, scale, reverse=True, x0=dht, xt=dh0, wrap=wrap, block=block)
     sweep = dict(scale=scale, block=block, cblock=cblock, column_tile=column_tile, num_warps=num_warps, wrap=wrap)
     # dq: forward sweep over S^T [V, K tile]; dk: reverse sweep over dS^T [V, K tile];
     # dv: reverse sweep over dS [K, V tile].

@@ -11,6 +11,7 @@ Variable-length batches (FLA's cu_seqlens) are segments that never cross a seque
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,13 @@ SUMMARY_CHUNK = 64
 SUMMARY_ROW_TILE = 128
 SUMMARY_COLUMN_TILE = 64
 PREFIX_TILE = 64
+# Fixed-length rows may instead make every segment's state in one sequential pass per (row, head,
+# state tile) over the whole row (_sequential_states_kernel: FLA's chunk-state walk, storing only the
+# segments' states): one launch instead of two and no summaries in memory, but B * H * tiles programs
+# only. Off until timed on the GPU: HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES=1 (read at import); the
+# attribute is read at each call.
+SEQUENTIAL_STATES = os.environ.get("HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES", "0") == "1"
+SEQUENTIAL_TILE = 64
 
 
 if triton is not None:
@@ -164,6 +172,85 @@ if triton is not None:
             tl.store(xt_ptrs, state.to(xt_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _sequential_states_kernel(
+        b_ptr, c_ptr, decay_ptr, x0_ptr, xt_ptr, x_ptr,
+        stride_bb, stride_bt, stride_bh, stride_bd,
+        stride_cb, stride_ct, stride_ch, stride_cd,
+        stride_x0n, stride_x0h, stride_x0r, stride_x0c,
+        stride_xtn, stride_xth, stride_xtr, stride_xtc,
+        stride_xs, stride_xh, stride_xr, stride_xc,
+        stride_decay,
+        H, DIM_B, DIM_C, scale, time, seg_length, per_sequence,
+        REVERSE: tl.constexpr,
+        HAS_X0: tl.constexpr,
+        STORE_XT: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_OPERANDS: tl.constexpr,
+    ):
+        """Every segment's starting state of one fixed-length row, walking the row chunk by chunk
+        (the summary and prefix passes in one): forward, X = x0, x[s] <- X at each segment's first
+        chunk, X <- exp(g L) X + sum_m exp(g (L-1-m)) b_m^T c_m over each chunk of L rows; reverse,
+        from the last chunk, x[s] <- X at each segment's last chunk, X <- exp(g L) X +
+        scale sum_m exp(g (m+1)) b_m^T c_m. The last X is stored in xt when STORE_XT. CHUNK divides
+        seg_length, so segment bounds are chunk bounds."""
+        # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
+        scale = tl.cast(scale, tl.float32)
+        pid_nh = tl.program_id(0)
+        row = (pid_nh // H).to(tl.int64)
+        head = (pid_nh % H).to(tl.int64)
+        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
+        b_ptr += row * stride_bb + head * stride_bh
+        c_ptr += row * stride_cb + head * stride_ch
+        rows = tl.arange(0, CHUNK)
+        b_cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        c_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (b_cols[:, None] < DIM_B) & (c_cols[None, :] < DIM_C)
+        if HAS_X0:
+            x0 = x0_ptr + row * stride_x0n + head * stride_x0h
+            state = tl.load(x0 + b_cols[:, None] * stride_x0r + c_cols[None, :] * stride_x0c,
+                            mask=mask, other=0.0).to(tl.float32)
+        else:
+            state = tl.zeros([BLOCK_B, BLOCK_C], dtype=tl.float32)
+        x_ptr += head * stride_xh + b_cols[:, None] * stride_xr + c_cols[None, :] * stride_xc
+        first_segment = row * per_sequence
+        n_chunks = tl.cdiv(time, CHUNK)
+        # scalars broadcast into a tile before they meet the mask: a boolean tile mask on every
+        # Triton version's interpreter
+        zeros = b_cols[:, None] * 0 + c_cols[None, :] * 0
+        for index in range(0, n_chunks):
+            if REVERSE:
+                chunk_start = (n_chunks - 1 - index) * CHUNK
+                # the segment's last chunk: the state leaving it is the segment's
+                end = zeros + (chunk_start + CHUNK)
+                bound = (end % seg_length == 0) | (end >= time)
+            else:
+                chunk_start = index * CHUNK
+                bound = (zeros + chunk_start) % seg_length == 0
+            segment = first_segment + chunk_start // seg_length
+            tl.store(x_ptr + segment * stride_xs, state, mask=mask & bound)
+            local = chunk_start + rows
+            chunk_len = tl.minimum(time - chunk_start, CHUNK)
+            b = load_tile(b_ptr, local, b_cols, stride_bt, stride_bd, time, DIM_B)
+            c = load_tile(c_ptr, local, c_cols, stride_ct, stride_cd, time, DIM_C)
+            if REVERSE:
+                weights = tl.exp(gamma * (rows + 1).to(tl.float32)) * scale
+            else:
+                weights = tl.exp(gamma * tl.maximum(chunk_len - 1 - rows, 0).to(tl.float32))
+            b = (b * tl.where(rows < chunk_len, weights, 0.0)[:, None]).to(c.dtype)
+            state = state * tl.exp(gamma * chunk_len.to(tl.float32)) + dot(
+                tl.trans(b), c, DOT_PRECISION, UPCAST_OPERANDS)
+        # an empty row keeps one segment, whose state is x0
+        tl.store(x_ptr + first_segment * stride_xs, state, mask=mask & ((zeros + n_chunks) == 0))
+        if STORE_XT:
+            xt = xt_ptr + row * stride_xtn + head * stride_xth
+            tl.store(xt + b_cols[:, None] * stride_xtr + c_cols[None, :] * stride_xtc,
+                     state.to(xt_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class _Segments:
     """Time cut into segments, each swept by its own programs from a precomputed state.
@@ -258,10 +345,11 @@ def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int
 
 def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay: torch.Tensor, scale: float,
                     reverse: bool, x0: torch.Tensor | None = None, xt: torch.Tensor | None = None,
-                    wrap: Callable = direct) -> torch.Tensor:
+                    wrap: Callable = direct, block: int = SUMMARY_CHUNK) -> torch.Tensor:
     """[S, H, DIM_B, DIM_C] fp32: the state each segment's sweep starts from (forward: the state
     entering it, from x0; reverse: the gradient state leaving it, from x0 = dht). Writes the
-    last state (final state or dh0) into xt. `wrap`: torch's wrap_triton when traced."""
+    last state (final state or dh0) into xt. `wrap`: torch's wrap_triton when traced. `block`: the
+    sweeps' block (a power of two dividing the segment length)."""
     heads, dim_b, dim_c = b.shape[2], b.shape[3], c.shape[3]
     states = torch.empty((scratch_rows(segments.count), heads, dim_b, dim_c), dtype=torch.float32, device=b.device)
     if heads == 0 or dim_b == 0 or dim_c == 0:
@@ -269,6 +357,17 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
     block_b, block_c = _block_dim(dim_b, SUMMARY_ROW_TILE), _block_dim(dim_c, SUMMARY_COLUMN_TILE)
     tiles = (triton.cdiv(dim_b, block_b), triton.cdiv(dim_c, block_c))
     table, first, time, length, per_sequence = segments.kernel_args(decay)
+    if SEQUENTIAL_STATES and not segments.varlen:
+        block_b, block_c = _block_dim(dim_b, SEQUENTIAL_TILE), _block_dim(dim_c, SEQUENTIAL_TILE)
+        wrap(_sequential_states_kernel)[(segments.num_sequences * heads, triton.cdiv(dim_b, block_b),
+                                         triton.cdiv(dim_c, block_c))](
+            b, c, decay, x0 if x0 is not None else states, xt if xt is not None else states, states,
+            *b.stride(), *c.stride(), *_state_strides(x0, False), *_state_strides(xt, False), *states.stride(),
+            decay.stride(0), heads, dim_b, dim_c, float(scale), time, length, per_sequence,
+            REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, CHUNK=min(SUMMARY_CHUNK, block),
+            BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
+        )
+        return states
     wrap(_segment_summary_kernel)[(segments.count * heads, *tiles)](
         b, c, decay, table, states,
         *b.stride(), *c.stride(), *states.stride(), decay.stride(0),
