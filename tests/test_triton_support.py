@@ -60,3 +60,20 @@ def test_scratch_rows_of_a_symbolic_count_add_no_guard():
     # the hazard itself, on this torch: the plain count guards (if torch stops doing so, scratch_rows
     # could go; this line says when)
     assert _guards_of_a_cloned_buffer(lambda count: count), "torch no longer guards here: scratch_rows may go"
+
+
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    """The launchers' host helpers (kernels/_triton.py) give triton.cdiv's and triton.next_power_of_2's
+    values, symbolic sizes included for cdiv, without their constexpr-function wrappers."""
+    import triton
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from hccompile.kernels._triton import cdiv, next_power_of_2
+
+    for n in [*range(0, 300), 2**20, 2**20 + 1, 3 * 2**31]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    env = ShapeEnv()
+    t = env.create_unbacked_symint()
+    assert str(cdiv(t, 64)) == str(triton.cdiv(t, 64))

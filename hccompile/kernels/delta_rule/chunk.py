@@ -46,7 +46,7 @@ from .dqkw import launch_dqkw
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
 from .wy_bwd import launch_wy_bwd
 
-from .._triton import direct, require_triton, scratch_rows, triton
+from .._triton import cdiv, direct, require_triton, scratch_rows, triton
 
 if triton is not None:
     from .output import _output_kernel
@@ -242,7 +242,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     ht = final_state if final_state is not None else plan.dummy
     ht_strides = final_state.stride() if final_state is not None else (0, 0, 0, 0)
     if problem.num_sequences and (final_state is not None or plan.num_chunks):
-        plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))](
+        plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, cdiv(value_dim, block_v_state))](
             k, local.k_decayed, cum_arg, local.w, local.u_tilde, h0, h, u, ht, *k.stride(), *h0_strides,
             *ht_strides, plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
             time, nt, value_heads, group, key_dim, value_dim,
@@ -499,7 +499,7 @@ def chunk_delta_rule_bwd(
     no_strides = (0, 0, 0, 0)
 
     if problem.num_sequences and (plan.num_chunks or dh0 is not None):
-        grid = (problem.num_sequences, value_heads, triton.cdiv(value_dim, block_v_state))
+        grid = (problem.num_sequences, value_heads, cdiv(value_dim, block_v_state))
         plan.launch(_state_backward_kernel)[grid](
             fwd.q, fwd.k, cum_arg, fwd.w, fwd.scores, do, dht if dht is not None else plan.dummy, dh, du,
             dh0 if dh0 is not None else plan.dummy,

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .._triton import require_triton, scratch_rows, tl, triton
+from .._triton import cdiv, require_triton, scratch_rows, tl, triton
 from .chunk import ChunkLocal, chunk_local_steps, launch_split_wy_backward, sum_key_groups
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, Plan, block_size, check_kernel_inputs,
@@ -405,7 +405,7 @@ class _Geometry:
 def _geometry(plan, chunk_size: int, device: torch.device) -> _Geometry:
     key = ("geometry", chunk_size, str(device))
     if key not in plan.cache:
-        counts = [triton.cdiv(hi - lo, chunk_size) for lo, hi in plan.bounds]
+        counts = [cdiv(hi - lo, chunk_size) for lo, hi in plan.bounds]
         starts = [0]
         for count in counts:
             starts.append(starts[-1] + count)
@@ -485,7 +485,7 @@ def merge_chains(plan, direction: str, summaries_out: torch.Tensor, summaries_in
         m_strides[2], m_strides[3] = m_strides[3], m_strides[2]
     block_k_full = block_size(key_dim, MAX_HEAD_DIM)
     block_v = min(block_size(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
-    _merge_kernel[(count, value_heads, triton.cdiv(value_dim, block_v))](
+    _merge_kernel[(count, value_heads, cdiv(value_dim, block_v))](
         h_source, m_source if m_source.numel() else h_source, chain_h, chain_m, lengths, destinations, out,
         *h_source.stride(), *m_strides, *out.stride(),
         value_heads, key_dim, value_dim, chain_h.shape[1],
@@ -513,8 +513,8 @@ def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_t
         return
     assert chunks is None or with_transition
     block_k_full, block_c = _summary_blocks(problem, segments.numel(), with_transition, out.device)
-    value_tiles = triton.cdiv(problem.value_dim, block_c)
-    tiles = value_tiles + (triton.cdiv(problem.key_dim, block_c) if with_transition else 0)
+    value_tiles = cdiv(problem.value_dim, block_c)
+    tiles = value_tiles + (cdiv(problem.key_dim, block_c) if with_transition else 0)
     cum = intra.cum if intra.cum is not None else geometry.dummy
     h_wide, u_wide = chunks if chunks is not None else (geometry.dummy, geometry.dummy)
     _summary_forward_kernel[(segments.numel(), problem.value_heads, tiles)](
@@ -534,7 +534,7 @@ def _launch_incoming_state(kplan, geometry, h_wide, u_wide, initial_states, h, u
         return
     block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     block_v = block_size(problem.value_dim)
-    _incoming_state_kernel[(last - first, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
+    _incoming_state_kernel[(last - first, problem.value_heads, cdiv(problem.value_dim, block_v))](
         h_wide[first:], u_wide, initial_states, h[first:], u, *initial_states.stride(), geometry.chunk_table[first:],
         geometry.cu_seqlens, problem.value_heads, problem.key_dim, problem.value_dim,
         BT=kplan.chunk_size, BKF=block_k_full, BV=block_v, DOT_PRECISION=kplan.dot_precision,
@@ -549,8 +549,8 @@ def _launch_summary_backward(kplan, intra, geometry, do, final_grads, segments, 
     if segments.numel() == 0:
         return
     block_k_full, block_c = _summary_blocks(problem, segments.numel(), with_transition, out.device)
-    value_tiles = triton.cdiv(problem.value_dim, block_c)
-    tiles = value_tiles + (triton.cdiv(problem.key_dim, block_c) if with_transition else 0)
+    value_tiles = cdiv(problem.value_dim, block_c)
+    tiles = value_tiles + (cdiv(problem.key_dim, block_c) if with_transition else 0)
     cum = intra.cum if intra.cum is not None else geometry.dummy
     dht = final_grads if final_grads is not None else geometry.dummy
     dht_strides = final_grads.stride() if final_grads is not None else (0, 0, 0, 0)
@@ -625,7 +625,7 @@ def _local_problem(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, 
     geometry = _geometry(plan, chunk_size, q.device)
     kplan = Plan(
         problem=problem, chunk_size=chunk_size, num_chunks=geometry.num_chunks,
-        chunks_per_row=triton.cdiv(max(problem.time, 1), chunk_size), chunk_table=geometry.chunk_table,
+        chunks_per_row=cdiv(max(problem.time, 1), chunk_size), chunk_table=geometry.chunk_table,
         chunk_offsets=geometry.chunk_offsets, cu_seqlens=geometry.cu_seqlens, gate_code=GATE_CODES[problem.gate],
         input_dtype=q.dtype, dummy=geometry.dummy,
     )
@@ -653,7 +653,7 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
     block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     block_v = state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype,
                                     (hi - lo) * problem.value_heads, intra.k.device)
-    _state_forward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
+    _state_forward_kernel[(hi - lo, problem.value_heads, cdiv(problem.value_dim, block_v))](
         intra.k, intra.k_decayed, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.u_tilde,
         initial_states[lo:],
         h, u, final_states[lo:], *intra.k.stride(), *initial_states.stride(), *final_states.stride(),
@@ -683,7 +683,7 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
     block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     block_v = state_backward_block_v(block_k_full, problem.value_dim, (hi - lo) * problem.value_heads,
                                      intra.k.device)
-    _state_backward_kernel[(hi - lo, problem.value_heads, triton.cdiv(problem.value_dim, block_v))](
+    _state_backward_kernel[(hi - lo, problem.value_heads, cdiv(problem.value_dim, block_v))](
         intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.scores, do,
         final_grads[lo:], dh, du, initial_grads[lo:],
         *intra.q.stride(), *intra.k.stride(), *do.stride(), *final_grads.stride(), *initial_grads.stride(),

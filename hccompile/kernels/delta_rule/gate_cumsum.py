@@ -16,7 +16,7 @@ import torch
 from .plan import Plan, block_size
 from .reference import kda_gate
 
-from .._triton import tl, triton
+from .._triton import cdiv, tl, triton
 
 # Gate activations of gate_cumsum: none, KDA's softplus form, KDA's lower-bound form.
 ACTIVATION_NONE, ACTIVATION_SOFTPLUS, ACTIVATION_SIGMOID = 0, 1, 2
@@ -161,7 +161,7 @@ def launch_gate_cumsum(plan: Plan, g: torch.Tensor, activation: int, A_log, dt_b
     block_k = block_size(width)
     table, seqlens = plan.chunk_args()
     dummy = plan.dummy
-    plan.launch(_gate_cumsum_kernel)[(plan.num_chunks, problem.value_heads, triton.cdiv(width, block_k))](
+    plan.launch(_gate_cumsum_kernel)[(plan.num_chunks, problem.value_heads, cdiv(width, block_k))](
         g, out, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         *strides, table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, width,
@@ -179,7 +179,7 @@ def gate_backward(plan: Plan, dcum: torch.Tensor, g_raw: torch.Tensor, activatio
     problem = plan.problem
     width = problem.key_dim
     block_k = block_size(width)
-    tiles = triton.cdiv(width, block_k)
+    tiles = cdiv(width, block_k)
     chunks, heads = plan.num_chunks, problem.value_heads
     device = dcum.device
     direct = out is not None and out.dtype == g_raw.dtype and out.is_contiguous()

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from .plan import Plan, block_size
 
-from .._triton import tl, triton
+from .._triton import cdiv, tl, triton
 
 
 def output_grid(num_chunks, value_heads: int, value_dim: int, block_v: int) -> tuple:
     """_output_kernel's grid: (chunks x value tiles, value heads), the value tiles of one chunk
     neighbouring programs (the kernel decodes its first program id so)."""
-    return (num_chunks * triton.cdiv(value_dim, block_v), value_heads)
+    return (num_chunks * cdiv(value_dim, block_v), value_heads)
 
 
 if triton is not None:

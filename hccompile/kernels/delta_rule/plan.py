@@ -25,7 +25,7 @@ import torch
 
 from .reference import DeltaRuleProblem
 
-from .._triton import direct, triton
+from .._triton import cdiv, direct, next_power_of_2
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -121,7 +121,7 @@ def check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:
 
 
 def block_size(dim: int, limit: int = MAX_TILE) -> int:
-    return min(max(MIN_DOT_DIM, triton.next_power_of_2(dim)), limit)
+    return min(max(MIN_DOT_DIM, next_power_of_2(dim)), limit)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +136,7 @@ def narrow_for_occupancy(block_v: int, walks: int, value_dim: int, device: torch
     """Halves a sweep's value tile, not below `floor`, while `walks` (sequences x value heads)
     times the tile count would fill at most half of SWEEP_MIN_PROGRAMS programs (see there)."""
     target = _multiprocessor_count(device) if SWEEP_MIN_PROGRAMS is None else SWEEP_MIN_PROGRAMS
-    while block_v > floor and 2 * walks * triton.cdiv(value_dim, block_v) <= target:
+    while block_v > floor and 2 * walks * cdiv(value_dim, block_v) <= target:
         block_v //= 2
     return block_v
 
@@ -309,7 +309,7 @@ def _varlen_chunk_tables(lengths: tuple[int, ...], chunk_size: int, device: torc
     """(chunk_table [chunks, 2] (sequence, chunk), chunk_offsets [N]) as int32 device tensors.
     Cached by the sequence lengths: a training loop that repeats its packing (or a benchmark)
     pays the host-to-device copies once. The kernels only read them."""
-    counts = [triton.cdiv(length, chunk_size) for length in lengths]
+    counts = [cdiv(length, chunk_size) for length in lengths]
     pairs = [(seq, chunk) for seq, count in enumerate(counts) for chunk in range(count)]
     offsets = [sum(counts[:i]) for i in range(len(counts))]
     chunk_table = torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=device)
@@ -328,9 +328,9 @@ def make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.T
         lengths = tuple(eos - bos for _, bos, eos in problem.sequences)
         chunk_table, chunk_offsets = _varlen_chunk_tables(lengths, chunk_size, device)
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
-        num_chunks = sum(triton.cdiv(length, chunk_size) for length in lengths)
+        num_chunks = sum(cdiv(length, chunk_size) for length in lengths)
     else:
-        num_chunks = problem.batch * triton.cdiv(problem.time, chunk_size)
+        num_chunks = problem.batch * cdiv(problem.time, chunk_size)
     if dummy is None:
         # traced: a buffer of the graph's own (a cached tensor would be a fake one, kept)
         dummy = torch.empty(2, dtype=torch.float32, device=device) if launch is not direct else _dummy(device)
@@ -338,7 +338,7 @@ def make_plan(problem: DeltaRuleProblem, chunk_size: int, cu_seqlens, q: torch.T
         problem=problem,
         chunk_size=chunk_size,
         num_chunks=num_chunks,
-        chunks_per_row=triton.cdiv(problem.time, chunk_size),
+        chunks_per_row=cdiv(problem.time, chunk_size),
         chunk_table=chunk_table,
         chunk_offsets=chunk_offsets,
         cu_seqlens=cu_seqlens,

@@ -16,7 +16,7 @@ import torch
 
 from .plan import MAX_HEAD_DIM, block_size
 
-from .._triton import direct, tl, triton
+from .._triton import cdiv, direct, tl, triton
 
 # Rows of q or k per l2norm program, and its warps (read at call time: benchmarks/tune_delta_rule.py
 # times other values).
@@ -84,7 +84,7 @@ if triton is not None:
 
 def _grid(q: torch.Tensor):
     batch, time, heads, _ = q.shape
-    return (triton.cdiv(batch * time * heads, L2NORM_BLOCK_ROWS), 2)
+    return (cdiv(batch * time * heads, L2NORM_BLOCK_ROWS), 2)
 
 
 def l2norm_forward(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype, launch: Callable = direct

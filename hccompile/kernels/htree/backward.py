@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import direct, dot, interpreted, require_triton, tl, triton
+from .._triton import cdiv, direct, dot, interpreted, require_triton, tl, triton
 from . import tiles
 from .forward import launch_config
 from .node_gradients import gradient_layout, node_gradients as write_node_gradients, selection_bitmasks
@@ -272,7 +272,7 @@ def unpool_gradient(grads: torch.Tensor, grad_table: torch.Tensor, plan: HTreePl
     (one _unpool_kernel launch)."""
     batch, time, kv_heads, dim = like.shape
     out = torch.empty((batch, time, kv_heads, dim), dtype=like.dtype, device=like.device)
-    blocks = triton.cdiv(time, UNPOOL_TOKENS)
+    blocks = cdiv(time, UNPOOL_TOKENS)
     wrap(_unpool_kernel)[(batch * kv_heads * blocks,)](
         grads, grad_table, plan.layer_table, out, *out.stride(), batch, time, kv_heads, dim, r, max_top_nodes,
         blocks, BLOCK_T=UNPOOL_TOKENS, D_PAD=max(16, 1 << max(0, (dim - 1).bit_length())),

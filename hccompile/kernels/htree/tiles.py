@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._triton import direct, dot, tl, triton
+from .._triton import cdiv, direct, dot, tl, triton
 from .reference import HTreeConfig, htree_layer_sizes, packed_index_bits, rope_cos_sin
 
 __all__ = [
@@ -284,7 +284,7 @@ def pool_tree(x: torch.Tensor, plan: HTreePlan, r: int, wrap=direct) -> torch.Te
     tree = torch.empty((batch, kv_heads, plan.pooled_rows, dim), dtype=torch.float32, device=x.device)
     for layer in range(1, plan.layers):
         size = plan.layer_sizes[layer]
-        blocks = triton.cdiv(size, POOL_NODES)
+        blocks = cdiv(size, POOL_NODES)
         wrap(_pool_kernel)[(batch * kv_heads * blocks,)](
             x, tree, *x.stride(), kv_heads, dim, r, plan.pooled_offsets[layer - 1], plan.layer_sizes[layer - 1],
             plan.pooled_offsets[layer], size, plan.pooled_rows, blocks,

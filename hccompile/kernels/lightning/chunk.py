@@ -51,7 +51,7 @@ from .sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel, _launch_r
                      _reverse_sweep_kernel)
 from .tiles import MAX_BLOCK, MIN_DOT_DIM
 
-from .._triton import direct, interpreted, require_triton, triton, triton_available
+from .._triton import cdiv, direct, interpreted, require_triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -181,7 +181,7 @@ def lightning_attn_fwd(
     elif final_state_out is not None:
         raise ValueError("final_state_out: given but output_final_state is False")
     _require_triton(q.device)
-    segments = _plan_segments(q, cu_seqlens, segment, block, triton.cdiv(value_dim, min(column_tile, 256)))
+    segments = _plan_segments(q, cu_seqlens, segment, block, cdiv(value_dim, min(column_tile, 256)))
     wrap = wrap or direct
     states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state,
                              wrap=wrap, block=block)
@@ -244,7 +244,7 @@ def lightning_attn_bwd(
             raise ValueError("out[3] (dh0): given but there is no initial_state")
     dq, dk, dv = grads
     _require_triton(q.device)
-    tiles = triton.cdiv(max(q.shape[3], v.shape[3]), min(column_tile, 256))
+    tiles = cdiv(max(q.shape[3], v.shape[3]), min(column_tile, 256))
     segments = _plan_segments(q, cu_seqlens, segment, block, tiles)
     # S at each segment's start (the forward's states, recomputed) and dS at each segment's end.
     wrap = wrap or direct

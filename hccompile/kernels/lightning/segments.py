@@ -19,7 +19,7 @@ import torch
 
 from .tiles import _block_dim, _dot_options, _state_strides
 
-from .._triton import direct, dot, load_tile, scratch_rows, tl, triton
+from .._triton import cdiv, direct, dot, load_tile, scratch_rows, tl, triton
 
 # Segments: the auto length aims at this many sweep programs per streaming multiprocessor, and
 # never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v.
@@ -299,13 +299,13 @@ def _auto_segment_length(longest, total, heads: int, column_tiles: int, block: i
     (torch.sym_max / sym_min keep them so: one traced graph serves every length)."""
     # block * (a count of blocks): a symbolic length stays visibly a multiple of the block, which
     # Inductor must see to mark it so for the kernels (the launcher sees it from the value)
-    whole = triton.cdiv(torch.sym_max(longest, 1), block)
+    whole = cdiv(torch.sym_max(longest, 1), block)
     if device.type != "cuda":
         return block * whole  # the interpreter runs programs one by one: parallelism buys nothing
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(SWEEP_WAVES * sms, max(1, heads * column_tiles))
-    length = torch.sym_max(torch.sym_max(triton.cdiv(total, wanted), MIN_SEGMENT), block)
-    return block * torch.sym_min(triton.cdiv(length, block), whole)
+    wanted = cdiv(SWEEP_WAVES * sms, max(1, heads * column_tiles))
+    length = torch.sym_max(torch.sym_max(cdiv(total, wanted), MIN_SEGMENT), block)
+    return block * torch.sym_min(cdiv(length, block), whole)
 
 
 def _plan_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
@@ -319,7 +319,7 @@ def _fixed_segments(q: torch.Tensor, segment: int | None, block: int, column_til
     batch, time, heads = q.shape[:3]
     if segment is None:
         segment = _auto_segment_length(time, batch * time, heads, column_tiles, block, q.device)
-    per_sequence = torch.sym_max(triton.cdiv(time, segment), 1)  # an empty row keeps one empty segment
+    per_sequence = torch.sym_max(cdiv(time, segment), 1)  # an empty row keeps one empty segment
     return _Segments(None, None, batch, segment, batch * per_sequence, time, per_sequence)
 
 
@@ -355,12 +355,12 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
     if heads == 0 or dim_b == 0 or dim_c == 0:
         return states
     block_b, block_c = _block_dim(dim_b, SUMMARY_ROW_TILE), _block_dim(dim_c, SUMMARY_COLUMN_TILE)
-    tiles = (triton.cdiv(dim_b, block_b), triton.cdiv(dim_c, block_c))
+    tiles = (cdiv(dim_b, block_b), cdiv(dim_c, block_c))
     table, first, time, length, per_sequence = segments.kernel_args(decay)
     if SEQUENTIAL_STATES and not segments.varlen:
         block_b, block_c = _block_dim(dim_b, SEQUENTIAL_TILE), _block_dim(dim_c, SEQUENTIAL_TILE)
-        wrap(_sequential_states_kernel)[(segments.num_sequences * heads, triton.cdiv(dim_b, block_b),
-                                         triton.cdiv(dim_c, block_c))](
+        wrap(_sequential_states_kernel)[(segments.num_sequences * heads, cdiv(dim_b, block_b),
+                                         cdiv(dim_c, block_c))](
             b, c, decay, x0 if x0 is not None else states, xt if xt is not None else states, states,
             *b.stride(), *c.stride(), *_state_strides(x0, False), *_state_strides(xt, False), *states.stride(),
             decay.stride(0), heads, dim_b, dim_c, float(scale), time, length, per_sequence,
@@ -375,8 +375,8 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
         REVERSE=reverse, CHUNK=SUMMARY_CHUNK, BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
     )
     prefix_b, prefix_c = _block_dim(dim_b, PREFIX_TILE), _block_dim(dim_c, PREFIX_TILE)
-    wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, triton.cdiv(dim_b, prefix_b),
-                                  triton.cdiv(dim_c, prefix_c))](
+    wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, cdiv(dim_b, prefix_b),
+                                  cdiv(dim_c, prefix_c))](
         states, decay, table, first,
         x0 if x0 is not None else states, xt if xt is not None else states,
         *states.stride(), *_state_strides(x0, False), *_state_strides(xt, False), decay.stride(0),

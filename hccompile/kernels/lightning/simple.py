@@ -12,7 +12,7 @@ import torch
 
 from .reference import check_attention_shapes
 
-from .._triton import dot, interpreted, load_tile, require_triton, tl, triton, triton_available
+from .._triton import cdiv, dot, interpreted, load_tile, next_power_of_2, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -155,7 +155,7 @@ def _require_triton(device: torch.device) -> None:
 
 
 def _block_dim(dim: int) -> int:
-    return max(MIN_DOT_DIM, triton.next_power_of_2(dim))
+    return max(MIN_DOT_DIM, next_power_of_2(dim))
 
 
 def _launch_masked_linear_attn(
@@ -183,7 +183,7 @@ def _launch_masked_linear_attn(
     block_c = min(_block_dim(dim_c), MAX_VALUE_TILE)
     stage_bytes = chunk_size * (block_ab + block_c) * a.element_size()
     num_stages = max(1, min(MAX_PIPELINE_STAGES, PIPELINE_SHARED_MEMORY_BUDGET // stage_bytes))
-    grid = (batch * heads, triton.cdiv(time, chunk_size), triton.cdiv(dim_c, block_c))
+    grid = (batch * heads, cdiv(time, chunk_size), cdiv(dim_c, block_c))
     launch[grid](
         a, b, c, out,
         *a.stride(), *b.stride(), *c.stride(), *out.stride(),

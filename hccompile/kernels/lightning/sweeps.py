@@ -21,7 +21,7 @@ from typing import Callable
 from .segments import _Segments
 from .tiles import _block_dim, _dot_options, _state_strides
 
-from .._triton import direct, dot, load_tile, tl, triton
+from .._triton import cdiv, direct, dot, load_tile, tl, triton
 
 # Triton software-pipelines the inner loops, keeping one copy of the loaded tiles per stage.
 PIPELINE_SHARED_MEMORY_BUDGET = 96 * 1024
@@ -422,7 +422,7 @@ def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, stat
     if num_warps is None:
         num_warps = 8 if cblock * max(block_ab, block_c) >= 64 * 128 else 4
     table, _, time, length, per_sequence = segments.kernel_args(decay)
-    wrap(kernel)[(segments.count * heads, triton.cdiv(dim_c, block_c))](
+    wrap(kernel)[(segments.count * heads, cdiv(dim_c, block_c))](
         a, b, c, decay, table, states, out,
         *a.stride(), *b.stride(), *c.stride(), *out.stride(),
         *_state_strides(states, states_transposed), decay.stride(0),

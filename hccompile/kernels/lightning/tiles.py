@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import interpreted, triton
+from .._triton import interpreted, next_power_of_2
 
 MAX_BLOCK = 256
 # tl.dot needs every block dim to be at least 16.
@@ -12,7 +12,7 @@ MIN_DOT_DIM = 16
 
 
 def _block_dim(dim: int, limit: int = MAX_BLOCK) -> int:
-    return min(max(MIN_DOT_DIM, triton.next_power_of_2(dim)), limit)
+    return min(max(MIN_DOT_DIM, next_power_of_2(dim)), limit)
 
 
 def _state_strides(state: torch.Tensor | None, transpose: bool) -> tuple[int, int, int, int]:

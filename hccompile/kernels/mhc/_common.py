@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import direct, interpreted, require_triton, triton, triton_available  # noqa: F401 (direct: the launchers default)
+from .._triton import direct, interpreted, next_power_of_2, require_triton, triton_available  # noqa: F401 (direct: the launchers default)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of a [tokens, streams, channels] tile per program (4 warps). These kernels are
@@ -65,11 +65,11 @@ def check_streams(n) -> None:
 
 
 def block_n(n: int) -> int:
-    return triton.next_power_of_2(n)
+    return next_power_of_2(n)
 
 
 def block_c(c: int, limit: int = MAX_BLOCK_C) -> int:
-    return max(16, min(limit, triton.next_power_of_2(c)))
+    return max(16, min(limit, next_power_of_2(c)))
 
 
 def block_t(per_token_elements: int, limit: int = 64, tile: int = TILE_ELEMENTS) -> int:
@@ -99,9 +99,9 @@ def sweep_blocks(C: int, element_size: int, slots: int) -> tuple[int, int, int, 
     SWEEP_LANES lanes of 16-byte vectors (fewer for a small C), BLOCK_T fills the rest of the
     warps' lanes, BLOCK_P holds `slots` sums over C per token."""
     vec = max(1, 16 // element_size)
-    bc = max(16, min(SWEEP_LANES * vec, triton.next_power_of_2(max(1, C))))
+    bc = max(16, min(SWEEP_LANES * vec, next_power_of_2(max(1, C))))
     rows_per_warp = max(1, 32 * vec // bc)
-    return rows_per_warp * SWEEP_WARPS, bc, triton.next_power_of_2(slots), SWEEP_WARPS
+    return rows_per_warp * SWEEP_WARPS, bc, next_power_of_2(slots), SWEEP_WARPS
 
 
 def column_sweep_blocks(element_size: int) -> tuple[int, int, int, int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _common as common
-from .._triton import tl, triton
+from .._triton import cdiv, tl, triton
 
 if triton is not None:
 
@@ -112,7 +112,7 @@ def launch_aggregate_fwd(x, h_pre, wrap=common.direct) -> torch.Tensor:
     if T1 * T2 == 0 or C == 0:
         return y
     bt, bc = common.channel_blocks(C)
-    wrap(_mhc_aggregate_fwd_kernel)[(triton.cdiv(T1 * T2, bt), triton.cdiv(C, bc))](
+    wrap(_mhc_aggregate_fwd_kernel)[(cdiv(T1 * T2, bt), cdiv(C, bc))](
         x, h_pre, y, T1 * T2, T2, C, *x.stride(), *h_pre.stride(), *y.stride(),
         N=n, BLOCK_T=bt, BLOCK_C=bc,
     )
@@ -140,7 +140,7 @@ def launch_aggregate_bwd(x, h_pre, dy, order, wrap=common.direct):
     if C == 0:
         return dx, dh.zero_()
     bt, bc, bp, warps = common.sweep_blocks(C, x.element_size(), n)
-    wrap(_mhc_aggregate_bwd_kernel)[(triton.cdiv(T1 * T2, bt),)](
+    wrap(_mhc_aggregate_bwd_kernel)[(cdiv(T1 * T2, bt),)](
         x, h_pre, dy, dx, dh, T1 * T2, T2, C,
         *x.stride(), *h_pre.stride(), *dy.stride(), *dx.stride(), *dh.stride(),
         N=n, BLOCK_P=bp, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps,

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from . import _common as common
-from .._triton import tl, triton
+from .._triton import cdiv, next_power_of_2, tl, triton
 from .reference import MappingSpec
 
 MAX_STREAMS = common.MAX_STREAMS
@@ -360,7 +360,7 @@ def launch_mapping_fwd(proj, r, alphas, biases, spec: MappingSpec, out_dtypes=No
         return h_pre, h_post, h_res
     bn = common.block_n(n)
     bt = common.block_t(4 * bn * bn, limit=32)
-    wrap(_mhc_mapping_fwd_kernel)[(triton.cdiv(T, bt),)](
+    wrap(_mhc_mapping_fwd_kernel)[(cdiv(T, bt),)](
         proj2, r1, *a, *b, h_pre, h_post, h_res,
         T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
         *_scalars(spec),
@@ -389,9 +389,9 @@ def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: M
     dproj = common.new_output(tuple(proj.shape), proj.dtype, proj.device)
     dr = common.new_output(tuple(r.shape), r.dtype, proj.device)
     bn = common.block_n(n)
-    bk = triton.next_power_of_2(max(1, spec.steps // 2))
+    bk = next_power_of_2(max(1, spec.steps // 2))
     bt = common.block_t(2 * bk * bn + 6 * bn * bn, limit=32)
-    grid = triton.cdiv(T, bt)
+    grid = cdiv(T, bt)
     width = 3 + 2 * n + n * n
     # one row per program: every row is written, so no zero fill (T = 0: one all-zero row)
     # sym_max: traced for Inductor (issue 24), a Python max() would guard on the token count
@@ -425,7 +425,7 @@ def sum_param_grads(partial: torch.Tensor, alphas, biases, n: int, wrap=common.d
     device = partial.device
     dalphas = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in alphas)
     dbiases = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in biases)
-    block_w = triton.next_power_of_2(width)
+    block_w = next_power_of_2(width)
     wrap(_mhc_mapping_param_grads_kernel)[(1,)](
         partial, partial.shape[0], *dalphas, *dbiases,
         N=n, BLOCK_R=max(1, min(64, 4096 // block_w)), BLOCK_W=block_w,

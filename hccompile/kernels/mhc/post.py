@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _common as common
-from .._triton import scratch_rows, tl, triton
+from .._triton import cdiv, next_power_of_2, scratch_rows, tl, triton
 
 if triton is not None:
 
@@ -313,7 +313,7 @@ def launch_post_fwd(x, h_res, h_post, f, transpose_res: bool, order, wrap=common
     if T1 * T2 == 0 or C == 0:
         return out
     bn, bc, bt = common.stream_blocks(n, C)
-    grid = (triton.cdiv(T1 * T2, bt), triton.cdiv(C, bc))
+    grid = (cdiv(T1 * T2, bt), cdiv(C, bc))
     wrap(_mhc_post_fwd_kernel)[grid](
         x, h_res, h_post, f, out, T1 * T2, T2, C,
         *x.stride(), *_mixing_strides(h_res, transpose_res), *h_post.stride(), *f.stride(),
@@ -378,7 +378,7 @@ def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=
         sums = x  # no scratch: the slot sweep sums in registers (an input, never written)
         # every constexpr passed, defaults too: torch's mutation analysis of a traced launch needs them
         column = dict(BLOCK_P=bp, BY_COLUMN=False, HALVES=1, UNROLL=1, MIXED=False)
-    wrap(_mhc_post_bwd_kernel)[(triton.cdiv(T, bt),)](
+    wrap(_mhc_post_bwd_kernel)[(cdiv(T, bt),)](
         x, h_res, h_post, f, dout, dx, dh_res, dh_post, df, T, T2, C,
         *x.stride(), *_mixing_strides(h_res, transpose_res), *h_post.stride(), *f.stride(),
         *dout.stride(), *dx.stride(), *_mixing_strides(dh_res, transpose_res), *dh_post.stride(),
@@ -386,9 +386,9 @@ def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=
         N=n, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps, **column,
     )
     if by_column:
-        bj = triton.next_power_of_2(n + 1)
+        bj = next_power_of_2(n + 1)
         bt = common.block_t(bj * common.MAX_STREAMS)
-        wrap(_mhc_post_bwd_sums_kernel)[(triton.cdiv(T, bt),)](
+        wrap(_mhc_post_bwd_sums_kernel)[(cdiv(T, bt),)](
             sums, dh_res, dh_post, T, T2, sums.stride(0), sums.stride(1),
             *_mixing_strides(dh_res, transpose_res), *dh_post.stride(),
             N=n, BLOCK_T=bt, BLOCK_N=common.MAX_STREAMS, BLOCK_J=bj,
