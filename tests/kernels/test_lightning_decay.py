@@ -482,3 +482,31 @@ def test_sequential_segment_states_match_float64(monkeypatch, batch, time, segme
             assert got.shape == want.shape, name
             continue
         assert relative_rms_error(got, want) < 1e-4, name
+
+
+def test_sequential_states_are_chosen_where_their_walks_fill_the_gpu(monkeypatch):
+    """segments.SEQUENTIAL_STATES None: the one-walk states only on CUDA, with at least one program per
+    streaming multiprocessor and at most SEQUENTIAL_MAX_CHUNKS chunks a walk, sizes known at the launch
+    (a symbolic one keeps the two passes: no guard); True / False force it."""
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from hccompile.kernels.lightning import segments as segments_module
+
+    choose = segments_module._sequential_states_chosen
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    longest = 64 * segments_module.SEQUENTIAL_MAX_CHUNKS
+    monkeypatch.setattr(segments_module, "SEQUENTIAL_STATES", None)
+    assert choose(256, 4096, 64, cuda)
+    assert choose(132, longest, 64, cuda)
+    assert not choose(131, 4096, 64, cuda)  # fewer programs than SMs
+    assert not choose(256, longest + 1, 64, cuda)  # one chunk too many
+    assert not choose(256, longest, 32, cuda)  # chunks of 32: twice as many
+    assert not choose(256, 4096, 64, cpu)
+    symbol = ShapeEnv().create_unbacked_symint()
+    assert not choose(256, symbol, 64, cuda) and not choose(symbol, 4096, 64, cuda)
+    for forced in (True, False):
+        monkeypatch.setattr(segments_module, "SEQUENTIAL_STATES", forced)
+        assert choose(1, 10**6, 64, cpu) is forced

@@ -33,9 +33,15 @@ PREFIX_TILE = 64
 # Fixed-length rows may instead make every segment's state in one sequential pass per (row, head,
 # state tile) over the whole row (_sequential_states_kernel: FLA's chunk-state walk, storing only the
 # segments' states): one launch instead of two and no summaries in memory, but B * H * tiles programs
-# only. Off until timed on the GPU: HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES=1 (read at import); the
-# attribute is read at each call.
-SEQUENTIAL_STATES = os.environ.get("HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES", "0") == "1"
+# only, each walking the whole row. On the H200 at f98f16c (BENCHMARKS.md, session 31) it took
+# lightning's fwd+bwd from 1.523 to 1.313 ms at B4 T4096 H16 D128 (256 programs, 64 chunks a walk) and
+# from 2.284 to 2.682 ms at B1 T32768 (64 programs, 512 chunks): so it runs where its programs fill
+# the GPU and a walk is at most SEQUENTIAL_MAX_CHUNKS chunks, with sizes known at the launch (a
+# symbolic length keeps the two passes: no guard, one graph for every length).
+# HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES=1 / =0 (read at import) force it on / off; the attribute
+# (None: that choice) is read at each call.
+SEQUENTIAL_STATES = {"1": True, "0": False}.get(os.environ.get("HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES", ""))
+SEQUENTIAL_MAX_CHUNKS = 128
 SEQUENTIAL_TILE = 64
 
 
@@ -343,6 +349,18 @@ def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int
                      table.shape[0])
 
 
+def _sequential_states_chosen(walks, time, chunk: int, device: torch.device) -> bool:
+    """Whether the segments' states come from _sequential_states_kernel: SEQUENTIAL_STATES when set,
+    else when `walks` programs fill the GPU and each walks at most SEQUENTIAL_MAX_CHUNKS chunks
+    (both sizes plain ints: a symbolic one keeps the two passes rather than guard on it)."""
+    if SEQUENTIAL_STATES is not None:
+        return SEQUENTIAL_STATES
+    if device.type != "cuda" or not isinstance(walks, int) or not isinstance(time, int):
+        return False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return walks >= sms and cdiv(time, chunk) <= SEQUENTIAL_MAX_CHUNKS
+
+
 def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay: torch.Tensor, scale: float,
                     reverse: bool, x0: torch.Tensor | None = None, xt: torch.Tensor | None = None,
                     wrap: Callable = direct, block: int = SUMMARY_CHUNK) -> torch.Tensor:
@@ -357,8 +375,10 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
     block_b, block_c = _block_dim(dim_b, SUMMARY_ROW_TILE), _block_dim(dim_c, SUMMARY_COLUMN_TILE)
     tiles = (cdiv(dim_b, block_b), cdiv(dim_c, block_c))
     table, first, time, length, per_sequence = segments.kernel_args(decay)
-    if SEQUENTIAL_STATES and not segments.varlen:
-        block_b, block_c = _block_dim(dim_b, SEQUENTIAL_TILE), _block_dim(dim_c, SEQUENTIAL_TILE)
+    block_b_walk, block_c_walk = _block_dim(dim_b, SEQUENTIAL_TILE), _block_dim(dim_c, SEQUENTIAL_TILE)
+    walks = segments.num_sequences * heads * cdiv(dim_b, block_b_walk) * cdiv(dim_c, block_c_walk)
+    if not segments.varlen and _sequential_states_chosen(walks, time, min(SUMMARY_CHUNK, block), b.device):
+        block_b, block_c = block_b_walk, block_c_walk
         wrap(_sequential_states_kernel)[(segments.num_sequences * heads, cdiv(dim_b, block_b),
                                          cdiv(dim_c, block_c))](
             b, c, decay, x0 if x0 is not None else states, xt if xt is not None else states, states,

@@ -9,8 +9,8 @@ and a state X of b^T c), and so have dk and dv ("reverse sweep"), so there are t
                             dv = sweep(a=k,  b=q, c=do), X = dS   [K, V tile]  (+ dh0)
 
 Each kernel has two loop structures over a segment's blocks: nested micro-chunk loops (any cblock
-dividing block), and, when a block is one micro-chunk and FLAT_SWEEPS is on, one flat loop whose
-tile loads the pipeliner can issue a block ahead.
+dividing block), and, when a block is one micro-chunk and FLAT_SWEEPS is on (the default), one flat
+loop whose tile loads the pipeliner can issue a block ahead.
 """
 
 from __future__ import annotations
@@ -27,14 +27,20 @@ from .._triton import cdiv, direct, dot, load_tile, tl, triton
 PIPELINE_SHARED_MEMORY_BUDGET = 96 * 1024
 MAX_PIPELINE_STAGES = 3
 # When a block is one micro-chunk (cblock == block), the sweeps run one flat loop over blocks (the
-# kernels' FLAT branch) instead of the nested micro-chunk loops. Off until timed on the GPU
-# (benchmarks/lightning_tune.py's flat rows): HCCOMPILE_LIGHTNING_FLAT_SWEEPS=1 (read at import)
-# turns it on; the attribute is read at each launch.
-FLAT_SWEEPS = os.environ.get("HCCOMPILE_LIGHTNING_FLAT_SWEEPS", "0") == "1"
-# With the flat loop, the backward's dk and dv come from one reverse sweep over the whole state
-# (_reverse_pair_sweep_kernel) where the key and value dims are at most PAIR_MAX_DIM;
-# HCCOMPILE_LIGHTNING_PAIRED_REVERSE=0 keeps the two column-tiled reverse sweeps.
-PAIRED_REVERSE = os.environ.get("HCCOMPILE_LIGHTNING_PAIRED_REVERSE", "1") == "1"
+# kernels' FLAT branch) instead of the nested micro-chunk loops: the pipeliner issues a block's tile
+# loads during the block before. On the H200 at f98f16c (benchmarks/lightning_tune.py, session 31,
+# B4 T4096 and B1 T32768, H16 D128) the backward took 0.613 / 1.198 ms against the nested loops' best
+# 0.945 / 2.187, the forward 0.26-0.39 / 0.498 against 0.342 / 0.848, with 64-column tiles and 4 warps
+# (8 warps: 0.88 / 1.72 backward). HCCOMPILE_LIGHTNING_FLAT_SWEEPS=0 (read at import) keeps the nested
+# loops; the attribute is read at each launch.
+FLAT_SWEEPS = os.environ.get("HCCOMPILE_LIGHTNING_FLAT_SWEEPS", "1") == "1"
+FLAT_WARPS = 4
+# With the flat loop, the backward's dk and dv may come from one reverse sweep over the whole state
+# (_reverse_pair_sweep_kernel) where the key and value dims are at most PAIR_MAX_DIM: fewer MACs, but
+# at D 128 it spills (480-560 B a thread on sm_90) and measured slower than the two column-tiled sweeps
+# (0.795 ms at 8 warps, 0.837 at 4, against 0.613 at B4 T4096; 1.57 against 1.20 at B1 T32768), so off
+# unless HCCOMPILE_LIGHTNING_PAIRED_REVERSE=1 (untimed at D 64, where it does not spill).
+PAIRED_REVERSE = os.environ.get("HCCOMPILE_LIGHTNING_PAIRED_REVERSE", "0") == "1"
 PAIR_MAX_DIM = 128
 
 
@@ -420,7 +426,7 @@ def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, stat
     stage_bytes = cblock * ((2 if flat else 1) * block_ab + block_c) * a.element_size()
     num_stages = max(1, min(MAX_PIPELINE_STAGES, PIPELINE_SHARED_MEMORY_BUDGET // stage_bytes))
     if num_warps is None:
-        num_warps = 8 if cblock * max(block_ab, block_c) >= 64 * 128 else 4
+        num_warps = FLAT_WARPS if flat else 8 if cblock * max(block_ab, block_c) >= 64 * 128 else 4
     table, _, time, length, per_sequence = segments.kernel_args(decay)
     wrap(kernel)[(segments.count * heads, cdiv(dim_c, block_c))](
         a, b, c, decay, table, states, out,
