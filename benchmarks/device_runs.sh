@@ -9,8 +9,9 @@
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
 #   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
 #           (step, peak memory, compile time with hc's stages, floor)                     (issue 18)
-#   lightning-tune  the lightning sweeps' flat loop (sweeps.FLAT_SWEEPS) against the nested loops, by
-#               block, tile, warps and segment, into diag_ rows                         (issue 20)
+#   lightning-tune  the lightning defaults (flat loop, 64 columns, 4 warps) and their neighbours (paired
+#               reverse, 8 warps, 128 columns, nested loops), sequential states on and off, D 128 and
+#               D 64, into diag_ rows                                                   (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -49,7 +50,7 @@ for run in ${RUNS:-delta host}; do
          cut_at python3 benchmarks/mhc.py --layers 2 --dim 4096 --heads 32 --batch 2 --seq 2048 \
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
-    lightning-tune) cut_at python3 benchmarks/lightning_tune.py --flat-only --out "$out/diag_lightning-tune_$tag.jsonl" ;;
+    lightning-tune) cut_at python3 benchmarks/lightning_tune.py --around-defaults --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \

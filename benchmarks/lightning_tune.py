@@ -4,6 +4,8 @@ and backward configuration, so the
 defaults in kernels/lightning/chunk.py and sweeps.py are chosen by measurement.
 
     python benchmarks/lightning_tune.py [--shapes B4-T4096-H16-D128,...] [--out tune.jsonl]
+    python benchmarks/lightning_tune.py --around-defaults   # the defaults and their neighbours, with
+                                                            # sequential states on and off (D 128 and 64)
 """
 from __future__ import annotations
 
@@ -28,13 +30,21 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--flat-only", action="store_true",
                    help="only the flat-loop configs (sweeps.FLAT_SWEEPS) and the nested ones at block 64, cblock 64, tile 128")
+    p.add_argument("--around-defaults", action="store_true",
+                   help="the flat loop at 64 columns / 4 warps (the defaults) and its neighbours: paired reverse, "
+                        "8 warps, 128 columns with 512-row segments, the nested loops; each with segments.SEQUENTIAL_STATES "
+                        "True and False; shapes default to all three of benchmarks/lightning.py")
     args = p.parse_args(argv)
     import triton
+
+    from hccompile.kernels.lightning import segments
 
     from targets import run_stamp
 
     stamp = run_stamp()
     rows = []
+    if args.around_defaults and args.shapes == p.get_default("shapes"):
+        args.shapes = ",".join(SHAPES)
     for name in args.shapes.split(","):
         b, t, h, d = SHAPES[name]
         q, k, v, do = (torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16) * 0.5 for _ in range(4))
@@ -45,27 +55,37 @@ def main(argv=None):
         # the flat loop with dk and dv from one paired reverse sweep (sweeps.PAIRED_REVERSE)
         configs = ([(*c, False, False) for c in configs]
                    + [(*c, True, paired) for c in configs if c[0] == c[1] for paired in (False, True)])
+        configs = [(*c, None) for c in configs]  # the last field: segments.SEQUENTIAL_STATES
         if args.flat_only:
-            configs = [c for c in configs if c[-2]] + [c for c in configs if c[:3] == (64, 64, 128) and not c[-2]]
-        for block, cblock, tile, warps, seg, flat, paired in configs:
-            sweeps.FLAT_SWEEPS, sweeps.PAIRED_REVERSE = flat, paired
+            configs = [c for c in configs if c[-3]] + [c for c in configs if c[:3] == (64, 64, 128) and not c[-3]]
+        if args.around_defaults:
+            around = [(64, 64, 64, 4, None, True, False), (64, 64, 64, 4, None, True, True),
+                      (64, 64, 64, 8, None, True, True), (64, 64, 128, 4, 512, True, False),
+                      (64, 64, 128, 8, None, False, False)]
+            configs = [(*c, sequential) for c in around for sequential in (True, False)]
+        for block, cblock, tile, warps, seg, flat, paired, sequential in configs:
+            sweeps.FLAT_SWEEPS, sweeps.PAIRED_REVERSE, segments.SEQUENTIAL_STATES = flat, paired, sequential
             knobs = dict(block=block, cblock=cblock, column_tile=tile, num_warps=warps, segment=seg)
             try:
-                f = do_bench(lambda: chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs))
-                bw = do_bench(lambda: chunk.lightning_attn_bwd(q, k, v, decay, do, None, **knobs))
+                # medians: means of sub-millisecond launches moved by up to 40 % (session 31's forward rows)
+                f = do_bench(lambda: chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs), return_mode="median")
+                bw = do_bench(lambda: chunk.lightning_attn_bwd(q, k, v, decay, do, None, **knobs),
+                              return_mode="median")
             except Exception as error:  # noqa: BLE001  (out of resources for a config)
                 print(name, knobs, "failed:", str(error).splitlines()[0][:120])
                 continue
             res = compiled_resources(sweeps._reverse_sweep_kernel)
             shared = max((r["shared_bytes"] or 0) for r in res) if res else None
             row = dict(**stamp, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=triton.__version__, shape=name, **knobs, flat=flat, paired=paired, fwd_ms=f, bwd_ms=bw,
+                       triton=triton.__version__, shape=name, **knobs, flat=flat, paired=paired, sequential=sequential,
+                       fwd_ms=f, bwd_ms=bw,
                        max_reverse_shared=shared)
             rows.append(row)
             if args.out:  # as measured: a run cut short keeps its rows
                 with open(args.out, "a") as sink:
                     sink.write(json.dumps(row) + "\n")
-            print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg} flat={flat} paired={paired}: "
+            print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg} flat={flat} paired={paired} "
+                  f"sequential={sequential}: "
                   f"fwd {f:.3f} bwd {bw:.3f} ms", flush=True)
         best_f = min((r for r in rows if r["shape"] == name), key=lambda r: r["fwd_ms"])
         best_b = min((r for r in rows if r["shape"] == name), key=lambda r: r["bwd_ms"])
