@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
@@ -102,7 +103,18 @@ def run_shape(name, shape, decayed, args, bandwidth):
     from hccompile.kernels.lightning import segments, sweeps
 
     ours = lambda: hccompile.lightning_attn(q, k, v, decay=decay, scale=scale)[0]  # noqa: E731
+    # The first forward+backward in this process at this shape, Triton's compile included (issue 20's
+    # "first call beyond compile": targets.py reads first_call_s of ours' rows; the first shape of a
+    # run compiles, later ones find the kernels compiled unless their specialisation differs).
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    ours().backward(do)
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - start
+    for t in (q, k, v):
+        t.grad = None
     add("hccompile.lightning_attn", ours)
+    rows[-1]["first_call_s"] = first_call_s
     # the kernels' switches set away from their defaults, side by side (each row's note names them);
     # they are read as each kernel launches, so they stay set through the backward too
     switches = {"nested sweeps": [(sweeps, "FLAT_SWEEPS", False)],
