@@ -102,14 +102,23 @@ def _lightning_inputs(varlen: bool):
     return q, k, v, do, decay, h0, dht, cu_seqlens
 
 
+# (sweeps.FLAT_SWEEPS, sweeps.PAIRED_REVERSE, segments.SEQUENTIAL_STATES) of each way to launch
+LIGHTNING_LOOPS = {"nested": (False, False, False), "flat": (True, False, False), "paired": (True, True, False),
+                   "sequential-states": (True, False, True)}
+
+
 @needs_compiled_kernels
-@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+@pytest.mark.parametrize("loops", list(LIGHTNING_LOOPS))
 @pytest.mark.parametrize("varlen", [False, True], ids=["rows", "varlen"])
-def test_lightning_launches_write_only_outputs(varlen, flat, monkeypatch):
-    from hccompile.kernels.lightning import sweeps
+def test_lightning_launches_write_only_outputs(varlen, loops, monkeypatch):
+    """Every way the lightning launchers can run: the nested or flat sweeps, the paired reverse sweep,
+    the segments' states from the summary and prefix passes or one sequential walk (fixed rows)."""
+    from hccompile.kernels.lightning import segments, sweeps
     from hccompile.kernels.lightning.chunk import lightning_attn_bwd, lightning_attn_fwd
 
-    monkeypatch.setattr(sweeps, "FLAT_SWEEPS", flat)  # flat: the flat loops and the paired reverse sweep
+    for module, name, value in zip((sweeps, sweeps, segments), ("FLAT_SWEEPS", "PAIRED_REVERSE", "SEQUENTIAL_STATES"),
+                                   LIGHTNING_LOOPS[loops]):
+        monkeypatch.setattr(module, name, value)
     q, k, v, do, decay, h0, dht, cu_seqlens = _lightning_inputs(varlen)
     # segment=64 (one block): the automatic segment length asks the GPU for its multiprocessors
     calls = recorded(lambda: (lightning_attn_fwd(q, k, v, decay, None, h0, True, cu_seqlens=cu_seqlens, segment=64),
