@@ -447,32 +447,43 @@ def test_flat_sweeps_are_chosen_only_for_one_micro_chunk_per_block(monkeypatch):
 
 
 SEQUENTIAL_CASES = [
-    # (batch, T, segment, block, with_state): ragged last chunk and segment, segments shorter than the
-    # summary chunk, one token, an empty row
-    (2, 130, 64, 32, True),
-    (2, 130, None, 64, True),
-    (1, 200, 32, 16, False),
-    (1, 1, None, 16, True),
-    (2, 0, None, 64, True),
+    # (batch, T, bounds, segment, block, with_state): ragged last chunk and segment, segments shorter than
+    # the summary chunk, one token, an empty row; varlen with an empty and a one-token sequence, and
+    # sequences of several segments with ragged ends
+    (2, 130, None, 64, 32, True),
+    (2, 130, None, None, 64, True),
+    (1, 200, None, 32, 16, False),
+    (1, 1, None, None, 16, True),
+    (2, 0, None, None, 64, True),
+    (1, 161, [0, 1, 1, 97, 161], 64, 32, True),
+    (1, 200, [0, 70, 200], 32, 16, True),
 ]
 
 
 @requires_triton
-@pytest.mark.parametrize("batch, time, segment, block, with_state", SEQUENTIAL_CASES)
-def test_sequential_segment_states_match_float64(monkeypatch, batch, time, segment, block, with_state):
-    """segments.SEQUENTIAL_STATES: every segment's state from one walk per row (forward and reverse),
-    checked through the outputs, final state and every gradient, outputs NaN-poisoned."""
+@pytest.mark.parametrize("batch, time, bounds, segment, block, with_state", SEQUENTIAL_CASES)
+def test_sequential_segment_states_match_float64(monkeypatch, batch, time, bounds, segment, block, with_state):
+    """segments.SEQUENTIAL_STATES: every segment's state from one walk per sequence (forward and
+    reverse; fixed rows and varlen), checked through the outputs, final state and every gradient,
+    outputs NaN-poisoned."""
     from hccompile.kernels.lightning import segments as segments_module
 
     monkeypatch.setattr(segments_module, "SEQUENTIAL_STATES", True)
     heads, key_dim, value_dim = 3, 24, 40
     q, k, v, do, h0, dht = random_inputs(batch, time, heads, key_dim, value_dim, torch.float32, with_state, seed=13)
     decay = make_decay("mixed", heads).to(DEVICE)
-    ref = float64_reference(q, k, v, decay, do, 0.3, h0, dht)
+    cu_seqlens = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    if cu_seqlens is None:
+        ref = float64_reference(q, k, v, decay, do, 0.3, h0, dht)
+    else:
+        generator = torch.Generator().manual_seed(14)
+        h0, dht = (torch.randn(len(bounds) - 1, heads, key_dim, value_dim, generator=generator).to(DEVICE)
+                   for _ in range(2))
+        ref = float64_varlen_reference(q, k, v, decay, do, 0.3, h0, dht, cu_seqlens)
     nan = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
-    knobs = dict(segment=segment, block=block, cblock=16)
+    knobs = dict(cu_seqlens=cu_seqlens, segment=segment, block=block, cblock=16)
     o, final = lightning_attn_fwd(q, k, v, decay, 0.3, h0, True, out=nan(v), **knobs)
-    outs = (nan(q), nan(k), nan(v)) + ((nan(h0),) if with_state else ())
+    outs = (nan(q), nan(k), nan(v)) + ((nan(h0),) if h0 is not None else ())
     grads = lightning_attn_bwd(q, k, v, decay, do, 0.3, h0, dht, out=outs, **knobs)
     for name, got, want in zip(("o", "final", "dq", "dk", "dv", "dh0"), (o, final, *grads), ref):
         if want is None or got is None:

@@ -30,14 +30,15 @@ SUMMARY_CHUNK = 64
 SUMMARY_ROW_TILE = 128
 SUMMARY_COLUMN_TILE = 64
 PREFIX_TILE = 64
-# Fixed-length rows may instead make every segment's state in one sequential pass per (row, head,
-# state tile) over the whole row (_sequential_states_kernel: FLA's chunk-state walk, storing only the
-# segments' states): one launch instead of two and no summaries in memory, but B * H * tiles programs
-# only, each walking the whole row. On the H200 at f98f16c (BENCHMARKS.md, session 31) it took
+# The states may instead come from one sequential pass per (sequence, head, state tile) over the
+# whole sequence (_sequential_states_kernel: FLA's chunk-state walk, storing only the
+# segments' states): one launch instead of two and no summaries in memory, but sequences * H * tiles
+# programs only, each walking a whole sequence. On the H200 at f98f16c (BENCHMARKS.md, session 31) it took
 # lightning's fwd+bwd from 1.523 to 1.313 ms at B4 T4096 H16 D128 (256 programs, 64 chunks a walk) and
 # from 2.284 to 2.682 ms at B1 T32768 (64 programs, 512 chunks): so it runs where its programs fill
-# the GPU and a walk is at most SEQUENTIAL_MAX_CHUNKS chunks, with sizes known at the launch (a
-# symbolic length keeps the two passes: no guard, one graph for every length).
+# the GPU and the longest walk is at most SEQUENTIAL_MAX_CHUNKS chunks, with sizes known at the launch
+# (a symbolic length keeps the two passes: no guard, one graph for every length; a varlen batch's
+# sizes are always known, read from cu_seqlens).
 # HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES=1 / =0 (read at import) force it on / off; the attribute
 # (None: that choice) is read at each call.
 SEQUENTIAL_STATES = {"1": True, "0": False}.get(os.environ.get("HCCOMPILE_LIGHTNING_SEQUENTIAL_STATES", ""))
@@ -180,7 +181,7 @@ if triton is not None:
 
     @triton.jit
     def _sequential_states_kernel(
-        b_ptr, c_ptr, decay_ptr, x0_ptr, xt_ptr, x_ptr,
+        b_ptr, c_ptr, decay_ptr, table_ptr, first_ptr, x0_ptr, xt_ptr, x_ptr,
         stride_bb, stride_bt, stride_bh, stride_bd,
         stride_cb, stride_ct, stride_ch, stride_cd,
         stride_x0n, stride_x0h, stride_x0r, stride_x0c,
@@ -188,6 +189,7 @@ if triton is not None:
         stride_xs, stride_xh, stride_xr, stride_xc,
         stride_decay,
         H, DIM_B, DIM_C, scale, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
         REVERSE: tl.constexpr,
         HAS_X0: tl.constexpr,
         STORE_XT: tl.constexpr,
@@ -197,33 +199,43 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         UPCAST_OPERANDS: tl.constexpr,
     ):
-        """Every segment's starting state of one fixed-length row, walking the row chunk by chunk
-        (the summary and prefix passes in one): forward, X = x0, x[s] <- X at each segment's first
-        chunk, X <- exp(g L) X + sum_m exp(g (L-1-m)) b_m^T c_m over each chunk of L rows; reverse,
-        from the last chunk, x[s] <- X at each segment's last chunk, X <- exp(g L) X +
+        """Every segment's starting state of one sequence (a fixed-length row, or a varlen sequence:
+        its segments first[n] .. first[n + 1] - 1 of the table), walking it chunk by chunk (the
+        summary and prefix passes in one): forward, X = x0, x[s] <- X at each segment's first chunk,
+        X <- exp(g L) X + sum_m exp(g (L-1-m)) b_m^T c_m over each chunk of L rows; reverse, from the
+        last chunk, x[s] <- X at each segment's last chunk, X <- exp(g L) X +
         scale sum_m exp(g (m+1)) b_m^T c_m. The last X is stored in xt when STORE_XT. CHUNK divides
         seg_length, so segment bounds are chunk bounds."""
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
         pid_nh = tl.program_id(0)
-        row = (pid_nh // H).to(tl.int64)
+        sequence = (pid_nh // H).to(tl.int64)
         head = (pid_nh % H).to(tl.int64)
+        if IS_VARLEN:
+            # the table's rows loaded here, not in a helper (see _fixed_segment)
+            first_segment = tl.load(first_ptr + sequence).to(tl.int64)
+            last_row = table_ptr + (tl.load(first_ptr + sequence + 1).to(tl.int64) - 1) * 4
+            batch = tl.load(table_ptr + first_segment * 4).to(tl.int64)
+            start = tl.load(table_ptr + first_segment * 4 + 1).to(tl.int64)
+            T = tl.load(last_row + 1).to(tl.int64) + tl.load(last_row + 2) - start
+        else:
+            first_segment = sequence * per_sequence
+            batch, start, T = sequence, 0, time
         gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
-        b_ptr += row * stride_bb + head * stride_bh
-        c_ptr += row * stride_cb + head * stride_ch
+        b_ptr += batch * stride_bb + start * stride_bt + head * stride_bh
+        c_ptr += batch * stride_cb + start * stride_ct + head * stride_ch
         rows = tl.arange(0, CHUNK)
         b_cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
         c_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = (b_cols[:, None] < DIM_B) & (c_cols[None, :] < DIM_C)
         if HAS_X0:
-            x0 = x0_ptr + row * stride_x0n + head * stride_x0h
+            x0 = x0_ptr + sequence * stride_x0n + head * stride_x0h
             state = tl.load(x0 + b_cols[:, None] * stride_x0r + c_cols[None, :] * stride_x0c,
                             mask=mask, other=0.0).to(tl.float32)
         else:
             state = tl.zeros([BLOCK_B, BLOCK_C], dtype=tl.float32)
         x_ptr += head * stride_xh + b_cols[:, None] * stride_xr + c_cols[None, :] * stride_xc
-        first_segment = row * per_sequence
-        n_chunks = tl.cdiv(time, CHUNK)
+        n_chunks = tl.cdiv(T, CHUNK)
         # scalars broadcast into a tile before they meet the mask: a boolean tile mask on every
         # Triton version's interpreter
         zeros = b_cols[:, None] * 0 + c_cols[None, :] * 0
@@ -232,16 +244,16 @@ if triton is not None:
                 chunk_start = (n_chunks - 1 - index) * CHUNK
                 # the segment's last chunk: the state leaving it is the segment's
                 end = zeros + (chunk_start + CHUNK)
-                bound = (end % seg_length == 0) | (end >= time)
+                bound = (end % seg_length == 0) | (end >= T)
             else:
                 chunk_start = index * CHUNK
                 bound = (zeros + chunk_start) % seg_length == 0
             segment = first_segment + chunk_start // seg_length
             tl.store(x_ptr + segment * stride_xs, state, mask=mask & bound)
             local = chunk_start + rows
-            chunk_len = tl.minimum(time - chunk_start, CHUNK)
-            b = load_tile(b_ptr, local, b_cols, stride_bt, stride_bd, time, DIM_B)
-            c = load_tile(c_ptr, local, c_cols, stride_ct, stride_cd, time, DIM_C)
+            chunk_len = tl.minimum(T - chunk_start, CHUNK)
+            b = load_tile(b_ptr, local, b_cols, stride_bt, stride_bd, T, DIM_B)
+            c = load_tile(c_ptr, local, c_cols, stride_ct, stride_cd, T, DIM_C)
             if REVERSE:
                 weights = tl.exp(gamma * (rows + 1).to(tl.float32)) * scale
             else:
@@ -252,7 +264,7 @@ if triton is not None:
         # an empty row keeps one segment, whose state is x0
         tl.store(x_ptr + first_segment * stride_xs, state, mask=mask & ((zeros + n_chunks) == 0))
         if STORE_XT:
-            xt = xt_ptr + row * stride_xtn + head * stride_xth
+            xt = xt_ptr + sequence * stride_xtn + head * stride_xth
             tl.store(xt + b_cols[:, None] * stride_xtr + c_cols[None, :] * stride_xtc,
                      state.to(xt_ptr.dtype.element_ty), mask=mask)
 
@@ -274,6 +286,7 @@ class _Segments:
     count: int
     time: int = 0
     per_sequence: int = 1
+    longest: int = 0  # the longest sequence's tokens (fixed-length rows: time)
 
     @property
     def varlen(self) -> bool:
@@ -326,13 +339,13 @@ def _fixed_segments(q: torch.Tensor, segment: int | None, block: int, column_til
     if segment is None:
         segment = _auto_segment_length(time, batch * time, heads, column_tiles, block, q.device)
     per_sequence = torch.sym_max(cdiv(time, segment), 1)  # an empty row keeps one empty segment
-    return _Segments(None, None, batch, segment, batch * per_sequence, time, per_sequence)
+    return _Segments(None, None, batch, segment, batch * per_sequence, time, per_sequence, time)
 
 
 def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
     batch_index, starts, lengths = _sequence_bounds(q, cu_seqlens)
+    longest = int(lengths.max()) if lengths.numel() else 0
     if segment is None:
-        longest = int(lengths.max()) if lengths.numel() else 0
         segment = _auto_segment_length(longest, int(lengths.sum()), q.shape[2], column_tiles, block, q.device)
     # An empty sequence keeps one segment of length 0, so its state still passes through.
     per_sequence = torch.clamp((lengths + segment - 1) // segment, min=1)
@@ -346,7 +359,7 @@ def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int
     device = q.device
     return _Segments(table.to(torch.int32).to(device, non_blocking=True),
                      first.to(torch.int32).to(device, non_blocking=True), per_sequence.numel(), segment,
-                     table.shape[0])
+                     table.shape[0], longest=longest)
 
 
 def _sequential_states_chosen(walks, time, chunk: int, device: torch.device) -> bool:
@@ -377,14 +390,14 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
     table, first, time, length, per_sequence = segments.kernel_args(decay)
     block_b_walk, block_c_walk = _block_dim(dim_b, SEQUENTIAL_TILE), _block_dim(dim_c, SEQUENTIAL_TILE)
     walks = segments.num_sequences * heads * cdiv(dim_b, block_b_walk) * cdiv(dim_c, block_c_walk)
-    if not segments.varlen and _sequential_states_chosen(walks, time, min(SUMMARY_CHUNK, block), b.device):
+    if _sequential_states_chosen(walks, segments.longest, min(SUMMARY_CHUNK, block), b.device):
         block_b, block_c = block_b_walk, block_c_walk
         wrap(_sequential_states_kernel)[(segments.num_sequences * heads, cdiv(dim_b, block_b),
                                          cdiv(dim_c, block_c))](
-            b, c, decay, x0 if x0 is not None else states, xt if xt is not None else states, states,
+            b, c, decay, table, first, x0 if x0 is not None else states, xt if xt is not None else states, states,
             *b.stride(), *c.stride(), *_state_strides(x0, False), *_state_strides(xt, False), *states.stride(),
             decay.stride(0), heads, dim_b, dim_c, float(scale), time, length, per_sequence,
-            REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, CHUNK=min(SUMMARY_CHUNK, block),
+            IS_VARLEN=segments.varlen, REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, CHUNK=min(SUMMARY_CHUNK, block),
             BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
         )
         return states
