@@ -24,8 +24,19 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+# (B, T, H, D[, sequences]): a fifth number makes the batch varlen (B = 1, that many sequences of
+# ragged lengths summing to T, FLA's cu_seqlens), a packed training batch
 SHAPES = {"B4-T4096-H16-D128": (4, 4096, 16, 128), "B1-T32768-H16-D128": (1, 32768, 16, 128),
-          "B8-T2048-H32-D64": (8, 2048, 32, 64)}
+          "B8-T2048-H32-D64": (8, 2048, 32, 64), "B1-T16384-H16-D128-varlen8": (1, 16384, 16, 128, 8)}
+
+
+def ragged_bounds(time: int, sequences: int, device) -> torch.Tensor:
+    """cu_seqlens [sequences + 1] of lengths within +-50 % of time / sequences, fixed by a seed."""
+    gen = torch.Generator().manual_seed(1)
+    weights = 0.5 + torch.rand(sequences, generator=gen)
+    lengths = (weights / weights.sum() * time).long().clamp(min=1)
+    lengths[-1] += time - lengths.sum()
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
 
 
 def copy_bandwidth() -> float:
@@ -73,10 +84,29 @@ def bench(fn, grad_inputs, do):
     return (do_bench(fwd, rep=200, return_mode="median"), do_bench(fwd_bwd, rep=200, return_mode="median"))
 
 
+def add_dense_rows(add, rows, q, k, v, decay, scale, args):
+    """SDPA's causal softmax attention, and the plain quadratic form under Inductor and hc (where its
+    [B, H, T, T] scores fit), for rows of one sequence each."""
+    b, t, h, _ = q.shape
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    add("SDPA causal (softmax)", lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2))
+    quadratic_bytes = b * h * t * t * 4
+    if args.skip_plain or quadratic_bytes > args.plain_limit_gb * 2**30:
+        rows.append(dict(impl="plain form (Inductor / hc)", note=f"skipped: [B,H,T,T] fp32 = {quadratic_bytes / 2**30:.0f} GiB"))
+        return
+    plain = (lambda q, k, v: plain_decay_attention(q, k, v, decay, scale)) if decay is not None else \
+        (lambda q, k, v: plain_linear_attention(q, k, v, scale))
+    for backend in ("inductor", "hc"):
+        torch._dynamo.reset()
+        compiled = torch.compile(plain, backend=backend, fullgraph=True)
+        add(f"plain form, {backend}", lambda: compiled(q, k, v))
+
+
 def run_shape(name, shape, decayed, args, bandwidth):
     import hccompile
 
-    b, t, h, d = shape
+    b, t, h, d, *varlen = shape
+    cu_seqlens = ragged_bounds(t, varlen[0], "cuda") if varlen else None
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, t, h, d, device="cuda", dtype=dtype, generator=gen).mul_(0.5)
@@ -97,12 +127,15 @@ def run_shape(name, shape, decayed, args, bandwidth):
             torch.cuda.empty_cache()
             rows.append(dict(impl=impl, note="out of memory"))
             return
+        except Exception as error:  # noqa: BLE001  (a peer without this form: a row that says so)
+            rows.append(dict(impl=impl, note=f"failed: {type(error).__name__}: {error}"[:300]))
+            return
         rows.append(dict(impl=impl, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, fwd_gbs=fwd_bytes / f_ms / 1e6,
                          fwd_bwd_gbs=bwd_bytes / fb_ms / 1e6, note=note))
 
     from hccompile.kernels.lightning import segments, sweeps
 
-    ours = lambda: hccompile.lightning_attn(q, k, v, decay=decay, scale=scale)[0]  # noqa: E731
+    ours = lambda: hccompile.lightning_attn(q, k, v, decay=decay, scale=scale, cu_seqlens=cu_seqlens)[0]  # noqa: E731
     # The first forward+backward in this process at this shape, Triton's compile included (issue 20's
     # "first call beyond compile": targets.py reads first_call_s of ours' rows; the first shape of a
     # run compiles, later ones find the kernels compiled unless their specialisation differs).
@@ -111,8 +144,8 @@ def run_shape(name, shape, decayed, args, bandwidth):
     ours().backward(do)
     torch.cuda.synchronize()
     first_call_s = time.perf_counter() - start
-    for t in (q, k, v):
-        t.grad = None
+    for x in (q, k, v):
+        x.grad = None
     add("hccompile.lightning_attn", ours)
     rows[-1]["first_call_s"] = first_call_s
     # the kernels' switches set away from their defaults, side by side (each row's note names them);
@@ -142,7 +175,8 @@ def run_shape(name, shape, decayed, args, bandwidth):
     except Exception as error:  # noqa: BLE001
         rows.append(dict(impl="FLA 0.6.0", note=f"not importable: {error}"))
     else:
-        fla = lambda: chunk_simple_gla(q, k, v, g_gamma=decay, scale=scale)[0]  # noqa: E731
+        fla = lambda: chunk_simple_gla(q, k, v, g_gamma=decay, scale=scale,  # noqa: E731
+                                       cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())[0]
         add("FLA 0.6.0 chunk_simple_gla(g_gamma)", fla)
         def outputs(f):
             for x in (q, k, v):
@@ -154,31 +188,25 @@ def run_shape(name, shape, decayed, args, bandwidth):
         def error(got, want):
             return {n: ((a - r).norm() / r.norm()).item() for n, a, r in zip(("o", "dq", "dk", "dv"), got, want)}
 
-        reference = outputs(fla)
-        fla_err = error(outputs(ours), reference)
-        for label in switches:
+        try:
+            reference = outputs(fla)
+        except Exception:  # noqa: BLE001  (its row says why)
+            reference = None
+        fla_err = None if reference is None else error(outputs(ours), reference)
+        for label in (switches if reference is not None else ()):
             with flipped(label):
                 flipped_err = error(outputs(ours), reference)
             for row in rows:
                 if row["impl"] == f"hccompile.lightning_attn, {label}":
                     row["error_vs_fla"] = flipped_err
 
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    add("SDPA causal (softmax)", lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2))
-
-    quadratic_bytes = b * h * t * t * 4
-    if args.skip_plain or quadratic_bytes > args.plain_limit_gb * 2**30:
-        rows.append(dict(impl="plain form (Inductor / hc)", note=f"skipped: [B,H,T,T] fp32 = {quadratic_bytes / 2**30:.0f} GiB"))
+    if varlen:  # SDPA and the plain forms take one sequence per row
+        rows.append(dict(impl="SDPA / plain forms", note="skipped: a varlen batch"))
     else:
-        plain = (lambda q, k, v: plain_decay_attention(q, k, v, decay, scale)) if decayed else \
-            (lambda q, k, v: plain_linear_attention(q, k, v, scale))
-        for backend in ("inductor", "hc"):
-            torch._dynamo.reset()
-            compiled = torch.compile(plain, backend=backend, fullgraph=True)
-            add(f"plain form, {backend}", lambda: compiled(q, k, v))
+        add_dense_rows(add, rows, q, k, v, decay if decayed else None, scale, args)
 
     for row in rows:
-        row.update(shape=name, decay=decayed, dtype=args.dtype)
+        row.update(shape=name, decay=decayed, dtype=args.dtype, sequences=varlen[0] if varlen else b)
         if row["impl"] == "hccompile.lightning_attn":
             row["error_vs_fla"] = fla_err
             row["floor_fwd_ms"] = fwd_bytes / bandwidth * 1e3

@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from lightning import SHAPES  # noqa: E402  (benchmarks/ is the script's directory)
+from lightning import SHAPES, ragged_bounds  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def main(argv=None):
@@ -46,7 +46,8 @@ def main(argv=None):
     if args.around_defaults and args.shapes == p.get_default("shapes"):
         args.shapes = ",".join(SHAPES)
     for name in args.shapes.split(","):
-        b, t, h, d = SHAPES[name]
+        b, t, h, d, *varlen = SHAPES[name]
+        cu_seqlens = ragged_bounds(t, varlen[0], "cuda") if varlen else None
         q, k, v, do = (torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16) * 0.5 for _ in range(4))
         decay = alibi_decay(h, device="cuda")
         configs = list(itertools.product((64,), (32, 64), (64, 128), (4, 8), (None, 512)))
@@ -65,7 +66,8 @@ def main(argv=None):
             configs = [(*c, sequential) for c in around for sequential in (True, False)]
         for block, cblock, tile, warps, seg, flat, paired, sequential in configs:
             sweeps.FLAT_SWEEPS, sweeps.PAIRED_REVERSE, segments.SEQUENTIAL_STATES = flat, paired, sequential
-            knobs = dict(block=block, cblock=cblock, column_tile=tile, num_warps=warps, segment=seg)
+            knobs = dict(block=block, cblock=cblock, column_tile=tile, num_warps=warps, segment=seg,
+                         cu_seqlens=cu_seqlens)
             try:
                 # medians: means of sub-millisecond launches moved by up to 40 % (session 31's forward rows)
                 f = do_bench(lambda: chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs), return_mode="median")
@@ -77,7 +79,8 @@ def main(argv=None):
             res = compiled_resources(sweeps._reverse_sweep_kernel)
             shared = max((r["shared_bytes"] or 0) for r in res) if res else None
             row = dict(**stamp, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=triton.__version__, shape=name, **knobs, flat=flat, paired=paired, sequential=sequential,
+                       triton=triton.__version__, shape=name, **{n: x for n, x in knobs.items() if n != "cu_seqlens"},
+                       sequences=varlen[0] if varlen else b, flat=flat, paired=paired, sequential=sequential,
                        fwd_ms=f, bwd_ms=bw,
                        max_reverse_shared=shared)
             rows.append(row)
