@@ -12,6 +12,8 @@
 #   lightning-tune  the lightning defaults (flat loop, 64 columns, 4 warps) and their neighbours (paired
 #               reverse, 8 warps, 128 columns, nested loops), sequential states on and off, D 128 and
 #               D 64, into diag_ rows                                                   (issue 20)
+#   delta-tune  GDN's launch options one kernel at a time (l2norm rows and warps, dqkw, wy_bwd) against
+#               the defaults in one process, fwd+bwd at B4 T4096, into diag_ rows          (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -51,6 +53,9 @@ for run in ${RUNS:-delta host}; do
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
     lightning-tune) cut_at python3 benchmarks/lightning_tune.py --around-defaults --out "$out/diag_lightning-tune_$tag.jsonl" ;;
+    delta-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B4T4096H16D128 \
+                    --kernels L2NORM_BLOCK_ROWS,L2NORM_WARPS,_dqkw_kernel,DQKW_BLOCK_K,_wy_bwd_kernel \
+                    --out "$out/diag_delta-tune_$tag.jsonl" ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
