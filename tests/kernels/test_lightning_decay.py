@@ -446,6 +446,39 @@ def test_flat_sweeps_are_chosen_only_for_one_micro_chunk_per_block(monkeypatch):
         assert seen == expected, (switch, paired, cblock, dim, seen)
 
 
+def test_forward_column_tile_and_warps_follow_the_loop(monkeypatch):
+    """The forward's defaults by loop, as measured on the H200: the flat loop at 64 columns and
+    sweeps.FLAT_WARPS warps, the nested loops at 128 columns and 8 warps (D = 128); the backward's
+    flat sweeps at 64 columns and FLAT_WARPS."""
+    from hccompile.kernels.lightning import chunk, sweeps
+
+    if sweeps.triton is None:
+        pytest.skip("needs Triton")
+    seen = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((self.name, kwargs["BLOCK_C"], kwargs["num_warps"]))
+
+    decay = make_decay("alibi", 2).to(DEVICE)
+    monkeypatch.setattr(chunk, "_require_triton", lambda device: None)
+    monkeypatch.setattr(chunk, "_segment_states", lambda *a, **k: None)
+    q, k, v, do, _, _ = random_inputs(1, 40, 2, 128, 128, torch.float32, False)
+    for flat, expected in ((True, (64, sweeps.FLAT_WARPS)), (False, (128, 8))):
+        monkeypatch.setattr(sweeps, "FLAT_SWEEPS", flat)
+        seen.clear()
+        chunk.lightning_attn_fwd(q, k, v, decay, None, wrap=Recorder)
+        assert seen == [("_forward_sweep_kernel", *expected)], (flat, seen)
+    monkeypatch.setattr(sweeps, "FLAT_SWEEPS", True)
+    monkeypatch.setattr(sweeps, "PAIRED_REVERSE", False)
+    seen.clear()
+    chunk.lightning_attn_bwd(q, k, v, decay, do, None, wrap=Recorder)
+    assert {launch[1:] for launch in seen} == {(64, sweeps.FLAT_WARPS)}, seen
+
+
 SEQUENTIAL_CASES = [
     # (batch, T, bounds, segment, block, with_state): ragged last chunk and segment, segments shorter than
     # the summary chunk, one token, an empty row; varlen with an empty and a one-token sequence, and

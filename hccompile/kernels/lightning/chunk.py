@@ -71,8 +71,9 @@ DEFAULT_BACKWARD_CBLOCK = 32
 # The tiled (non-contracted) head dim: output columns are independent, so splitting them over
 # programs costs recomputing the score tiles and rereading a, b; wider tiles add registers. The
 # forward's flat loop (the default block and cblock) measured fastest at 64 columns and 4 warps on the
-# H200 (sweeps.FLAT_SWEEPS); warps None: the launcher's choice for the loop it runs.
-FORWARD_COLUMN_TILE, FORWARD_WARPS = 64, None
+# H200 (sweeps.FLAT_SWEEPS), its nested loops at 128 columns and 8 warps; None: the choice for the loop
+# that runs.
+FLAT_FORWARD_COLUMN_TILE, NESTED_FORWARD_COLUMN_TILE, FORWARD_WARPS = 64, 128, None
 BACKWARD_COLUMN_TILE, BACKWARD_WARPS = 64, 4
 DEFAULT_CBLOCK = DEFAULT_BACKWARD_CBLOCK
 
@@ -144,7 +145,7 @@ def lightning_attn_fwd(
     block: int = DEFAULT_BLOCK,
     cblock: int = DEFAULT_FORWARD_CBLOCK,
     segment: int | None = None,
-    column_tile: int = FORWARD_COLUMN_TILE,
+    column_tile: int | None = None,
     num_warps: int | None = FORWARD_WARPS,
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
@@ -160,7 +161,8 @@ def lightning_attn_fwd(
 
     Tuning (every choice is exact): `block` is the inter/intra split, `cblock` the micro-chunk
     (powers of two, 16 <= cblock <= block <= 256); `segment` the rows one program sweeps (a
-    multiple of block; None picks one that fills the GPU); `column_tile` the widest V tile.
+    multiple of block; None picks one that fills the GPU); `column_tile` the widest V tile (None: by the
+    loop, FLAT_FORWARD_COLUMN_TILE or NESTED_FORWARD_COLUMN_TILE).
     `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows).
     """
     num_states = _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
@@ -183,6 +185,9 @@ def lightning_attn_fwd(
     elif final_state_out is not None:
         raise ValueError("final_state_out: given but output_final_state is False")
     _require_triton(q.device)
+    if column_tile is None:
+        flat = sweeps.FLAT_SWEEPS and cblock == block
+        column_tile = FLAT_FORWARD_COLUMN_TILE if flat else NESTED_FORWARD_COLUMN_TILE
     segments = _plan_segments(q, cu_seqlens, segment, block, cdiv(value_dim, min(column_tile, 256)))
     wrap = wrap or direct
     states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state,
