@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--shape", default="B4T4096H16D128")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--sort", default="cumulative", help="pstats order of the profile: cumulative, tottime, ...")
     p.add_argument("--compiled", action="store_true", help="also the step under torch.compile (Inductor)")
     p.add_argument("--static-launch", action="store_true",
                    help="also the compiled step with static_launch_user_defined_triton_kernels=True")
@@ -169,7 +170,7 @@ def measure_one(args, op: str, shape: dict, compiled: bool, static: bool = False
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
+    pstats.Stats(profiler, stream=text).sort_stats(args.sort).print_stats(args.top)
     print(text.getvalue(), flush=True)
 
 
