@@ -248,3 +248,12 @@ def quiet_fake_tensor_errors():
         yield
     finally:
         logger.setLevel(level)
+
+
+def plain_eager() -> bool:
+    """Whether a call runs in plain eager mode: not traced by Dynamo or export, no Python dispatch
+    or function mode (fake tensors, make_fx, FlopCounter, `with torch.device(...)`) and no functorch
+    transform (vmap, grad). Private torch APIs present from 2.11 to 2.15."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None)

@@ -1,10 +1,13 @@
 """lowering/_launch.py: the triton_op + host-op pair every kernel op is made of (issue 24)."""
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import pytest
 import torch
 
-import hccompile  # noqa: F401  (registers the ops)
+import hccompile  # registers the ops
 from hccompile.lowering import _launch
 
 
@@ -35,3 +38,80 @@ def test_each_op_is_named_by_its_own_first_kernel():
 def test_cpu_tensors_run_the_host_op():
     assert not _launch.traced_launch(torch.ones(1), (torch.float32,))
     assert not _launch.traced_launch(torch.ones(1, dtype=torch.float64), (torch.float32,))
+
+
+def _lightning(device):
+    from hccompile.lowering.lightning import alibi_decay, lightning_attn
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, 37, 3, 16, generator=gen, device=device) for _ in range(3))
+    decay = alibi_decay(3, device=device)
+    return (q, k, v), lambda q, k, v: lightning_attn(q, k, v, decay=decay)[0]
+
+
+def _linear(device):
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(2, 29, 2, 8, generator=gen, device=device) for _ in range(3))
+    return (q, k, v), hccompile.causal_linear_attn
+
+
+def _aggregate(device):
+    from hccompile.lowering.mhc import mhc_aggregate
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(2, 5, 4, 24, generator=gen, device=device)
+    weights = torch.rand(2, 5, 4, generator=gen, device=device)
+    return (x, weights), mhc_aggregate
+
+
+@pytest.mark.parametrize("family", [_lightning, _linear, _aggregate], ids=["lightning", "linear", "mhc_aggregate"])
+def test_eager_calls_skip_the_dispatcher_and_match_the_op(family):
+    """call_op: in plain eager mode the host function runs under the op's autograd (no dispatcher);
+    under a function mode (`with torch.device`) the same call meets the op. Same kernels, so the same
+    bits, forward and backward; without a gradient no autograd node at all."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs, fn = family(device)
+
+    def run(op_path: bool):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with torch.device(device) if op_path else contextlib.nullcontext():
+            out = fn(*leaves)
+            node = type(out.grad_fn).__name__
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return out.detach(), grads, node
+
+    direct, direct_grads, direct_node = run(False)
+    through_op, op_grads, op_node = run(True)
+    assert direct_node == "_DirectFunctionBackward", direct_node
+    assert op_node.startswith("GeneratedBackwardFor_hccompile_"), op_node
+    assert torch.equal(direct, through_op)
+    for a, b in zip(direct_grads, op_grads):
+        assert torch.equal(a, b)
+    assert fn(*inputs).grad_fn is None
+
+
+def test_call_op_meets_the_op_wherever_the_direct_call_could_differ(monkeypatch):
+    """The host function directly only for plain tensors in plain eager mode; a subclass, a list of
+    tensors, a function mode, or a differentiable call of an op without autograd (the backward ops:
+    double backward must fail as the op fails, not return a constant) meet the op. Missing trailing
+    arguments take the host function's defaults."""
+    def host(x, y=2):
+        return ("host", x, y)
+
+    def op(*args):
+        return ("op", *args)
+
+    monkeypatch.setitem(_launch._DIRECT, op, _launch._DirectCall(host, inspect.signature(host)))
+    plain, wanting = torch.ones(2), torch.ones(2, requires_grad=True)
+    assert _launch.call_op(op, plain) == ("host", plain, 2)
+    assert _launch.call_op(op, wanting)[0] == "op"
+    with torch.no_grad():
+        assert _launch.call_op(op, wanting)[0] == "host"
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _launch.call_op(op, plain.as_subclass(Sub))[0] == "op"
+    assert _launch.call_op(op, [plain])[0] == "op"
+    with torch.device("cpu"):
+        assert _launch.call_op(op, plain)[0] == "op"

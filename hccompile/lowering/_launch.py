@@ -7,6 +7,12 @@ dispatch, no Python wrapper, no argument checks per call (the checks ran once, o
 tensors), outputs from Inductor's buffer planning. Everywhere else (CPU, Triton's interpreter,
 float64) the body calls the op's `_host` twin, an opaque custom op as before.
 
+Called eagerly (`call_op`), an op whose arguments are plain tensors skips the dispatcher: its host
+function runs directly, under the autograd the op registered (`register_autograd`). The custom-op
+layers (dispatch, schema defaults, aliasing checks, the autograd wrapper, Dynamo's disable frames)
+cost more host time per call than the launches they wrap; traced graphs, fake tensors, dispatch
+modes and functorch transforms still meet the op itself.
+
 `launched_by` records which op each kernel belongs to: once traced, a graph names kernels, not
 ops, and passes/op_inventory reports the op. (A kernel shared by two ops cannot say which one
 launched it: node annotations do not work here, AOTAutograd copies the forward node's onto the
@@ -20,10 +26,11 @@ from typing import Any, Callable
 import torch
 from torch.library import triton_op, wrap_triton
 
+from ..compat import plain_eager
 from ._symbols import reraise_explained
 
-__all__ = ["HEADS", "RUNTIME_CHECKS", "fix_sizes", "kernel_op", "launched_by", "launched_op", "runtime_check",
-           "traced_launch", "wrap_triton"]
+__all__ = ["HEADS", "RUNTIME_CHECKS", "call_op", "fix_sizes", "kernel_op", "launched_by", "launched_op",
+           "register_autograd", "runtime_check", "traced_launch", "wrap_triton"]
 
 # id(JITFunction) -> (kernel, op name, launches per call); the kernel is kept so the id stays its own
 _KERNEL_OPS: dict[int, tuple[Any, str, int]] = {}
@@ -151,4 +158,95 @@ def kernel_op(name: str, host_fn: Callable, host_fake: Callable, traced_fn: Call
     body.__signature__ = signature
     body.__name__, body.__qualname__, body.__doc__ = name, name, host_fn.__doc__
 
-    return triton_op(f"hccompile::{name}", body, mutates_args=())
+    op = triton_op(f"hccompile::{name}", body, mutates_args=())
+    _DIRECT[op] = _DirectCall(host_fn, signature)
+    return op
+
+
+# ----------------------------------------------------------------------------------------
+# Eager calls without the dispatcher
+
+
+class _DirectCall:
+    """What call_op needs of an op: its host function, the defaults of its trailing arguments (the
+    setup_context functions unpack every argument) and the autograd register_autograd gave it."""
+
+    def __init__(self, host_fn: Callable, signature: inspect.Signature):
+        self.host_fn = host_fn
+        self.parameters = len(signature.parameters)
+        self.defaults = tuple(p.default for p in signature.parameters.values())
+        self.autograd: tuple[Callable, Callable] | None = None  # (setup_context, backward)
+
+    def filled(self, args: tuple) -> tuple:
+        if len(args) >= self.parameters:
+            return args
+        missing = self.defaults[len(args):]
+        if any(d is inspect.Parameter.empty for d in missing):
+            raise TypeError(f"{self.host_fn.__name__}: {self.parameters} arguments expected, got {len(args)}")
+        return (*args, *missing)
+
+
+_DIRECT: dict[Any, _DirectCall] = {}
+
+
+def register_autograd(op: Any, backward: Callable, setup_context: Callable) -> None:
+    """op.register_autograd(backward, setup_context=setup_context), and the same autograd for the
+    op's direct eager calls (call_op)."""
+    op.register_autograd(backward, setup_context=setup_context)
+    _DIRECT[op].autograd = (setup_context, backward)
+
+
+class _DirectFunction(torch.autograd.Function):
+    """An op's registered autograd around its host function (what torch's custom-op autograd does,
+    without the dispatch): the last argument is the op's _DirectCall."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        *inputs, direct = args
+        output = direct.host_fn(*inputs)
+        setup_context, ctx.direct_backward = direct.autograd
+        setup_context(ctx, tuple(inputs), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[:-1]
+        try:
+            result = ctx.direct_backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs
+        return (*result, None) if isinstance(result, tuple) else (result, None)
+
+
+def _plain_tensors(args: tuple) -> tuple[bool, bool]:
+    """(every tensor argument is a plain tensor or parameter, some tensor requires grad); a list
+    of tensors counts as not plain (torch's custom-op autograd unpacks those)."""
+    grad = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+                return False, grad
+            grad = grad or a.requires_grad
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return False, grad
+    return True, grad
+
+
+def call_op(op: Any, *args: Any) -> Any:
+    """op(*args) (positional arguments). In plain eager mode on plain tensors, the op's host function
+    directly, differentiable by the op's registered autograd: the same kernels or reference without
+    the dispatcher's host time. An op without autograd meets a differentiable call as itself (its
+    error, not a silent non-differentiable result)."""
+    direct = _DIRECT.get(op)
+    if direct is None or not plain_eager():
+        return op(*args)
+    plain, requires_grad = _plain_tensors(args)
+    if not plain:
+        return op(*args)
+    args = direct.filled(args)
+    if not (requires_grad and torch.is_grad_enabled()):
+        return direct.host_fn(*args)
+    if direct.autograd is None:
+        return op(*args)
+    return _DirectFunction.apply(*args, direct)

@@ -71,7 +71,7 @@ from ..kernels.delta_rule.wy import _wy_backward_kernel
 from ..kernels.delta_rule.wy_bwd import _wy_bwd_kernel
 from ..kernels.delta_rule.reference import GATE_KINDS
 from ..kernels.value_checks import checks_on_gpu, values_checked
-from ._launch import HEADS, kernel_op, runtime_check, wrap_triton
+from ._launch import HEADS, call_op, kernel_op, register_autograd, runtime_check, wrap_triton
 
 __all__ = [
     "chunk_delta_rule",
@@ -692,9 +692,8 @@ def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None, *kept_grads):
         do = torch.zeros(q.shape[:2] + v.shape[2:], dtype=v.dtype, device=v.device)
     # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
     dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
-    grads = chunk_delta_rule_backward_op(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias,
-                                         do.contiguous(), dht, gate, scale, use_qk_l2norm_in_kernel,
-                                         lower_bound, chunk_size, *kept)
+    grads = call_op(chunk_delta_rule_backward_op, q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias,
+                    do.contiguous(), dht, gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, *kept)
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (
         None if x is None else grad for x, grad in zip((q, k, v, beta, g, initial_state, A_log, dt_bias), grads)
     )
@@ -702,7 +701,7 @@ def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None, *kept_grads):
     return dq, dk, dv, dbeta, dg, dh0, None, dA_log, ddt_bias, None, None, None, None, None, None, None, None
 
 
-chunk_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(chunk_delta_rule_op, _backward, _setup_context)
 
 
 # ----------------------------------------------------------------------------------------
@@ -720,8 +719,8 @@ def _run(q, k, v, beta, g, gate, scale, initial_state, output_final_state, cu_se
         _warn_if_head_first(q, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, final_state, *_ = chunk_delta_rule_op(
-        q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, float(scale),
+    o, final_state, *_ = call_op(
+        chunk_delta_rule_op, q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, float(scale),
         bool(output_final_state), bool(use_qk_l2norm_in_kernel),
         None if lower_bound is None else float(lower_bound), int(chunk_size),
         keeps_intermediates(q, k, v, beta, g, initial_state, A_log, dt_bias), True,

@@ -61,7 +61,7 @@ from ..kernels.htree.node_gradients import _node_gradients_kernel, _selection_bi
 from ..kernels.htree.reference import HTreeConfig, htree_attention_ref, htree_selections, resolve_htree_config
 from ..kernels.htree.tiles import (MAX_HEAD_DIM, MAX_SELECT_WIDTH, SUPPORTED_DTYPES, _pool_kernel, max_layers,
                                    selection_slots)
-from ._launch import HEADS, kernel_op, wrap_triton
+from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
 from ._symbols import symbols_explained
 
 __all__ = [
@@ -339,13 +339,13 @@ def _backward(ctx, do: Tensor | None, dlse: Tensor | None, _dselections: Tensor 
     q, k, v, o, lse, selections = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = htree_attention_backward_op(q, k, v, o, lse, do.contiguous(),
+    dq, dk, dv = call_op(htree_attention_backward_op, q, k, v, o, lse, do.contiguous(),
                                              None if dlse is None else dlse.contiguous(), *ctx.options,
                                              selections if selections.numel() > 0 else None)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-htree_attention_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(htree_attention_op, _backward, _setup_context)
 
 
 # ----------------------------------------------------------------------------------------
@@ -392,11 +392,11 @@ def htree_attention(
             max_top_nodes = top_k * compression_rate
         if scale is None:
             scale = q.shape[-1] ** -0.5
-        o, lse, _ = htree_attention_op(q, k, v, compression_rate, top_k, max_top_nodes, float(scale),
-                                       float(rope_base), causal, sort_mode, saves_selections(q, k, v))
+        o, lse, _ = call_op(htree_attention_op, q, k, v, compression_rate, top_k, max_top_nodes, float(scale),
+                            float(rope_base), causal, sort_mode, saves_selections(q, k, v))
     else:
         cfg = _config(q, k, v, compression_rate, top_k, max_top_nodes, scale, rope_base, causal, sort_mode)
         _check_dtypes(q, k, v)
-        o, lse, _ = htree_attention_op(q, k, v, cfg.compression_rate, cfg.top_k, cfg.max_top_nodes, cfg.scale,
-                                       cfg.rope_base, cfg.causal, cfg.sort_mode, saves_selections(q, k, v))
+        o, lse, _ = call_op(htree_attention_op, q, k, v, cfg.compression_rate, cfg.top_k, cfg.max_top_nodes,
+                            cfg.scale, cfg.rope_base, cfg.causal, cfg.sort_mode, saves_selections(q, k, v))
     return (o, lse) if return_lse else o

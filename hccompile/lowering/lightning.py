@@ -54,7 +54,7 @@ from ..kernels.lightning.sweeps import (_forward_sweep_bwd_kernel, _forward_swee
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
 from ..kernels.value_checks import checks_on_gpu
-from ._launch import HEADS, kernel_op, wrap_triton
+from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
 
 __all__ = [
     "alibi_decay",
@@ -328,13 +328,13 @@ def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None):
         do = torch.zeros(q.shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device)
     # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
     dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
-    dq, dk, dv, dh0 = lightning_attn_backward_op(q, k, v, decay, initial_state, do.contiguous(), dht, ctx.scale,
-                                                 cu_seqlens)
+    dq, dk, dv, dh0 = call_op(lightning_attn_backward_op, q, k, v, decay, initial_state, do.contiguous(), dht,
+                              ctx.scale, cu_seqlens)
     # Order of the op's arguments: the decay (a constant), cu_seqlens and the options get None.
     return dq, dk, dv, None, (None if initial_state is None else dh0), None, None, None
 
 
-lightning_attn_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(lightning_attn_op, _backward, _setup_context)
 
 
 # ----------------------------------------------------------------------------------------
@@ -372,6 +372,6 @@ def lightning_attn(
         _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, final_state = lightning_attn_op(q, k, v, decay, initial_state, float(scale), bool(output_final_state),
+    o, final_state = call_op(lightning_attn_op, q, k, v, decay, initial_state, float(scale), bool(output_final_state),
                                        cu_seqlens)
     return o, (final_state if output_final_state else None)

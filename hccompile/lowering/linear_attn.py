@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from ._launch import HEADS, kernel_op, wrap_triton
+from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -128,11 +128,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: Tensor):
     q, k, v = ctx.saved_tensors
-    dq, dk, dv = causal_linear_attn_backward_op(q, k, v, grad_out.contiguous(), ctx.scale)
+    dq, dk, dv = call_op(causal_linear_attn_backward_op, q, k, v, grad_out.contiguous(), ctx.scale)
     return dq, dk, dv, None
 
 
-causal_linear_attn_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(causal_linear_attn_op, _backward, _setup_context)
 
 
 def causal_linear_attn(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
@@ -143,4 +143,4 @@ def causal_linear_attn(q: Tensor, k: Tensor, v: Tensor, scale: float | None = No
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return causal_linear_attn_op(q, k, v, float(scale))
+    return call_op(causal_linear_attn_op, q, k, v, float(scale))

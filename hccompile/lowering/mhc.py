@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
-from ._launch import HEADS, kernel_op, wrap_triton
+from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
 from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
 from ..kernels.mhc import mapping as K_map
@@ -173,19 +173,19 @@ def _post_setup(ctx, inputs, output) -> None:
 
 def _post_backward(ctx, dout: Tensor):
     x, h_res, h_post, f = ctx.saved_tensors
-    dx, dh_res, dh_post, df = mhc_post_backward_op(x, h_res, h_post, f, dout, ctx.transpose_res,
-                                                    ctx.out_order)
+    dx, dh_res, dh_post, df = call_op(mhc_post_backward_op, x, h_res, h_post, f, dout, ctx.transpose_res,
+                                      ctx.out_order)
     return dx, dh_res, dh_post, df, None, None
 
 
-mhc_post_op.register_autograd(_post_backward, setup_context=_post_setup)
+register_autograd(mhc_post_op, _post_backward, _post_setup)
 
 
 def mhc_post(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res: bool = False,
              out_order: Sequence[int] | None = None) -> Tensor:
     """x_next[i] = Σ_j A[i, j] x[j] + H_post[i] f (A = H_res, or H_resᵀ); differentiable."""
-    return mhc_post_op(x, h_res, h_post, f, bool(transpose_res),
-                       list(out_order if out_order is not None else IDENTITY_ORDER))
+    return call_op(mhc_post_op, x, h_res, h_post, f, bool(transpose_res),
+                   list(out_order if out_order is not None else IDENTITY_ORDER))
 
 
 # ----------------------------------------------------------------------------------------
@@ -258,16 +258,16 @@ def _aggregate_setup(ctx, inputs, output) -> None:
 
 def _aggregate_backward(ctx, dy: Tensor):
     x, h_pre = ctx.saved_tensors
-    dx, dh = mhc_aggregate_backward_op(x, h_pre, dy, ctx.x_order)
+    dx, dh = call_op(mhc_aggregate_backward_op, x, h_pre, dy, ctx.x_order)
     return dx, dh, None
 
 
-mhc_aggregate_op.register_autograd(_aggregate_backward, setup_context=_aggregate_setup)
+register_autograd(mhc_aggregate_op, _aggregate_backward, _aggregate_setup)
 
 
 def mhc_aggregate(x: Tensor, h_pre: Tensor, x_order: Sequence[int] | None = None) -> Tensor:
     """y = Σ_i H_pre[i] x[i]; x [T1, T2, n, C], h_pre [T1, T2, n]; differentiable."""
-    return mhc_aggregate_op(x, h_pre, list(x_order if x_order is not None else IDENTITY_ORDER))
+    return call_op(mhc_aggregate_op, x, h_pre, list(x_order if x_order is not None else IDENTITY_ORDER))
 
 
 # ----------------------------------------------------------------------------------------
@@ -420,11 +420,11 @@ def _mapping_backward(ctx, dh_pre, dh_post, dh_res):
     dh_pre = dh_pre if dh_pre is not None else proj.new_zeros(lead + (n,))
     dh_post = dh_post if dh_post is not None else proj.new_zeros(lead + (n,))
     dh_res = dh_res if dh_res is not None else proj.new_zeros(lead + (n, n))
-    grads = mhc_mapping_backward_op(*saved, dh_pre, dh_post, dh_res, *ctx.spec_args)
+    grads = call_op(mhc_mapping_backward_op, *saved, dh_pre, dh_post, dh_res, *ctx.spec_args)
     return (*grads, *([None] * ctx.num_scalars))
 
 
-mhc_mapping_op.register_autograd(_mapping_backward, setup_context=_mapping_setup)
+register_autograd(mhc_mapping_op, _mapping_backward, _mapping_setup)
 
 
 def mhc_mapping(proj: Tensor, r: Tensor, alphas: Sequence[Tensor], biases: Sequence[Tensor],
@@ -434,4 +434,4 @@ def mhc_mapping(proj: Tensor, r: Tensor, alphas: Sequence[Tensor], biases: Seque
     proj, r, the α (one element each) and the biases ([n], [n], [n²])."""
     spec.validate()
     dtypes = tuple(out_dtypes) if out_dtypes is not None else (proj.dtype,) * 3
-    return mhc_mapping_op(proj, r, *alphas, *biases, *spec_args(spec), *dtypes)
+    return call_op(mhc_mapping_op, proj, r, *alphas, *biases, *spec_args(spec), *dtypes)
