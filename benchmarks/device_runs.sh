@@ -12,6 +12,10 @@
 #   lightning-tune  the lightning defaults (flat loop, 64 columns, 4 warps) and their neighbours (paired
 #               reverse, 8 warps, 128 columns, nested loops), sequential states on and off, D 128 and
 #               D 64, into diag_ rows                                                   (issue 20)
+#   host-eager  host time per eager fwd+bwd (lightning, GDN, the pointwise floor): the ops' calls without
+#               the dispatcher (lowering/_launch.py call_op)                            (issue 24, 20)
+#   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
+#               B1 T32768 (ours and FLA's), into diag_ rows                              (issue 20)
 #   delta-tune  GDN's launch options one kernel at a time (l2norm rows and warps, dqkw, wy_bwd) against
 #               the defaults in one process, fwd+bwd at B4 T4096, into diag_ rows          (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
@@ -51,6 +55,12 @@ for run in ${RUNS:-delta host}; do
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl"
          cut_at python3 benchmarks/mhc.py --layers 2 --dim 4096 --heads 32 --batch 2 --seq 2048 \
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl" ;;
+    host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --top 12 \
+                    --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
+    lightning-quick) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \
+                         --out "$out/lightning_$tag.jsonl"
+                     cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B1T32768H16D128 \
+                         > "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
     lightning-tune) cut_at python3 benchmarks/lightning_tune.py --around-defaults --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     delta-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B4T4096H16D128 \

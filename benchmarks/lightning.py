@@ -165,6 +165,8 @@ def run_shape(name, shape, decayed, args, bandwidth):
             for m, a, value in saved:
                 setattr(m, a, value)
 
+    if args.no_switches:
+        switches = {}
     for label in switches:
         with flipped(label) as note:
             add(f"hccompile.lightning_attn, {label}", ours, note=note)
@@ -228,6 +230,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--skip-plain", action="store_true", help="skip the plain form under Inductor/hc")
     p.add_argument("--plain-limit-gb", type=float, default=8.0, help="skip plain forms whose score matrix is larger")
+    p.add_argument("--no-switches", action="store_true", help="only the defaults: no rows with a switch flipped")
     p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args(argv)
 

@@ -115,3 +115,32 @@ def test_call_op_meets_the_op_wherever_the_direct_call_could_differ(monkeypatch)
     assert _launch.call_op(op, [plain])[0] == "op"
     with torch.device("cpu"):
         assert _launch.call_op(op, plain)[0] == "op"
+
+
+def test_values_read_once_per_tensor_and_version():
+    """cached_by_tensor keeps a value while the same tensor object lives unmodified: an in-place
+    change (its version), another tensor with equal values, or what=... of another computation reads
+    again; an inference tensor (no version counter) is read every time."""
+    from hccompile.kernels.value_checks import cached_by_tensor, host_ints
+
+    reads = []
+
+    def read(t):
+        return lambda: reads.append(1) or tuple(t.tolist())
+
+    t = torch.tensor([0, 3, 7])
+    assert cached_by_tensor(t, ("a",), read(t)) == (0, 3, 7)
+    assert cached_by_tensor(t, ("a",), read(t)) == (0, 3, 7) and len(reads) == 1
+    cached_by_tensor(t, ("b",), read(t))
+    assert len(reads) == 2
+    t[1] = 4
+    assert cached_by_tensor(t, ("a",), read(t)) == (0, 4, 7) and len(reads) == 3
+    other = torch.tensor([0, 4, 7])
+    cached_by_tensor(other, ("a",), read(other))
+    assert len(reads) == 4
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 1])
+    cached_by_tensor(frozen, ("a",), read(frozen))
+    cached_by_tensor(frozen, ("a",), read(frozen))
+    assert len(reads) == 6
+    assert host_ints(torch.tensor([0, 2, 5], dtype=torch.int32)) == (0, 2, 5)

@@ -345,6 +345,38 @@ def test_varlen_matches_each_sequence_alone(bounds, segment, dtype):
         assert relative_rms_error(got, want) < (out_tol if name in ("o", "final") else grad_tol), name
 
 
+@requires_triton
+@pytest.mark.parametrize("segment", [64, None])
+def test_varlen_plan_is_built_once_per_cu_seqlens_until_it_changes(monkeypatch, segment):
+    """cu_seqlens is read on the host (on a GPU, a synchronisation) once per tensor and version: the
+    forward and the backward share one segment plan, and a second step builds none; an in-place change
+    or another tensor builds anew, and the results follow the new bounds."""
+    from hccompile.kernels.lightning import segments
+
+    built, real = [], segments._built_segments
+    monkeypatch.setattr(segments, "_built_segments", lambda *a: built.append(a[-1]) or real(*a))
+    q, k, v, do, _, _ = random_inputs(1, 161, 2, 24, 20, torch.float32, False, seed=7)
+    decay = make_decay("alibi", 2).to(DEVICE)
+
+    def step(cu_seqlens):
+        o, _ = lightning_attn_fwd(q, k, v, decay, 0.25, cu_seqlens=cu_seqlens, segment=segment)
+        dq, dk, dv, _ = lightning_attn_bwd(q, k, v, decay, do, 0.25, cu_seqlens=cu_seqlens, segment=segment)
+        return o, dq, dk, dv
+
+    cu_seqlens = torch.tensor([0, 30, 97, 161], dtype=torch.int32, device=DEVICE)
+    first = step(cu_seqlens)
+    assert len(built) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, step(cu_seqlens)))
+    assert len(built) == 1
+    cu_seqlens[1] = 50
+    moved = step(cu_seqlens)
+    assert len(built) == 2
+    fresh = step(torch.tensor([0, 50, 97, 161], dtype=torch.int32, device=DEVICE))
+    assert len(built) == 3
+    assert all(torch.equal(a, b) for a, b in zip(moved, fresh))
+    assert not torch.equal(moved[0], first[0])
+
+
 @pytest.mark.parametrize(
     "bounds, batch, error, message",
     [

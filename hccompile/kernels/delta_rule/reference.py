@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..value_checks import host_ints
+
 __all__ = [
     "GATE_KINDS",
     "DeltaRuleProblem",
@@ -86,7 +88,7 @@ def _sequences_from_cu_seqlens(cu_seqlens, batch: int, time: int) -> tuple[tuple
         raise ValueError(f"cu_seqlens: requires B == 1, got B={batch}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: needs at least 2 entries (one sequence), got {cu_seqlens.numel()}")
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    bounds = list(host_ints(cu_seqlens))
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens: must start at 0, got {bounds[0]}")
     if bounds[-1] != time:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..value_checks import values_checked
+from ..value_checks import host_ints, values_checked
 
 from .reference import check_attention_shapes
 
@@ -167,7 +167,7 @@ def check_cu_seqlens(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
         raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
     if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens: a variable-length batch needs batch size 1, got q with batch {q.shape[0]}")
-    bounds = cu_seqlens.tolist()
+    bounds = list(host_ints(cu_seqlens))
     if bounds[0] != 0 or bounds[-1] != q.shape[1]:
         raise ValueError(f"cu_seqlens: must start at 0 and end at T={q.shape[1]}, got {bounds[0]} .. {bounds[-1]}")
     if any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
@@ -190,7 +190,7 @@ def lightning_attn_varlen_ref(
     if cu_seqlens is None:
         return lightning_attn_ref(q, k, v, decay, scale, initial_state, output_final_state)
     check_cu_seqlens(q, cu_seqlens)
-    bounds = cu_seqlens.tolist()
+    bounds = list(host_ints(cu_seqlens))
     outputs, states = [], []
     for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
         h0 = None if initial_state is None else initial_state[n:n + 1]

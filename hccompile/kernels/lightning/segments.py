@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..value_checks import cached_by_tensor, host_ints
 from .tiles import _block_dim, _dot_options, _state_strides
 
 from .._triton import cdiv, direct, dot, load_tile, scratch_rows, tl, triton
@@ -306,7 +307,7 @@ def _sequence_bounds(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[
     if cu_seqlens is None:
         return (torch.arange(batch), torch.zeros(batch, dtype=torch.int64),
                 torch.full((batch,), time, dtype=torch.int64))
-    bounds = cu_seqlens.to("cpu", torch.int64)  # one host sync, as FLA's varlen path
+    bounds = torch.tensor(host_ints(cu_seqlens), dtype=torch.int64)  # one host sync per cu_seqlens
     count = bounds.numel() - 1
     return torch.zeros(count, dtype=torch.int64), bounds[:-1], bounds[1:] - bounds[:-1]
 
@@ -343,10 +344,20 @@ def _fixed_segments(q: torch.Tensor, segment: int | None, block: int, column_til
 
 
 def _build_segments(q: torch.Tensor, cu_seqlens, segment: int | None, block: int, column_tiles: int) -> _Segments:
+    """A varlen batch's segment tables, built once per cu_seqlens tensor and segment length (the
+    forward's and the backward's calls, and every layer's, share them: cached_by_tensor)."""
+    if segment is None:
+        bounds = host_ints(cu_seqlens)
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        segment = _auto_segment_length(max(lengths, default=0), bounds[-1] - bounds[0], q.shape[2], column_tiles,
+                                       block, q.device)
+    what = ("lightning segments", q.shape[1], str(q.device), int(segment))
+    return cached_by_tensor(cu_seqlens, what, lambda: _built_segments(q, cu_seqlens, int(segment)))
+
+
+def _built_segments(q: torch.Tensor, cu_seqlens, segment: int) -> _Segments:
     batch_index, starts, lengths = _sequence_bounds(q, cu_seqlens)
     longest = int(lengths.max()) if lengths.numel() else 0
-    if segment is None:
-        segment = _auto_segment_length(longest, int(lengths.sum()), q.shape[2], column_tiles, block, q.device)
     # An empty sequence keeps one segment of length 0, so its state still passes through.
     per_sequence = torch.clamp((lengths + segment - 1) // segment, min=1)
     first = torch.zeros(per_sequence.numel() + 1, dtype=torch.int64)
