@@ -34,6 +34,12 @@ def main(argv=None):
                    help="the flat loop at 64 columns / 4 warps (the defaults) and its neighbours: paired reverse, "
                         "8 warps, 128 columns with 512-row segments, the nested loops; each with segments.SEQUENTIAL_STATES "
                         "True and False; shapes default to all three of benchmarks/lightning.py")
+    p.add_argument("--defaults-only", action="store_true",
+                   help="with --around-defaults: only the defaults (sequential states chosen per launch)")
+    p.add_argument("--stage-budgets", default=str(96 * 1024),
+                   help="comma-separated sweeps.PIPELINE_SHARED_MEMORY_BUDGET values (bytes) to run every config at: "
+                        "the flat forward sweep spills 208/80/16 B a thread at 1/2/3 stages (sm_90, Triton 3.6), "
+                        "and 3 stages (120 KiB) leave one program per SM")
     args = p.parse_args(argv)
     import triton
 
@@ -64,8 +70,12 @@ def main(argv=None):
                       (64, 64, 64, 8, None, True, True), (64, 64, 128, 4, 512, True, False),
                       (64, 64, 128, 8, None, False, False)]
             configs = [(*c, sequential) for c in around for sequential in (True, False)]
-        for block, cblock, tile, warps, seg, flat, paired, sequential in configs:
+            if args.defaults_only:
+                configs = [(*around[0], None)]
+        configs = [(*c, budget) for c in configs for budget in map(int, args.stage_budgets.split(","))]
+        for block, cblock, tile, warps, seg, flat, paired, sequential, budget in configs:
             sweeps.FLAT_SWEEPS, sweeps.PAIRED_REVERSE, segments.SEQUENTIAL_STATES = flat, paired, sequential
+            sweeps.PIPELINE_SHARED_MEMORY_BUDGET = budget
             knobs = dict(block=block, cblock=cblock, column_tile=tile, num_warps=warps, segment=seg,
                          cu_seqlens=cu_seqlens)
             try:
@@ -81,14 +91,14 @@ def main(argv=None):
             row = dict(**stamp, device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=triton.__version__, shape=name, **{n: x for n, x in knobs.items() if n != "cu_seqlens"},
                        sequences=varlen[0] if varlen else b, flat=flat, paired=paired, sequential=sequential,
-                       fwd_ms=f, bwd_ms=bw,
+                       stage_budget=budget, fwd_ms=f, bwd_ms=bw,
                        max_reverse_shared=shared)
             rows.append(row)
             if args.out:  # as measured: a run cut short keeps its rows
                 with open(args.out, "a") as sink:
                     sink.write(json.dumps(row) + "\n")
             print(f"{name} block={block} cblock={cblock} tile={tile} warps={warps} seg={seg} flat={flat} paired={paired} "
-                  f"sequential={sequential}: "
+                  f"sequential={sequential} stage budget={budget}: "
                   f"fwd {f:.3f} bwd {bw:.3f} ms", flush=True)
         best_f = min((r for r in rows if r["shape"] == name), key=lambda r: r["fwd_ms"])
         best_b = min((r for r in rows if r["shape"] == name), key=lambda r: r["bwd_ms"])

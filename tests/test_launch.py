@@ -93,7 +93,7 @@ def test_eager_calls_skip_the_dispatcher_and_match_the_op(family):
 def test_call_op_meets_the_op_wherever_the_direct_call_could_differ(monkeypatch):
     """The host function directly only for plain tensors in plain eager mode; a subclass, a list of
     tensors, a function mode, or a differentiable call of an op without autograd (the backward ops:
-    double backward must fail as the op fails, not return a constant) meet the op. Missing trailing
+    double backward must fail as the op fails, not return a constant) meet the op, as does a meta tensor. Missing trailing
     arguments take the host function's defaults."""
     def host(x, y=2):
         return ("host", x, y)
@@ -113,6 +113,7 @@ def test_call_op_meets_the_op_wherever_the_direct_call_could_differ(monkeypatch)
 
     assert _launch.call_op(op, plain.as_subclass(Sub))[0] == "op"
     assert _launch.call_op(op, [plain])[0] == "op"
+    assert _launch.call_op(op, torch.ones(2, device="meta"))[0] == "op"
     with torch.device("cpu"):
         assert _launch.call_op(op, plain)[0] == "op"
 

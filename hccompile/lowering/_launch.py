@@ -220,12 +220,14 @@ class _DirectFunction(torch.autograd.Function):
 
 
 def _plain_tensors(args: tuple) -> tuple[bool, bool]:
-    """(every tensor argument is a plain tensor or parameter, some tensor requires grad); a list
-    of tensors counts as not plain (torch's custom-op autograd unpacks those)."""
+    """(every tensor argument is a plain tensor or parameter on the CPU or a GPU, some tensor
+    requires grad); a list of tensors counts as not plain (torch's custom-op autograd unpacks those),
+    and so does a meta tensor (the op's fake computes its shapes; the host function would run the
+    reference on it)."""
     grad = False
     for a in args:
         if isinstance(a, torch.Tensor):
-            if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+            if (type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter) or a.device.type == "meta":
                 return False, grad
             grad = grad or a.requires_grad
         elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
