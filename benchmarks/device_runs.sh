@@ -13,7 +13,7 @@
 #               reverse, 8 warps, 128 columns, nested loops), sequential states on and off, D 128 and
 #               D 64, into diag_ rows                                                   (issue 20)
 #   host-eager  host time per eager fwd+bwd (lightning, GDN, the pointwise floor): the ops' calls without
-#               the dispatcher (lowering/_launch.py call_op)                            (issue 24, 20)
+#               the dispatcher (lowering/_launch.py call_op) and through it, in one process (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
 #               B1 T32768 (ours and FLA's), into diag_ rows                              (issue 20)
 #   lightning-stages  the lightning defaults at the sweeps' stage budget of 96 KiB (2 stages for the flat
@@ -58,7 +58,7 @@ for run in ${RUNS:-delta host}; do
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl"
          cut_at python3 benchmarks/mhc.py --layers 2 --dim 4096 --heads 32 --batch 2 --seq 2048 \
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl" ;;
-    host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --top 12 \
+    host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --through-op --top 12 \
                     --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
     lightning-quick) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \
                          --out "$out/lightning_$tag.jsonl"

@@ -47,12 +47,15 @@ def main() -> None:
     p.add_argument("--compiled", action="store_true", help="also the step under torch.compile (Inductor)")
     p.add_argument("--static-launch", action="store_true",
                    help="also the compiled step with static_launch_user_defined_triton_kernels=True")
+    p.add_argument("--through-op", action="store_true",
+                   help="also the eager step with every call through the op (lowering/_launch.DIRECT_CALLS off, "
+                        "as before call_op); its rows carry \"direct\": false")
     p.add_argument("--jsonl", help="append one row per op and mode here")
     p.add_argument("--commit", default="", help="the measured tree's commit (a copied tree has no .git)")
     args = p.parse_args()
     shape = parse_shape(args.shape)
     modes = [(False, False)] + ([(True, False)] if args.compiled else []) + \
-        ([(True, True)] if args.static_launch else [])
+        ([(True, True)] if args.static_launch else []) + ([("through-op", False)] if args.through_op else [])
     for op in args.ops.split(","):
         for compiled, static in modes:
             torch._dynamo.reset()  # each mode compiles afresh: the launcher is chosen when kernels load
@@ -60,8 +63,12 @@ def main() -> None:
                 if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels") else {}
             if static and not patch:
                 raise SystemExit("--static-launch: this torch's Inductor has no static_launch_user_defined_triton_kernels")
+            from hccompile.lowering import _launch
+
+            _launch.DIRECT_CALLS = compiled != "through-op"
             with torch._inductor.config.patch(patch):
-                measure_one(args, op, shape, compiled, static)
+                measure_one(args, op, shape, compiled is True, static, direct=_launch.DIRECT_CALLS)
+            _launch.DIRECT_CALLS = True
 
 
 def floor_step_fn(shape: dict, compiled: bool):
@@ -129,7 +136,7 @@ def family_step_fn(op: str, shape: dict, compiled: bool, device: str = "cuda"):
     return step
 
 
-def measure_one(args, op: str, shape: dict, compiled: bool, static: bool = False) -> None:
+def measure_one(args, op: str, shape: dict, compiled: bool, static: bool = False, direct: bool = True) -> None:
     import triton
 
     if op == "floor":
@@ -138,7 +145,8 @@ def measure_one(args, op: str, shape: dict, compiled: bool, static: bool = False
         step = step_fn(op, shape, compiled=compiled)
     else:
         step = family_step_fn(op, shape, compiled)
-    label = f"{op} {args.shape}" + (" compiled" if compiled else "") + (" static-launch" if static else "")
+    label = f"{op} {args.shape}" + (" compiled" if compiled else "") + (" static-launch" if static else "") + \
+        ("" if direct else " through the op")
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -159,7 +167,7 @@ def measure_one(args, op: str, shape: dict, compiled: bool, static: bool = False
         row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__, "commit": args.commit,
                "bench": "host", "op": op, "shape": args.shape, "compiled": compiled, "static_launch": static,
-               "wall_ms": round(wall, 4), "host_ms": round(host, 4)}
+               "direct": direct, "wall_ms": round(wall, 4), "host_ms": round(host, 4)}
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
     profiler = cProfile.Profile()

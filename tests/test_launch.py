@@ -94,7 +94,7 @@ def test_call_op_meets_the_op_wherever_the_direct_call_could_differ(monkeypatch)
     """The host function directly only for plain tensors in plain eager mode; a subclass, a list of
     tensors, a function mode, or a differentiable call of an op without autograd (the backward ops:
     double backward must fail as the op fails, not return a constant) meet the op, as does a meta tensor. Missing trailing
-    arguments take the host function's defaults."""
+    arguments take the host function's defaults. DIRECT_CALLS off sends every call to the op."""
     def host(x, y=2):
         return ("host", x, y)
 
@@ -116,6 +116,8 @@ def test_call_op_meets_the_op_wherever_the_direct_call_could_differ(monkeypatch)
     assert _launch.call_op(op, torch.ones(2, device="meta"))[0] == "op"
     with torch.device("cpu"):
         assert _launch.call_op(op, plain)[0] == "op"
+    monkeypatch.setattr(_launch, "DIRECT_CALLS", False)
+    assert _launch.call_op(op, plain)[0] == "op"
 
 
 def test_values_read_once_per_tensor_and_version():

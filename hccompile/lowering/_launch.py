@@ -21,6 +21,7 @@ backward nodes, and torch 2.11 replaces theirs. Give each op a kernel of its own
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable
 
 import torch
@@ -188,6 +189,10 @@ class _DirectCall:
 
 _DIRECT: dict[Any, _DirectCall] = {}
 
+# HCCOMPILE_DIRECT_CALLS=0 (read at import; benchmarks set the attribute) sends every eager call through
+# the op, as before call_op: the before/after of its host time in one process (benchmarks/host_overhead.py).
+DIRECT_CALLS = os.environ.get("HCCOMPILE_DIRECT_CALLS", "1") != "0"
+
 
 def register_autograd(op: Any, backward: Callable, setup_context: Callable) -> None:
     """op.register_autograd(backward, setup_context=setup_context), and the same autograd for the
@@ -241,7 +246,7 @@ def call_op(op: Any, *args: Any) -> Any:
     the dispatcher's host time. An op without autograd meets a differentiable call as itself (its
     error, not a silent non-differentiable result)."""
     direct = _DIRECT.get(op)
-    if direct is None or not plain_eager():
+    if direct is None or not DIRECT_CALLS or not plain_eager():
         return op(*args)
     plain, requires_grad = _plain_tensors(args)
     if not plain:
