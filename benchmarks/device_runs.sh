@@ -18,7 +18,7 @@
 #               B1 T32768 (ours and FLA's), into diag_ rows                              (issue 20)
 #   lightning-stages  the lightning defaults at the sweeps' stage budget of 96 KiB (2 stages for the flat
 #               forward at D 128) and 128 KiB (3 stages: fewer spills, one program per SM), every shape,
-#               into diag_ rows                                                           (issue 20)
+#               and the backward from the forward's saved states, into diag_ rows         (issue 20)
 #   delta-tune  GDN's launch options one kernel at a time (l2norm rows and warps, dqkw, wy_bwd) against
 #               the defaults in one process, fwd+bwd at B4 T4096, into diag_ rows          (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
@@ -65,7 +65,7 @@ for run in ${RUNS:-delta host}; do
                      cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B1T32768H16D128 \
                          > "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
     lightning-stages) cut_at python3 benchmarks/lightning_tune.py --around-defaults --defaults-only \
-                          --stage-budgets 98304,131072 --out "$out/diag_lightning-tune_$tag.jsonl" ;;
+                          --stage-budgets 98304,131072 --saved-states --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
     lightning-tune) cut_at python3 benchmarks/lightning_tune.py --around-defaults --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     delta-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B4T4096H16D128 \

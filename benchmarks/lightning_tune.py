@@ -40,6 +40,9 @@ def main(argv=None):
                    help="comma-separated sweeps.PIPELINE_SHARED_MEMORY_BUDGET values (bytes) to run every config at: "
                         "the flat forward sweep spills 208/80/16 B a thread at 1/2/3 stages (sm_90, Triton 3.6), "
                         "and 3 stages (120 KiB) leave one program per SM")
+    p.add_argument("--saved-states", action="store_true",
+                   help="also the backward from the forward's saved segment states (lightning_attn_bwd(states=)): "
+                        "bwd_saved_states_ms")
     args = p.parse_args(argv)
     import triton
 
@@ -83,6 +86,11 @@ def main(argv=None):
                 f = do_bench(lambda: chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs), return_mode="median")
                 bw = do_bench(lambda: chunk.lightning_attn_bwd(q, k, v, decay, do, None, **knobs),
                               return_mode="median")
+                saved_bw = None
+                if args.saved_states:
+                    saved = chunk.lightning_attn_fwd(q, k, v, decay, None, **knobs, return_states=True)[2]
+                    saved_bw = do_bench(lambda: chunk.lightning_attn_bwd(q, k, v, decay, do, None, **knobs,
+                                                                         states=saved), return_mode="median")
             except Exception as error:  # noqa: BLE001  (out of resources for a config)
                 print(name, knobs, "failed:", str(error).splitlines()[0][:120])
                 continue
@@ -91,7 +99,7 @@ def main(argv=None):
             row = dict(**stamp, device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=triton.__version__, shape=name, **{n: x for n, x in knobs.items() if n != "cu_seqlens"},
                        sequences=varlen[0] if varlen else b, flat=flat, paired=paired, sequential=sequential,
-                       stage_budget=budget, fwd_ms=f, bwd_ms=bw,
+                       stage_budget=budget, fwd_ms=f, bwd_ms=bw, bwd_saved_states_ms=saved_bw,
                        max_reverse_shared=shared)
             rows.append(row)
             if args.out:  # as measured: a run cut short keeps its rows

@@ -377,6 +377,33 @@ def test_varlen_plan_is_built_once_per_cu_seqlens_until_it_changes(monkeypatch, 
     assert not torch.equal(moved[0], first[0])
 
 
+@requires_triton
+@pytest.mark.parametrize("bounds", [None, [0, 30, 97, 161]], ids=["fixed", "varlen"])
+def test_backward_from_the_forwards_saved_states_is_the_same(bounds):
+    """lightning_attn_bwd(states=) reads the segments' starting states the forward computed instead of
+    recomputing them: the same bits, with an initial state, fixed rows and varlen; states planned for
+    another block or segment are refused."""
+    from hccompile.kernels.lightning.chunk import SavedStates
+
+    batch, total = (2, 150) if bounds is None else (1, bounds[-1])
+    count = batch if bounds is None else len(bounds) - 1
+    q, k, v, do, _, _ = random_inputs(batch, total, 2, 24, 20, torch.float32, False, seed=11)
+    h0 = torch.randn(count, 2, 24, 20, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    cu_seqlens = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    decay = make_decay("alibi", 2).to(DEVICE)
+    o, final, saved = lightning_attn_fwd(q, k, v, decay, 0.25, h0, True, cu_seqlens=cu_seqlens, segment=64,
+                                         return_states=True)
+    assert isinstance(saved, SavedStates) and saved.segment == 64
+    recomputed = lightning_attn_bwd(q, k, v, decay, do, 0.25, h0, cu_seqlens=cu_seqlens, segment=64)
+    reused = lightning_attn_bwd(q, k, v, decay, do, 0.25, h0, cu_seqlens=cu_seqlens, states=saved)
+    for a, b in zip(recomputed, reused):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="states: planned with segment 64"):
+        lightning_attn_bwd(q, k, v, decay, do, 0.25, h0, cu_seqlens=cu_seqlens, segment=128, states=saved)
+    with pytest.raises(ValueError, match="states: planned with block 64"):
+        lightning_attn_bwd(q, k, v, decay, do, 0.25, h0, cu_seqlens=cu_seqlens, block=32, states=saved)
+
+
 @pytest.mark.parametrize(
     "bounds, batch, error, message",
     [

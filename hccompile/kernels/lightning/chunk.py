@@ -37,7 +37,7 @@ The decay is a constant: no gradient is computed for it.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -56,6 +56,7 @@ from .._triton import cdiv, direct, interpreted, require_triton, triton_availabl
 __all__ = [
     "MAX_HEAD_DIM",
     "SUPPORTED_DTYPES",
+    "SavedStates",
     "lightning_attn_fwd",
     "lightning_attn_bwd",
     "triton_available",
@@ -132,6 +133,25 @@ def _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, **states)
     return num_states
 
 
+class SavedStates(NamedTuple):
+    """The segments' starting states of one forward ([segments, H, K, V] fp32), the segment length
+    and block they were planned with: what the backward's forward-state pass would recompute."""
+
+    states: torch.Tensor
+    segment: int
+    block: int
+
+    def check(self, q: torch.Tensor, v: torch.Tensor, block: int, segment: int | None) -> None:
+        heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
+        if self.block != block:
+            raise ValueError(f"states: planned with block {self.block}, the backward runs block {block}")
+        if segment is not None and segment != self.segment:
+            raise ValueError(f"states: planned with segment {self.segment}, the backward was given segment {segment}")
+        if tuple(self.states.shape[1:]) != (heads, key_dim, value_dim) or self.states.dtype != torch.float32:
+            raise ValueError(f"states: expected float32 [segments, {heads}, {key_dim}, {value_dim}], got "
+                             f"{self.states.dtype} {tuple(self.states.shape)}")
+
+
 def lightning_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -150,7 +170,8 @@ def lightning_attn_fwd(
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
     wrap: Callable | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_states: bool = False,
+) -> tuple:
     """Lightning attention forward; q, k: [B, T, H, K], v: [B, T, H, V], decay: [H] log-decays <= 0.
 
     `scale` None means K**-0.5. Variable-length batches: B = 1 and cu_seqlens [N + 1] (FLA's
@@ -164,6 +185,8 @@ def lightning_attn_fwd(
     multiple of block; None picks one that fills the GPU); `column_tile` the widest V tile (None: by the
     loop, FLAT_FORWARD_COLUMN_TILE or NESTED_FORWARD_COLUMN_TILE).
     `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows).
+    `return_states`: also return SavedStates, the segments' starting states this forward computed, which
+    lightning_attn_bwd can take (`states=`) instead of recomputing them.
     """
     num_states = _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
     batch, time, heads, key_dim = q.shape
@@ -194,6 +217,8 @@ def lightning_attn_fwd(
                              wrap=wrap, block=block)
     _launch_sweep(_forward_sweep_kernel, segments, q, k, v, decay, out, states, False,
                   scale, block, cblock, column_tile, num_warps, wrap)
+    if return_states:
+        return out, final_state, SavedStates(states, segments.length, block)
     return out, final_state
 
 
@@ -215,6 +240,7 @@ def lightning_attn_bwd(
     num_warps: int | None = None,
     out: tuple | None = None,
     wrap: Callable | None = None,
+    states: "SavedStates | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients (dq, dk, dv, dh0) of lightning_attn_fwd given do = dL/do and dht = dL/dS_T.
 
@@ -223,7 +249,8 @@ def lightning_attn_bwd(
     The tuning arguments need not match the forward's: each is an exact split. `cblock` and
     `num_warps` None take the loop's defaults: with sweeps.FLAT_SWEEPS on (the default), the flat loop
     (cblock = block, sweeps.FLAT_WARPS), else DEFAULT_BACKWARD_CBLOCK and BACKWARD_WARPS. `wrap`: as the
-    forward's.
+    forward's. `states`: the forward's SavedStates (lightning_attn_fwd(return_states=True)) for the same
+    inputs: the backward plans the forward's segments and skips recomputing their starting states.
     """
     flat = sweeps.FLAT_SWEEPS
     cblock = (block if flat else DEFAULT_BACKWARD_CBLOCK) if cblock is None else cblock
@@ -252,10 +279,14 @@ def lightning_attn_bwd(
     dq, dk, dv = grads
     _require_triton(q.device)
     tiles = cdiv(max(q.shape[3], v.shape[3]), min(column_tile, 256))
+    if states is not None:
+        states.check(q, v, block, segment)
+        segment = states.segment
     segments = _plan_segments(q, cu_seqlens, segment, block, tiles)
-    # S at each segment's start (the forward's states, recomputed) and dS at each segment's end.
+    # S at each segment's start (the forward's states, or recomputed) and dS at each segment's end.
     wrap = wrap or direct
-    s_states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, wrap=wrap, block=block)
+    s_states = states.states if states is not None else _segment_states(
+        segments, k, v, decay, scale, reverse=False, x0=initial_state, wrap=wrap, block=block)
     ds_states = _segment_states(segments, q, do, decay, scale, reverse=True, x0=dht, xt=dh0, wrap=wrap, block=block)
     sweep = dict(scale=scale, block=block, cblock=cblock, column_tile=column_tile, num_warps=num_warps, wrap=wrap)
     # dq: forward sweep over S^T [V, K tile]; dk: reverse sweep over dS^T [V, K tile];
