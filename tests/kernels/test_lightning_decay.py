@@ -469,26 +469,35 @@ def test_flat_sweeps_match_float64(monkeypatch, batch, time, bounds, segment, bl
         assert relative_rms_error(got, want) < (out_tol if name in ("o", "final") else grad_tol), name
 
 
-def test_flat_sweeps_are_chosen_only_for_one_micro_chunk_per_block(monkeypatch):
-    """The launcher passes FLAT to the sweep kernels exactly when the switch is on and cblock ==
-    block (the flat loop is exact only then); the flat backward takes dk and dv from one paired
-    sweep unless PAIRED_REVERSE is off or a head dim is over PAIR_MAX_DIM."""
+def _sweep_launch_recorder(monkeypatch, record):
+    """A `wrap` for the lightning launchers that calls record(kernel name, launch kwargs) in place of
+    each sweep launch; the segment-state passes are skipped (they need no checking here)."""
     from hccompile.kernels.lightning import chunk, sweeps
 
     if sweeps.triton is None:
         pytest.skip("needs Triton")
-    seen = []
+    monkeypatch.setattr(chunk, "_require_triton", lambda device: None)
+    monkeypatch.setattr(chunk, "_segment_states", lambda *a, **k: None)
 
     class Recorder:
         def __init__(self, kernel):
             self.name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append((self.name, kwargs.get("FLAT")))
+            return lambda *args, **kwargs: record(self.name, kwargs)
 
+    return Recorder
+
+
+def test_flat_sweeps_are_chosen_only_for_one_micro_chunk_per_block(monkeypatch):
+    """The launcher passes FLAT to the sweep kernels exactly when the switch is on and cblock ==
+    block (the flat loop is exact only then); the flat backward takes dk and dv from one paired
+    sweep unless PAIRED_REVERSE is off or a head dim is over PAIR_MAX_DIM."""
+    from hccompile.kernels.lightning import chunk, sweeps
+
+    seen = []
+    Recorder = _sweep_launch_recorder(monkeypatch, lambda name, kwargs: seen.append((name, kwargs.get("FLAT"))))
     decay = make_decay("alibi", 2).to(DEVICE)
-    monkeypatch.setattr(chunk, "_require_triton", lambda device: None)
-    monkeypatch.setattr(chunk, "_segment_states", lambda *a, **k: None)
     fwd, rev, pair = "_forward_sweep_kernel", "_reverse_sweep_kernel", "_reverse_pair_sweep_kernel"
     for switch, paired, cblock, dim, expected in (
             (True, True, 32, 16, [(fwd, True), (fwd, True), (pair, None)]),
@@ -511,20 +520,10 @@ def test_forward_column_tile_and_warps_follow_the_loop(monkeypatch):
     flat sweeps at 64 columns and FLAT_WARPS."""
     from hccompile.kernels.lightning import chunk, sweeps
 
-    if sweeps.triton is None:
-        pytest.skip("needs Triton")
     seen = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append((self.name, kwargs["BLOCK_C"], kwargs["num_warps"]))
-
+    Recorder = _sweep_launch_recorder(
+        monkeypatch, lambda name, kwargs: seen.append((name, kwargs["BLOCK_C"], kwargs["num_warps"])))
     decay = make_decay("alibi", 2).to(DEVICE)
-    monkeypatch.setattr(chunk, "_require_triton", lambda device: None)
-    monkeypatch.setattr(chunk, "_segment_states", lambda *a, **k: None)
     q, k, v, do, _, _ = random_inputs(1, 40, 2, 128, 128, torch.float32, False)
     for flat, expected in ((True, (64, sweeps.FLAT_WARPS)), (False, (128, 8))):
         monkeypatch.setattr(sweeps, "FLAT_SWEEPS", flat)
