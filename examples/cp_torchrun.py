@@ -1,7 +1,7 @@
 """Context parallelism for Gated DeltaNet: every rank holds a slice of the tokens of a packed batch.
 
-    torchrun --nproc-per-node 2 examples/cp_torchrun.py      # one GPU per rank: NCCL
-    python examples/cp_torchrun.py                           # launches itself with 2 ranks
+    torchrun --standalone --nproc-per-node 2 examples/cp_torchrun.py   # one GPU per rank: NCCL
+    python examples/cp_torchrun.py                                     # launches itself with 2 ranks
 
 With a GPU for every rank the ranks use NCCL, one GPU each. With fewer GPUs than ranks (one GPU, or
 none) the ranks run on the CPU with gloo, and the script says so: NCCL cannot put two ranks on one
@@ -86,5 +86,7 @@ if __name__ == "__main__":
         env = dict(os.environ)
         if not ranks_get_gpus(RANKS):
             env.setdefault("TRITON_INTERPRET", "1")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), __file__],
+        # --standalone: a free port of this host, so that two launches at once (a test suite) never share one
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+                        __file__],
                        env=env, check=True)

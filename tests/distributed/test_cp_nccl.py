@@ -19,7 +19,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_torchrun_example_on_two_gpus():
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              str(ROOT / "examples" / "cp_torchrun.py")], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env={**os.environ, **NO_MULTICAST})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
