@@ -23,7 +23,7 @@ import torch
 
 from .context import CPContext
 
-__all__ = ["backward", "context_parallel", "current_context", "forward"]
+__all__ = ["backward", "context_parallel", "current_context", "forward", "keeps_intermediates"]
 
 _ACTIVE: list[CPContext] = []
 # storage of q -> the context its CP forward ran under
@@ -103,9 +103,20 @@ def _run(ctx: CPContext, run):
     exchange.finish(run)
 
 
+def keeps_intermediates(ctx: CPContext, q) -> bool:
+    """Whether a forward under `ctx` keeps its intermediates for the backward (CPForward's
+    keep_state_rows): where no sequence crosses a whole rank (a plan without transitions)."""
+    try:
+        return not ctx.plan(q.shape[0]).with_transition
+    except ValueError:  # a call the op will refuse with its own message
+        return False
+
+
 def forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale, output_final_state,
-            use_qk_l2norm_in_kernel, lower_bound, chunk_size):
-    """The forward op under the active context, or None."""
+            use_qk_l2norm_in_kernel, lower_bound, chunk_size, keep_state_rows=None):
+    """The forward op under the active context as (o, final state, kept), or None. With
+    keep_state_rows (the op's kept h rows), kept is what CPForward.kept() gives (None where the
+    reference engine ran or the plan keeps nothing)."""
     ctx = current_context()
     if ctx is None:
         if len(_FORWARDS):  # once CP has been used: remember that this forward did not use it
@@ -115,20 +126,24 @@ def forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, s
 
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     _check_cu_seqlens(ctx, cu_seqlens, q.shape[0])
-    forward_engine, _, _ = _engines(q, k, v, beta, g, initial_state, A_log, dt_bias)
+    forward_engine, _, kernels = _engines(q, k, v, beta, g, initial_state, A_log, dt_bias)
+    keep = dict(keep_state_rows=keep_state_rows) if kernels else {}
     run = forward_engine(ctx.plan(q.shape[0]), q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound,
-                         scale, use_qk_l2norm_in_kernel, chunk_size)
+                         scale, use_qk_l2norm_in_kernel, chunk_size, **keep)
     _run(ctx, run)
     o, final_state = run.finish(output_final_state)
+    kept = run.kept() if kernels else None
     _FORWARDS[q.untyped_storage()] = ctx
     if final_state is None:
-        return o, q.new_empty((0,), dtype=_state_dtype(q))
-    return o, final_state.to(_state_dtype(q)).contiguous()
+        return o, q.new_empty((0,), dtype=_state_dtype(q)), kept
+    return o, final_state.to(_state_dtype(q)).contiguous(), kept
 
 
 def backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate, scale,
-             use_qk_l2norm_in_kernel, lower_bound, chunk_size):
-    """The backward op under the active context (or the one its forward ran under), or None."""
+             use_qk_l2norm_in_kernel, lower_bound, chunk_size, intermediates=None):
+    """The backward op under the active context (or the one its forward ran under), or None.
+    `intermediates`: the chunk.Kept its forward kept (used where it holds the states w, u, h and the
+    plan has no transitions; otherwise the forward is recomputed)."""
     # The forward's choice wins where it is known: backward inside a block of a forward run outside,
     # or the other way round, still differentiates what the forward computed.
     storage = q.untyped_storage()
@@ -143,8 +158,12 @@ def backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dh
     if kernels:  # as the non-CP kernel backward: do in v's dtype, dht fp32
         do = do.to(v.dtype)
         dht = None if dht is None else dht.to(torch.float32)
-    run = backward_engine(ctx.plan(q.shape[0]), q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound,
-                          scale, use_qk_l2norm_in_kernel, chunk_size, do=do, dht=dht)
+    plan = ctx.plan(q.shape[0])
+    keep = {}
+    if kernels and intermediates is not None and intermediates.h is not None and not plan.with_transition:
+        keep = dict(intermediates=intermediates)
+    run = backward_engine(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound,
+                          scale, use_qk_l2norm_in_kernel, chunk_size, do=do, dht=dht, **keep)
     from ..compat import autograd_recording
 
     # The gate activation's backward (and the reference engine) use autograd inside the op.

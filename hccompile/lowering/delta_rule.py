@@ -92,11 +92,11 @@ class _NoContextParallel:
         return None
 
     @staticmethod
-    def forward(*args):
+    def forward(*args, **kwargs):
         return None
 
     @staticmethod
-    def backward(*args):
+    def backward(*args, **kwargs):
         return None
 
 
@@ -389,11 +389,14 @@ def _chunk_delta_rule_host(
     if check_gates:
         _check_gate_values(g, gate, A_log)
     # Context parallelism (hccompile.distributed.context_parallel) when a CP context is active.
+    layout = _kept_layout(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel, cu_seqlens)
+    keep_rows = layout[-1][0][0] if save_intermediates and KEEP_STATES else None
     parallel = _context_parallel.forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, scale,
-                                         output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
+                                         output_final_state, use_qk_l2norm_in_kernel, lower_bound, chunk_size,
+                                         keep_state_rows=keep_rows)
     if parallel is not None:
-        return (*parallel, *_kept_placeholders(q, v, gate, chunk_size, save_intermediates, use_qk_l2norm_in_kernel,
-                                               cu_seqlens))
+        o, final_state, kept = parallel
+        return o, final_state, *_cp_kept_outputs(q, kept, layout)
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
@@ -468,6 +471,22 @@ def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermed
             + [(shape, stored) for shape in states])
 
 
+def _cp_kept_outputs(q: Tensor, kept, layout) -> tuple[Tensor, ...]:
+    """The kept outputs of a CP forward: what it kept (chunk.Kept, or None: zero placeholders), each
+    checked against the op's layout, which the fake promised."""
+    if kept is None:
+        return tuple(q.new_zeros(shape, dtype=dtype) for shape, dtype in layout)
+    outputs = []
+    for name, t, (shape, dtype) in zip(Kept._fields, kept, layout):
+        if t is None:
+            t = q.new_zeros(shape, dtype=dtype)
+        elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise RuntimeError(f"hccompile internal error: the CP forward kept {name} {tuple(t.shape)} {t.dtype}, "
+                               f"the op's layout says {tuple(shape)} {dtype}")
+        outputs.append(t)
+    return tuple(outputs)
+
+
 def _kept_placeholders(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool,
                        cu_seqlens: Tensor | None) -> tuple[Tensor, ...]:
     """The kept outputs where no kernel fills them (zeros, so that they are deterministic)."""
@@ -536,7 +555,9 @@ def _chunk_delta_rule_backward_host(
     kept l2-normed q and k (both or none), cum its gate's kept cumulative sum, w, u, h its kept state
     sweep (all three or none); reused by the kernel backward instead of recomputed."""
     parallel = _context_parallel.backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
-                                          scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size)
+                                          scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size,
+                                          intermediates=_kept_intermediates(kdot, scores, inverse, q_normed,
+                                                                            k_normed, cum, w, u, h))
     if parallel is not None:
         return parallel
     _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
@@ -730,16 +751,18 @@ def _run(q, k, v, beta, g, gate, scale, initial_state, output_final_state, cu_se
 
 def keeps_intermediates(*inputs: Tensor | None) -> bool:
     """Whether the forward op should keep its intra-chunk matrices (and l2-normed q and k) for the
-    backward: when a gradient will be taken and no CP context is active (CP's backward recomputes its
-    own). It costs up to three fp32 [B, T, HV, chunk_size] tensors per call until the backward (without
+    backward: when a gradient will be taken, under a CP context only where its plan keeps them (no
+    sequence across a whole rank: hccompile.distributed's keeps_intermediates) and with KEEP_STATES
+    (CP keeps all or nothing). It costs up to three fp32 [B, T, HV, chunk_size] tensors per call until the backward (without
     per-channel gates and with plan.FUSED_SCORES_FORWARD: A in fp32 and P in the intermediates' dtype), as FLA's kept
     score matrices and solved A do, plus with use_qk_l2norm_in_kernel two [B, T, H, K] in the normed
     dtype (bf16 for bf16 inputs) and with a gate its fp32 cumulative sum [B, T, HV, K or 1] (FLA keeps
     both too), and saves the backward their recomputation. With KEEP_STATES (the default) the state
     sweep's w, u and h are kept too (see KEEP_STATES)."""
-    if not torch.is_grad_enabled() or _context_parallel.current_context() is not None:
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
         return False
-    return any(t is not None and t.requires_grad for t in inputs)
+    context = _context_parallel.current_context()
+    return context is None or (KEEP_STATES and _context_parallel.keeps_intermediates(context, inputs[0]))
 
 
 def chunk_delta_rule(

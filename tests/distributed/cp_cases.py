@@ -96,11 +96,23 @@ def relative_rms_error(out, ref) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def simulate(contexts, case, options, do=None, dht=None, merge=None, engine="triton", output_final_state=True):
+def simulate(contexts, case, options, do=None, dht=None, merge=None, engine="triton", output_final_state=True,
+             keep=False):
     """Every rank's CP run in this process, the all-gather simulated by concatenation.
 
     Returns per rank (o, final state) or, with do, the gradient dict. `merge` replaces the runs'
-    merge (e.g. exchange.merge_chains_scan)."""
+    merge (e.g. exchange.merge_chains_scan). `keep`: forwards keep their intermediates
+    (keep_state_rows, as the op asks) and return (o, final state, kept); with do, the backward runs
+    from a kept forward's intermediates."""
+    if keep and do is not None:
+        kept = [k for _, _, k in simulate(contexts, case, options, merge=merge, engine=engine, keep=True)]
+        return _simulate(contexts, case, options, do, dht, merge, engine, output_final_state, kept=kept)
+    return _simulate(contexts, case, options, do, dht, merge, engine, output_final_state, keep=keep)
+
+
+def _simulate(contexts, case, options, do, dht, merge, engine, output_final_state, keep=False, kept=None):
+    from hccompile.kernels.delta_rule.plan import kept_state_rows
+
     if engine == "triton":
         from hccompile.kernels.delta_rule.cp import CPBackward as Backward, CPForward as Forward
     else:
@@ -114,9 +126,12 @@ def simulate(contexts, case, options, do=None, dht=None, merge=None, engine="tri
                 local["initial_state"], local["A_log"], local["dt_bias"], options.get("lower_bound"),
                 options.get("scale"), options.get("use_qk_l2norm_in_kernel", False), options.get("chunk_size", 16))
         if do is None:
-            runs.append(Forward(*args))
+            sequences = len(ctx.cu_seqlens_cpu) - 1 if ctx.varlen else None
+            rows = kept_state_rows(batch, local["q"].shape[1], options.get("chunk_size", 16), sequences)
+            runs.append(Forward(*args, **(dict(keep_state_rows=rows) if keep else {})))
         else:
-            runs.append(Backward(*args, do=ctx.shard(do), dht=local_final_grads(ctx, dht, batch)))
+            extra = dict(intermediates=kept[len(runs)]) if kept is not None else {}
+            runs.append(Backward(*args, do=ctx.shard(do), dht=local_final_grads(ctx, dht, batch), **extra))
     for run in runs:
         run.prepare()
     for run in runs:
@@ -131,5 +146,6 @@ def simulate(contexts, case, options, do=None, dht=None, merge=None, engine="tri
             if do is not None:
                 fold(run.plan, "backward", summaries_out, summaries_in, run.final_grads, run.value_dim)
     if do is None:
-        return [run.finish(output_final_state) for run in runs]
+        finished = [run.finish(output_final_state) for run in runs]
+        return [(*f, run.kept()) for f, run in zip(finished, runs)] if keep else finished
     return [run.finish() for run in runs]

@@ -61,6 +61,34 @@ def test_one_rank_context_reproduces_the_ops(dtype, backward_inside):
         assert relative_rms_error(grad, grads_ref[name]) < limit, name
 
 
+@pytest.mark.parametrize("keep_states", [True, False])
+def test_the_backward_op_reuses_what_the_forward_kept(keep_states, monkeypatch):
+    # Under a plan without transitions the forward op keeps its intermediates (as without CP) and the
+    # backward recomputes nothing; with KEEP_STATES off it keeps nothing and recomputes.
+    if not KERNELS_CAN_RUN:
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    import hccompile.kernels.delta_rule.cp as cp
+    from hccompile.lowering import delta_rule as lowering
+
+    monkeypatch.setattr(lowering, "KEEP_STATES", keep_states)
+    reused = []
+    kept_forward = cp.CPBackward._kept_forward
+
+    def spy(self):
+        reused.append(True)
+        kept_forward(self)
+
+    monkeypatch.setattr(cp.CPBackward, "_kept_forward", spy)
+    case, cu = make_inputs("scalar", seqlens=[7, 0, 26], device=DEVICE)
+    ctx = build_cp_context(cu, rank=0, world_size=1, device=DEVICE)
+    o, final, grads = _fwd_bwd(case, ctx.cu_seqlens, context=ctx)
+    assert reused == ([True] if keep_states else [])
+    o_ref, final_ref, grads_ref = _fwd_bwd(case, torch.tensor(cu, device=DEVICE))
+    assert relative_rms_error(o, o_ref) < 1e-6
+    for name, grad in grads.items():
+        assert relative_rms_error(grad, grads_ref[name]) < 1e-6, name
+
+
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_one_rank_zigzag_passes_states_between_its_own_pieces(strategy):
     # One rank holds both zigzag pieces: the sequence crossing them goes through the exchange and merge.

@@ -250,6 +250,66 @@ def test_simulated_ranks_with_or_without_the_scores_kernel(name, fused_forward, 
     assert max(errors.values()) < TOLERANCE, errors
 
 
+KEEP_CASES = {
+    # name: (gate, make_inputs kwargs, world, context kwargs): plans without transitions (no sequence
+    # across a whole rank), where a forward keeps its intermediates
+    "gdn-varlen-two-ranks": ("scalar", dict(seqlens=[13, 60, 3, 0, 20]), 2, dict()),
+    "kda-varlen-contiguous": ("channel", dict(seqlens=[9, 31]), 2, dict()),
+    "delta-fixed-b2": ("none", dict(batch=2, time=45), 2, dict()),
+}
+
+
+@requires_kernels
+@pytest.mark.parametrize("fused_forward", [True, False], ids=["fused-scores", "scores-kernel"])
+@pytest.mark.parametrize("name", list(KEEP_CASES))
+def test_backward_from_the_kept_forward(name, fused_forward, poison, monkeypatch):
+    """CPForward(keep_state_rows=...) keeps what the backward would recompute; CPBackward given it
+    recomputes nothing and gets the recomputing backward's gradients. Its kept tensors have the op's
+    layout (h: the rows asked for, zeros past the chunk count)."""
+    from hccompile.kernels.delta_rule import plan as kernel_plan
+
+    monkeypatch.setattr(kernel_plan, "FUSED_SCORES_FORWARD", fused_forward)
+    gate, input_kwargs, world, ctx_kwargs = KEEP_CASES[name]
+    case, cu = make_inputs(gate, device=DEVICE, **input_kwargs)
+    if cu is not None:
+        ctxs = [build_cp_context(cu, rank=r, world_size=world, **ctx_kwargs) for r in range(world)]
+    else:
+        ctxs = [build_cp_context(seq_len=case["q"].shape[1], rank=r, world_size=world, **ctx_kwargs)
+                for r in range(world)]
+    assert not ctxs[0].plan(case["q"].shape[0]).with_transition
+    options = dict(chunk_size=16, use_qk_l2norm_in_kernel=True, scale=0.3)
+    do, dht = output_grads(case, cu)
+    kept_runs = simulate(ctxs, case, options, keep=True)
+    for (o, _, kept), (o_plain, _) in zip(kept_runs, simulate(ctxs, case, options)):
+        assert torch.equal(o, o_plain)
+        assert kept is not None and kept.h is not None and kept.w is not None and kept.inverse is not None
+        assert (kept.kdot is None) == (fused_forward and gate != "channel")
+        assert kept.q_normed is not None and (kept.cum is None) == (gate == "none")
+        assert torch.isfinite(kept.h).all() and torch.isfinite(kept.scores.float()).all()
+    from_kept = simulate(ctxs, case, options, do=do, dht=dht, keep=True)
+    recomputed = simulate(ctxs, case, options, do=do, dht=dht)
+    for rank, (a, b) in enumerate(zip(from_kept, recomputed)):
+        for quantity in GRADIENT_NAMES:
+            if b[quantity] is None:
+                assert a[quantity] is None
+                continue
+            assert relative_rms_error(a[quantity], b[quantity]) < 1e-6, (rank, quantity)
+    _, _, grads_ref = single_process(case, cu, options, do, dht)
+    for quantity in ("q", "k", "v", "beta"):
+        total = _assemble(ctxs, from_kept, grads_ref[quantity], quantity)
+        assert relative_rms_error(total, grads_ref[quantity]) < TOLERANCE, quantity
+
+
+@requires_kernels
+def test_a_plan_with_transitions_keeps_nothing():
+    # A middle segment's backward merge needs its M, which only a forward walk forms.
+    case, cu = make_inputs("scalar", seqlens=[13, 60, 3, 0, 20], device=DEVICE)
+    ctxs = [build_cp_context(cu, rank=r, world_size=3) for r in range(3)]
+    assert ctxs[0].plan(1).with_transition
+    for _, _, kept in simulate(ctxs, case, dict(chunk_size=16), keep=True):
+        assert kept is None
+
+
 def test_reference_engine_float64_matches_single_process():
     # The fallback engine (float64 inputs, or no Triton): exact to float64 rounding.
     case, cu = make_inputs("scalar", seqlens=[11, 30, 6], dtype=torch.float64)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from .._triton import cdiv, require_triton, scratch_rows, tl, triton
-from .chunk import ChunkLocal, chunk_local_steps, launch_split_wy_backward, sum_key_groups
+from .chunk import ChunkLocal, Kept, chunk_local_steps, launch_split_wy_backward, sum_key_groups
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, Plan, block_size, check_kernel_inputs,
                    narrow_for_occupancy)
@@ -665,16 +665,19 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
     )
 
 
-def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int) -> None:
-    """The output kernel (output.py) on the chunks of segments [lo, hi)."""
+def _output(local: _Local, intra: _Intra, h, u, o, lo: int, hi: int, scores_kept=None) -> None:
+    """The output kernel (output.py) on the chunks of segments [lo, hi); with `scores_kept` (a
+    forward that keeps its intermediates, where the kernel forms P) it stores P there too."""
     kplan, geometry = local.kplan, local.geometry
     first, last = geometry.chunk_starts[lo], geometry.chunk_starts[hi]
     if last == first:
         return
     form_scores = intra.scores is None  # kplan.fused_scores_forward: the kernel forms P from q and k
+    scores = scores_kept if form_scores and scores_kept is not None else intra.scores
     launch_output(kplan, intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, h[first:],
-                  intra.scores if not form_scores else kplan.dummy, u, o, last - first, geometry.chunk_table[first:],
-                  geometry.cu_seqlens, local.scale, form_scores=form_scores)
+                  scores if scores is not None else kplan.dummy, u, o, last - first, geometry.chunk_table[first:],
+                  geometry.cu_seqlens, local.scale, form_scores=form_scores,
+                  store_scores=form_scores and scores_kept is not None)
 
 
 def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initial_grads, lo: int, hi: int) -> None:
@@ -708,8 +711,15 @@ class CPForward:
         run.prepare();  exchange.start(run)        # sends run.summaries_out
         run.overlap();  exchange.finish(run)       # writes run.initial_states[incoming]
         o, final_state = run.finish(output_final_state)
+        kept = run.kept()                          # with keep_state_rows: for CPBackward(intermediates=...)
 
     Tensors are the caller's local ones ([B, T_local, ...]; B > 1 only for fixed-length sequences).
+    `keep_state_rows` (the forward op's kept h rows, plan.kept_state_rows): keep what the backward
+    would recompute, as the single-device forward does (chunk.Kept: the intra-chunk matrices, the
+    l2-normed q and k, the gate's sum, w, u and the chunk states h), so that CPBackward runs neither
+    the chunk-parallel steps nor a forward state sweep, and its exchange waits on no forward
+    summary. Only where no sequence crosses a whole rank (no transition M in the plan, the same on
+    every rank): a middle segment's backward merge needs M, which only a forward walk forms.
     """
 
     merge = staticmethod(merge_chains)
@@ -718,8 +728,10 @@ class CPForward:
     _scores_now = False
 
     def __init__(self, plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
-                 use_qk_l2norm_in_kernel, chunk_size, **extra):
+                 use_qk_l2norm_in_kernel, chunk_size, keep_state_rows=None, **extra):
         self.plan = plan
+        self.keep_state_rows = None if plan.with_transition else keep_state_rows
+        self.scores_kept = None
         self.local = _local_problem(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound,
                                     scale, use_qk_l2norm_in_kernel, chunk_size, **extra)
         problem = self.local.problem
@@ -743,7 +755,17 @@ class CPForward:
                 self.initial_states.index_copy_(0, _index(plan, "initial_segments", starts, device),
                                                 local.initial_state.index_select(0, rows).float())
         stored = local.kplan.intermediate_dtype
-        self.h = _empty(scratch_rows(local.geometry.num_chunks), *self.state_shape, dtype=stored, device=device)
+        num_chunks = local.geometry.num_chunks
+        if self.keep_state_rows is not None:
+            # An op output: rows past the chunk count are zeros (deterministic), never read.
+            self.h = _empty(max(self.keep_state_rows, scratch_rows(num_chunks)), *self.state_shape, dtype=stored,
+                            device=device)
+            self.h[num_chunks:].zero_()
+            if self.intra.scores is None:  # the output kernel forms P: it stores it for the backward too
+                self.scores_kept = _empty(1, problem.time, problem.value_heads, local.kplan.chunk_size,
+                                          dtype=local.kplan.scores_dtype, device=device)
+        else:
+            self.h = _empty(scratch_rows(num_chunks), *self.state_shape, dtype=stored, device=device)
         self.u = _empty(1, problem.time, problem.value_heads, problem.value_dim, dtype=stored, device=device)
         self.final_states = _empty(segments, *self.state_shape, device=device)
         # First the segments whose end state is sent; the purely local ones wait for overlap().
@@ -814,15 +836,30 @@ class CPForward:
     def overlap(self) -> None:
         self._sweep_forward(incoming=False, outgoing=False)
         for lo, hi in _segments_where(self.plan, incoming=False, outgoing=None):
-            _output(self.local, self.intra, self.h, self.u, self.o, lo, hi)
+            _output(self.local, self.intra, self.h, self.u, self.o, lo, hi, self.scores_kept)
 
     def finish(self, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._incoming_states()
         for lo, hi in _segments_where(self.plan, incoming=True, outgoing=None):
-            _output(self.local, self.intra, self.h, self.u, self.o, lo, hi)
+            _output(self.local, self.intra, self.h, self.u, self.o, lo, hi, self.scores_kept)
         local = self.local
         o = self.o.view(local.batch, local.time, *self.o.shape[2:])
         return o, (_user_final_states(self.plan, self.final_states) if output_final_state else None)
+
+    def kept(self) -> Kept | None:
+        """After finish: what this forward kept for CPBackward(intermediates=...), in the caller's
+        [B, T_local, ...] shapes (h: keep_state_rows rows or more), or None where it keeps nothing."""
+        if self.keep_state_rows is None:
+            return None
+        local, intra = self.local, self.intra
+
+        def user(t):
+            return None if t is None else t.view(local.batch, local.time, *t.shape[2:])
+
+        scores = intra.scores if intra.scores is not None else self.scores_kept
+        normed = (user(intra.q), user(intra.k)) if local.use_qk_l2norm_in_kernel else (None, None)
+        return Kept(user(intra.kdot), user(scores), user(intra.inverse), *normed, user(intra.cum), user(intra.w),
+                    user(self.u), self.h)
 
 
 def _user_final_states(plan, final_states: torch.Tensor) -> torch.Tensor:
@@ -838,9 +875,10 @@ def _user_final_states(plan, final_states: torch.Tensor) -> torch.Tensor:
 
 
 class CPBackward(CPForward):
-    """One rank's backward (it recomputes the forward's intermediates), in the same three steps:
+    """One rank's backward (it recomputes the forward's intermediates unless given the ones
+    CPForward kept), in the same three steps:
 
-        run = CPBackward(plan, ..., do=do, dht=dht)
+        run = CPBackward(plan, ..., do=do, dht=dht[, intermediates=forward_run.kept()])
         run.prepare();  exchange.start(run)        # sends run.summaries_out and run.summaries_in
         run.overlap();  exchange.finish(run)       # writes initial_states[incoming], adds to final_grads[outgoing]
         grads = run.finish()                       # dict like chunk_delta_rule_bwd's
@@ -852,9 +890,18 @@ class CPBackward(CPForward):
     _scores_now = True
 
     def __init__(self, plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
-                 use_qk_l2norm_in_kernel, chunk_size, *, do, dht=None):
+                 use_qk_l2norm_in_kernel, chunk_size, *, do, dht=None, intermediates: Kept | None = None):
         super().__init__(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
                          use_qk_l2norm_in_kernel, chunk_size, do=do)
+        # What CPForward(keep_state_rows=...).kept() gave (all of it, or None: recompute).
+        self.intermediates = None
+        if intermediates is not None:
+            if plan.with_transition:
+                raise ValueError("intermediates: a plan with transitions (a sequence across a whole rank) keeps "
+                                 "none; its backward recomputes the forward")
+            batch, time = q.shape[0], q.shape[1]
+            self.intermediates = Kept(*(t if name == "h" else _flatten(t, batch, time)
+                                        for name, t in zip(Kept._fields, intermediates)))
         if dht is not None:
             expected = (plan.user_rows, *self.state_shape)
             if tuple(dht.shape) != expected:
@@ -864,10 +911,26 @@ class CPBackward(CPForward):
         self.do = _flatten(do, q.shape[0], q.shape[1])
         self.dht = dht
 
+    def _kept_forward(self) -> None:
+        """The forward's state from its kept intermediates: nothing recomputed, no forward summary
+        to send (the exchange still carries the forward part, zeros, unused)."""
+        local, plan, problem, kept = self.local, self.plan, self.local.problem, self.intermediates
+        device = local.q.device
+        self.intra = chunk_local_steps(local.kplan, local.q, local.k, local.v, local.beta, local.g,
+                                       local.use_qk_l2norm_in_kernel, local.A_log, local.dt_bias, local.lower_bound,
+                                       kept=kept, empty=lambda *shape, dtype: _empty(*shape, dtype=dtype, device=device))
+        self.h, self.u = kept.h, kept.u
+        self.initial_states = torch.zeros(plan.num_segments, *self.state_shape, dtype=torch.float32, device=device)
+        self.summaries_out = torch.zeros(plan.out_slots, *self.state_shape, dtype=torch.float32, device=device)
+        self.middle_chunks = None
+
     def prepare(self) -> None:
         plan, local, problem = self.plan, self.local, self.local.problem
         device = local.q.device
-        self._forward_summaries()
+        if self.intermediates is not None:
+            self._kept_forward()
+        else:
+            self._forward_summaries()
         segments = plan.num_segments
         self.final_grads = torch.zeros(segments, *self.state_shape, dtype=torch.float32, device=device)
         if self.dht is not None:
@@ -957,14 +1020,16 @@ class CPBackward(CPForward):
 
     def overlap(self) -> None:
         # Segments that neither wait for nor send a state: everything.
-        self._sweep_forward(incoming=False, outgoing=False)
+        if self.intermediates is None:
+            self._sweep_forward(incoming=False, outgoing=False)
         self._sweep_backward(incoming=False, outgoing=False)
         for lo, hi in _segments_where(self.plan, incoming=False, outgoing=False):
             self._chunk_backward(lo, hi)
 
     def finish(self) -> dict[str, torch.Tensor | None]:
         plan = self.plan
-        self._incoming_states()
+        if self.intermediates is None:
+            self._incoming_states()
         self._sweep_backward(incoming=None, outgoing=True)
         for lo, hi in _runs(a or b for a, b in zip(plan.incoming, plan.outgoing)):
             self._chunk_backward(lo, hi)
