@@ -72,7 +72,8 @@ def parse_args():
                              "to tell a hang in a collective from a slow first call in a short device slot")
     parser.add_argument("--profile", default=None,
                         help="directory: after the timed cp rows of our default strategy, every rank profiles three "
-                             "forward+backward steps and writes its CUDA-kernel table there (where the time goes)")
+                             "forward+backward steps and writes its CUDA-kernel table and its chrome trace there "
+                             "(where the time goes, and which rank waits for which)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: gloo and wall-clock timing, for a smoke run of this script under "
                              "TRITON_INTERPRET=1 at tiny sizes (no meaningful times)")
@@ -230,6 +231,8 @@ def profile_steps(run, local, ctx, do, path: Path, steps: int = 3) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The timeline too (chrome://tracing or Perfetto): which rank waits for which, and for how long.
+    prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     path.write_text(f"{steps} forward+backward steps, rank {dist.get_rank()}\n"
                     + prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))

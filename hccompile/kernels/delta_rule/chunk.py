@@ -62,6 +62,7 @@ __all__ = [
     "chunk_local_steps",
     "launch_split_wy_backward",
     "sum_key_groups",
+    "sweep_launch_options",
 ]
 
 
@@ -248,7 +249,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
             time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BKF=block_k_full, BV=block_v_state,
             HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-            DOT_PRECISION=plan.dot_precision, **_sweep_options(plan, block_k_full, k.dtype, "forward"), **common,
+            DOT_PRECISION=plan.dot_precision, **sweep_launch_options(plan, block_k_full, k.dtype, "forward"), **common,
         )
     form_scores = local.scores is None  # the output kernel forms P (plan.fused_scores_forward)
     if form_scores and keep_states:
@@ -260,8 +261,9 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     return _Forward(**vars(local), u=u, h=h)
 
 
-def _sweep_options(plan: Plan, block_k_full: int, k_dtype: torch.dtype, direction: str) -> dict[str, int]:
-    """The launch options of the forward or backward state sweep (state.state_launch_options' timed rule)."""
+def sweep_launch_options(plan: Plan, block_k_full: int, k_dtype: torch.dtype, direction: str) -> dict[str, int]:
+    """The launch options of the forward or backward state sweep (state.state_launch_options' timed
+    rule), here and in cp.py's sweeps of the same kernels."""
     return state_launch_options(block_k_full, k_dtype, timed_sweep=(plan.gate_code == GATE_CODES["channel"], direction),
                                 intermediates=plan.intermediate_dtype)
 
@@ -509,7 +511,7 @@ def chunk_delta_rule_bwd(
             time, nt, value_heads, group, key_dim, value_dim, float(scale),
             BKF=block_k_full, BV=block_v_state,
             HAS_FINAL_STATE_GRAD=dht is not None, STORE_INITIAL_STATE_GRAD=dh0 is not None,
-            **_sweep_options(plan, block_k_full, fwd.k.dtype, "backward"), **common,
+            **sweep_launch_options(plan, block_k_full, fwd.k.dtype, "backward"), **common,
         )
     if plan.num_chunks and plan.split_wy_backward:
         launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,

@@ -51,7 +51,8 @@ from typing import Any
 import torch
 
 from .._triton import cdiv, require_triton, scratch_rows, tl, triton
-from .chunk import ChunkLocal, Kept, chunk_local_steps, launch_split_wy_backward, sum_key_groups
+from .chunk import (ChunkLocal, Kept, chunk_local_steps, launch_split_wy_backward, sum_key_groups,
+                    sweep_launch_options)
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, Plan, block_size, check_kernel_inputs,
                    narrow_for_occupancy)
@@ -661,7 +662,7 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
         problem.time, kplan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, GATE=kplan.gate_code, BT=kplan.chunk_size, BKF=block_k_full, BV=block_v,
         HAS_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision,
-        **state_launch_options(block_k_full, intra.k.dtype),
+        **sweep_launch_options(kplan, block_k_full, intra.k.dtype, "forward"),
     )
 
 
@@ -695,7 +696,7 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
         problem.value_dim, local.scale, BKF=block_k_full, BV=block_v,
         HAS_FINAL_STATE_GRAD=True, STORE_INITIAL_STATE_GRAD=True,
         GATE=kplan.gate_code, BT=kplan.chunk_size, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision,
-        **state_launch_options(block_k_full, intra.k.dtype),
+        **sweep_launch_options(kplan, block_k_full, intra.k.dtype, "backward"),
     )
 
 
