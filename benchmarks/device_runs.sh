@@ -6,8 +6,9 @@
 #   delta   GDN and KDA, ours against FLA 0.6.0, B4 T4096 and B1 T32768, two rounds  (issue 20)
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
-#   cp-quick  GDN at 64K and 256K tokens and KDA at 64K, one sequence, ours (all_gather) and FLA's, one GPU
-#           and CP, with every rank's kernel profile (a .tgz beside the rows)           (issue 22)
+#   cp-quick  GDN at 64K and 256K tokens and KDA at 64K (or CP_CASES="gdn:65536 ..."), one sequence, ours
+#           (all_gather) and FLA's, one GPU and CP, with every rank's kernel profile and chrome trace (a .tgz
+#           beside the rows)                                                          (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
 #   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
 #           (step, peak memory, compile time with hc's stages, floor)                     (issue 18)
@@ -58,7 +59,9 @@ for run in ${RUNS:-delta host}; do
             --strategies all_gather --out "$out/cp_$tag.jsonl" ;;
     cp-quick) test "$gpus" -ge 2 || { echo "cp-quick: needs two GPUs, this machine has $gpus"; continue; }
         # FLA's autotuning results kept in the Triton cache: its 256K run and its CP path reuse the 64K's.
-        for case in gdn:65536 gdn:262144 kda:65536; do
+        # CP_CASES (op:tokens ...) picks the cases: FLA's first CP call autotunes for minutes, so a short
+        # call may give one case all of RUN_LIMIT_S.
+        for case in ${CP_CASES:-gdn:65536 gdn:262144 kda:65536}; do
             cut_at env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                 TRITON_CACHE_AUTOTUNING=1 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp.py \
                 --ops "${case%%:*}" --tokens "${case##*:}" --layouts one --strategies all_gather --iters 10 \
