@@ -142,8 +142,8 @@ def forward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, gate, s
 def backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate, scale,
              use_qk_l2norm_in_kernel, lower_bound, chunk_size, intermediates=None):
     """The backward op under the active context (or the one its forward ran under), or None.
-    `intermediates`: the chunk.Kept its forward kept (used where it holds the states w, u, h and the
-    plan has no transitions; otherwise the forward is recomputed)."""
+    `intermediates`: the chunk.Kept its forward op returned (used where the CP forward kept them:
+    cp.keeps_forward; otherwise the forward is recomputed)."""
     # The forward's choice wins where it is known: backward inside a block of a forward run outside,
     # or the other way round, still differentiates what the forward computed.
     storage = q.untyped_storage()
@@ -158,11 +158,9 @@ def backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dh
     if kernels:  # as the non-CP kernel backward: do in v's dtype, dht fp32
         do = do.to(v.dtype)
         dht = None if dht is None else dht.to(torch.float32)
-    plan = ctx.plan(q.shape[0])
-    keep = {}
-    if kernels and intermediates is not None and intermediates.h is not None and not plan.with_transition:
-        keep = dict(intermediates=intermediates)
-    run = backward_engine(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound,
+    # CPBackward uses them where its forward kept them (cp.keeps_forward), else recomputes.
+    keep = dict(intermediates=intermediates) if kernels and intermediates is not None else {}
+    run = backward_engine(ctx.plan(q.shape[0]), q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound,
                           scale, use_qk_l2norm_in_kernel, chunk_size, do=do, dht=dht, **keep)
     from ..compat import autograd_recording
 

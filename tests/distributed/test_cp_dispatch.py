@@ -133,6 +133,20 @@ def test_fixed_length_rows_without_cu_seqlens():
         assert relative_rms_error(grad, grads_ref[name]) < 1e-6, name
 
 
+@pytest.mark.skipif(not KERNELS_CAN_RUN, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_zigzag_rows_with_more_chunks_than_the_kept_rows():
+    # One rank holding both zigzag pieces of each row: 2 x 2 chunks of 20 tokens where the op's kept h
+    # has 2 x ceil(40 / 64) rows. The forward keeps nothing then and the backward recomputes.
+    case, _ = make_inputs("scalar", batch=2, time=40, device=DEVICE)
+    ctx = build_cp_context(seq_len=40, layout="zigzag", rank=0, world_size=1)
+    assert not ctx.plan(2).with_transition
+    o, final, grads = _fwd_bwd(case, None, context=ctx)
+    o_ref, final_ref, grads_ref = _fwd_bwd(case, None)
+    assert relative_rms_error(o, o_ref) < 1e-6 and relative_rms_error(final, final_ref) < 1e-6
+    for name, grad in grads.items():
+        assert relative_rms_error(grad, grads_ref[name]) < 1e-6, name
+
+
 def _bad_calls():
     def varlen_case():
         return make_inputs("scalar", seqlens=[7, 26], initial_state=False)

@@ -72,6 +72,7 @@ if triton is not None:
 __all__ = [
     "CPBackward",
     "CPForward",
+    "keeps_forward",
     "merge_chains",
     "summary_backward",
     "summary_forward",
@@ -704,6 +705,16 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
 # Forward and backward of one rank
 
 
+def keeps_forward(plan, num_chunks: int, state_rows) -> bool:
+    """Whether a rank's forward keeps its intermediates, and its backward reuses them: asked for
+    (`state_rows`, the op's kept h rows), no transition in the plan (a middle segment's backward
+    merge needs M, which only a forward walk forms; the same on every rank), and the rank's chunks
+    fit those rows (one rank holding both zigzag pieces of a row can have more). Forward and
+    backward decide alike from the same plan and rows, so a declined forward's zero placeholders
+    are never read as kept."""
+    return state_rows is not None and not plan.with_transition and num_chunks <= state_rows
+
+
 class CPForward:
     """One rank's forward in three steps around the exchange (see the module docstring).
 
@@ -719,8 +730,7 @@ class CPForward:
     would recompute, as the single-device forward does (chunk.Kept: the intra-chunk matrices, the
     l2-normed q and k, the gate's sum, w, u and the chunk states h), so that CPBackward runs neither
     the chunk-parallel steps nor a forward state sweep, and its exchange waits on no forward
-    summary. Only where no sequence crosses a whole rank (no transition M in the plan, the same on
-    every rank): a middle segment's backward merge needs M, which only a forward walk forms.
+    summary; where keeps_forward allows (no transition in the plan, the chunks fit the rows).
     """
 
     merge = staticmethod(merge_chains)
@@ -731,10 +741,11 @@ class CPForward:
     def __init__(self, plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
                  use_qk_l2norm_in_kernel, chunk_size, keep_state_rows=None, **extra):
         self.plan = plan
-        self.keep_state_rows = None if plan.with_transition else keep_state_rows
         self.scores_kept = None
         self.local = _local_problem(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound,
                                     scale, use_qk_l2norm_in_kernel, chunk_size, **extra)
+        self.keep_state_rows = keep_state_rows if keeps_forward(plan, self.local.geometry.num_chunks,
+                                                                keep_state_rows) else None
         problem = self.local.problem
         self.value_dim = problem.value_dim
         self.state_shape = (problem.value_heads, problem.key_dim, problem.value_dim)
@@ -894,12 +905,11 @@ class CPBackward(CPForward):
                  use_qk_l2norm_in_kernel, chunk_size, *, do, dht=None, intermediates: Kept | None = None):
         super().__init__(plan, q, k, v, beta, g, gate, initial_state, A_log, dt_bias, lower_bound, scale,
                          use_qk_l2norm_in_kernel, chunk_size, do=do)
-        # What CPForward(keep_state_rows=...).kept() gave (all of it, or None: recompute).
+        # What CPForward(keep_state_rows=...).kept() gave, used where keeps_forward says the forward
+        # kept (else, e.g. its zero placeholders: None, recompute).
         self.intermediates = None
-        if intermediates is not None:
-            if plan.with_transition:
-                raise ValueError("intermediates: a plan with transitions (a sequence across a whole rank) keeps "
-                                 "none; its backward recomputes the forward")
+        rows = None if intermediates is None or intermediates.h is None else intermediates.h.shape[0]
+        if keeps_forward(plan, self.local.geometry.num_chunks, rows):
             batch, time = q.shape[0], q.shape[1]
             self.intermediates = Kept(*(t if name == "h" else _flatten(t, batch, time)
                                         for name, t in zip(Kept._fields, intermediates)))
