@@ -59,6 +59,10 @@ def parse_args():
     parser.add_argument("--strategies", default="all_gather,scan,ring",
                         help="exchange strategies; `<s>:walk-again` times strategy s with middle segments walked "
                              "again after the merge")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="a step runs this many ops in a chain (each layer's v is the previous layer's o), as "
+                             "a model's layers do: rank 1 then trails rank 0 by one sweep once, not per layer "
+                             "(variants get a -<N>layers suffix, which benchmarks/targets.py does not read)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-fla", action="store_true", help="skip FLA even if it imports")
@@ -143,6 +147,20 @@ def fla_available() -> str | None:
     except Exception as error:  # noqa: BLE001 (any import failure means: skip with a note)
         return f"fla not importable: {type(error).__name__}: {error}"
     return None
+
+
+def stacked(run, layers: int):
+    """`run` as `layers` layers in a chain: each layer's v is the previous layer's output."""
+    if layers == 1:
+        return run
+
+    def run_layers(t, cu_seqlens):
+        o = None
+        for _ in range(layers):
+            o = run(t if o is None else {**t, "v": o}, cu_seqlens)
+        return o
+
+    return run_layers
 
 
 # ----------------------------------------------------------------------------------------
@@ -295,7 +313,8 @@ def main() -> None:
                 cu.append(cu[-1] + n)
             cu_global = torch.tensor(cu, dtype=torch.int64, device=device)
             tensors, do = make_inputs(op, args.tokens, args.heads, args.head_dim, dtype, device)
-            common = dict(op=op, layout=layout, sequences=len(lengths))
+            common = dict(op=op, layout=layout, sequences=len(lengths), layers=args.layers)
+            suffix = f"-{args.layers}layers" if args.layers > 1 else ""
             wanted = args.impls.split(",")
             implementations = [("hc", hc_function)] if "hc" in wanted else []
             if fla_note is None and "fla" in wanted:
@@ -308,19 +327,19 @@ def main() -> None:
                     common_fla = common
                 if rank == 0 and not args.skip_one_gpu:
                     try:
-                        fwd, both, o, dq = measure(factory(op), tensors, cu_global, do, args.iters, args.warmup,
+                        fwd, both, o, dq = measure(stacked(factory(op), args.layers), tensors, cu_global, do, args.iters, args.warmup,
                                                    group_wide=False)
                         single = (o, dq)
-                        record(variant=f"1gpu-{name}", fwd_ms=fwd, fwd_bwd_ms=both, **common_fla)
+                        record(variant=f"1gpu-{name}{suffix}", fwd_ms=fwd, fwd_bwd_ms=both, **common_fla)
                     except Exception as error:  # noqa: BLE001 (a refused variant is a row, not a crash)
-                        record(variant=f"1gpu-{name}", error=f"{type(error).__name__}: {error}", **common_fla)
+                        record(variant=f"1gpu-{name}{suffix}", error=f"{type(error).__name__}: {error}", **common_fla)
                         traceback.print_exc()
                 dist.barrier()
                 strategies = args.strategies.split(",") if name == "hc" else ["fla"]
                 for entry in strategies:
                     strategy, _, mode = entry.partition(":")
                     variant = f"cp{world}-{name}" + (f"-{strategy}" if name == "hc" else "") + (
-                        f"-{mode}" if mode else "")
+                        f"-{mode}" if mode else "") + suffix
                     try:
                         if name == "hc":
                             import hccompile.kernels.delta_rule.cp as cp_kernels
@@ -332,11 +351,11 @@ def main() -> None:
                             try:
                                 ctx = build_cp_context(cu, strategy=strategy, device=device)
                                 local = {n: ctx.shard(t) for n, t in tensors.items()}
-                                fwd, both, o, dq = measure(factory(op), local, ctx.cu_seqlens, ctx.shard(do),
+                                fwd, both, o, dq = measure(stacked(factory(op), args.layers), local, ctx.cu_seqlens, ctx.shard(do),
                                                            args.iters, args.warmup, group_wide=True,
                                                            context=lambda ctx=ctx: context_parallel(ctx))
                                 if args.profile and strategy == "all_gather" and not mode:
-                                    profile_steps(factory(op), local, ctx, do, Path(args.profile) /
+                                    profile_steps(stacked(factory(op), args.layers), local, ctx, do, Path(args.profile) /
                                                   f"cp{world}_{op}_{args.tokens}_{layout}_rank{rank}.txt")
                             finally:
                                 cp_kernels.MIDDLE_WALK_STORES_CHUNKS = True
@@ -348,7 +367,7 @@ def main() -> None:
                             per_rank = args.tokens // world
                             local = {n: t[:, rank * per_rank:(rank + 1) * per_rank].contiguous()
                                      for n, t in tensors.items()}
-                            fwd, both, o, dq = measure(factory(op, fctx), local, None,
+                            fwd, both, o, dq = measure(stacked(factory(op, fctx), args.layers), local, None,
                                                        do[:, rank * per_rank:(rank + 1) * per_rank].contiguous(),
                                                        args.iters, args.warmup, group_wide=True)
                             gathered = [torch.empty_like(o) for _ in range(world)]

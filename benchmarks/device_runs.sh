@@ -7,7 +7,7 @@
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   cp-quick  GDN at 64K and 256K tokens and KDA at 64K (or CP_CASES="gdn:65536 ..."), one sequence (or
-#           CP_LAYOUTS="one,several"), ours
+#           CP_LAYOUTS="one,several"), one op a step (or CP_LAYERS=4 chained), ours
 #           (all_gather) and FLA's, one GPU and CP, with every rank's kernel profile and chrome trace (a .tgz
 #           beside the rows)                                                          (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
@@ -65,7 +65,7 @@ for run in ${RUNS:-delta host}; do
         for case in ${CP_CASES:-gdn:65536 gdn:262144 kda:65536}; do
             cut_at env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                 TRITON_CACHE_AUTOTUNING=1 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp.py \
-                --ops "${case%%:*}" --tokens "${case##*:}" --layouts "${CP_LAYOUTS:-one}" --strategies all_gather --iters 10 \
+                --ops "${case%%:*}" --tokens "${case##*:}" --layouts "${CP_LAYOUTS:-one}" --layers "${CP_LAYERS:-1}" --strategies all_gather --iters 10 \
                 --warmup 3 --profile "$out/cp_profiles" --out "$out/cp_$tag.jsonl"
         done
         tar czf "$out/cp_profiles_$tag.tgz" -C "$out" cp_profiles && rm -rf "$out/cp_profiles" ;;
