@@ -61,10 +61,12 @@ def test_one_rank_context_reproduces_the_ops(dtype, backward_inside):
         assert relative_rms_error(grad, grads_ref[name]) < limit, name
 
 
-@pytest.mark.parametrize("keep_states", [True, False])
-def test_the_backward_op_reuses_what_the_forward_kept(keep_states, monkeypatch):
+@pytest.mark.parametrize("keep_states, dtype", [(True, torch.float32), (False, torch.float32),
+                                                (True, torch.bfloat16)])
+def test_the_backward_op_reuses_what_the_forward_kept(keep_states, dtype, monkeypatch):
     # Under a plan without transitions the forward op keeps its intermediates (as without CP) and the
-    # backward recomputes nothing; with KEEP_STATES off it keeps nothing and recomputes.
+    # backward recomputes nothing; with KEEP_STATES off it keeps nothing and recomputes. bf16: the
+    # kept tensors' half dtypes (w, u, h, P, the normed q and k) match the layout the fake promised.
     if not KERNELS_CAN_RUN:
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
     import hccompile.kernels.delta_rule.cp as cp
@@ -79,14 +81,17 @@ def test_the_backward_op_reuses_what_the_forward_kept(keep_states, monkeypatch):
         kept_forward(self)
 
     monkeypatch.setattr(cp.CPBackward, "_kept_forward", spy)
-    case, cu = make_inputs("scalar", seqlens=[7, 0, 26], device=DEVICE)
+    case, cu = make_inputs("scalar", seqlens=[7, 0, 26], dtype=dtype, device=DEVICE)
     ctx = build_cp_context(cu, rank=0, world_size=1, device=DEVICE)
     o, final, grads = _fwd_bwd(case, ctx.cu_seqlens, context=ctx)
     assert reused == ([True] if keep_states else [])
     o_ref, final_ref, grads_ref = _fwd_bwd(case, torch.tensor(cu, device=DEVICE))
-    assert relative_rms_error(o, o_ref) < 1e-6
+    # The same kernels on the same tokens: equal bits in the interpreter (bf16 too); on a GPU a sweep's
+    # value tiles may be cut differently per launch, so half outputs get a half-precision bound.
+    limit = 1e-6 if dtype == torch.float32 else 1e-3
+    assert relative_rms_error(o, o_ref) < limit
     for name, grad in grads.items():
-        assert relative_rms_error(grad, grads_ref[name]) < 1e-6, name
+        assert relative_rms_error(grad, grads_ref[name]) < limit, name
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
