@@ -140,6 +140,14 @@ def test_merge_kernel_fold_and_scan_agree_with_plain_fold(layout, world, key_dim
 # Simulated ranks
 
 
+def _contexts(case, cu, world, **ctx_kwargs):
+    """Every rank's context for a case: varlen (cu) or fixed-length rows."""
+    if cu is not None:
+        return [build_cp_context(cu, rank=r, world_size=world, **ctx_kwargs) for r in range(world)]
+    return [build_cp_context(seq_len=case["q"].shape[1], rank=r, world_size=world, **ctx_kwargs)
+            for r in range(world)]
+
+
 def _assemble(ctxs, per_rank, like, key):
     """Global tensor from every rank's local token-dim tensor (results[rank][key])."""
     out = torch.empty_like(like)
@@ -213,11 +221,7 @@ def test_simulated_ranks_match_single_process(name, middle_stores_chunks, poison
     monkeypatch.setattr(cp, "MIDDLE_WALK_STORES_CHUNKS", middle_stores_chunks)
     gate, input_kwargs, world, ctx_kwargs, merge = SIMULATION_CASES[name]
     case, cu = make_inputs(gate, device=DEVICE, **input_kwargs)
-    if cu is not None:
-        ctxs = [build_cp_context(cu, rank=r, world_size=world, **ctx_kwargs) for r in range(world)]
-    else:
-        ctxs = [build_cp_context(seq_len=case["q"].shape[1], rank=r, world_size=world, **ctx_kwargs)
-                for r in range(world)]
+    ctxs = _contexts(case, cu, world, **ctx_kwargs)
     options = dict(chunk_size=16, use_qk_l2norm_in_kernel=True, scale=0.3)
     errors = _errors(ctxs, case, cu, options, merge=merge)
     for quantity, error in errors.items():
@@ -240,11 +244,7 @@ def test_simulated_ranks_with_or_without_the_scores_kernel(name, fused_forward, 
     monkeypatch.setattr(kernel_plan, "SPLIT_WY_BACKWARD", split)
     gate, input_kwargs, world, ctx_kwargs, merge = SIMULATION_CASES[name]
     case, cu = make_inputs(gate, device=DEVICE, **input_kwargs)
-    if cu is not None:
-        ctxs = [build_cp_context(cu, rank=r, world_size=world, **ctx_kwargs) for r in range(world)]
-    else:
-        ctxs = [build_cp_context(seq_len=case["q"].shape[1], rank=r, world_size=world, **ctx_kwargs)
-                for r in range(world)]
+    ctxs = _contexts(case, cu, world, **ctx_kwargs)
     options = dict(chunk_size=16, use_qk_l2norm_in_kernel=True, scale=0.3)
     errors = _errors(ctxs, case, cu, options, merge=merge)
     assert max(errors.values()) < TOLERANCE, errors
@@ -271,11 +271,7 @@ def test_backward_from_the_kept_forward(name, fused_forward, poison, monkeypatch
     monkeypatch.setattr(kernel_plan, "FUSED_SCORES_FORWARD", fused_forward)
     gate, input_kwargs, world, ctx_kwargs = KEEP_CASES[name]
     case, cu = make_inputs(gate, device=DEVICE, **input_kwargs)
-    if cu is not None:
-        ctxs = [build_cp_context(cu, rank=r, world_size=world, **ctx_kwargs) for r in range(world)]
-    else:
-        ctxs = [build_cp_context(seq_len=case["q"].shape[1], rank=r, world_size=world, **ctx_kwargs)
-                for r in range(world)]
+    ctxs = _contexts(case, cu, world, **ctx_kwargs)
     assert not ctxs[0].plan(case["q"].shape[0]).with_transition
     options = dict(chunk_size=16, use_qk_l2norm_in_kernel=True, scale=0.3)
     do, dht = output_grads(case, cu)
