@@ -769,9 +769,9 @@ class CPForward:
         stored = local.kplan.intermediate_dtype
         num_chunks = local.geometry.num_chunks
         if self.keep_state_rows is not None:
-            # An op output: rows past the chunk count are zeros (deterministic), never read.
-            self.h = _empty(max(self.keep_state_rows, scratch_rows(num_chunks)), *self.state_shape, dtype=stored,
-                            device=device)
+            # An op output of the op's row count (keeps_forward: the chunks fit); rows past the chunk
+            # count are zeros (deterministic), never read.
+            self.h = _empty(self.keep_state_rows, *self.state_shape, dtype=stored, device=device)
             self.h[num_chunks:].zero_()
             if self.intra.scores is None:  # the output kernel forms P: it stores it for the backward too
                 self.scores_kept = _empty(1, problem.time, problem.value_heads, local.kplan.chunk_size,
@@ -860,7 +860,7 @@ class CPForward:
 
     def kept(self) -> Kept | None:
         """After finish: what this forward kept for CPBackward(intermediates=...), in the caller's
-        [B, T_local, ...] shapes (h: keep_state_rows rows or more), or None where it keeps nothing."""
+        [B, T_local, ...] shapes (h: keep_state_rows rows), or None where it keeps nothing."""
         if self.keep_state_rows is None:
             return None
         local, intra = self.local, self.intra
