@@ -1,0 +1,193 @@
+"""Where one eager fwd+bwd's host time goes (issue 24): each part timed behind a long GPU sleep, so
+the queue never drains and the clock reads the CPU alone.
+
+    python benchmarks/analysis/host_split.py --ops lightning,gdn --shape B4T4096H16D128
+
+Parts: the whole step; the forward alone (no autograd); Triton's launch path, counted by wrapping
+JITFunction.run (its share of the step and its count); a bare launch of a small Triton kernel with
+the same number of arguments as the op's widest; torch.empty. cProfile inflates small Python calls,
+so these are plain clocks.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def host_ms(fn, steps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))
+    started = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    elapsed = (time.perf_counter() - started) / steps * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
+class LaunchClock:
+    """Wraps triton's JITFunction.run: counts launches, their argument counts and the time inside."""
+
+    def __init__(self):
+        import triton.runtime.jit as jit
+
+        self.jit, self.original = jit, jit.JITFunction.run
+        self.seconds, self.count, self.widest, self.names = 0.0, 0, 0, {}
+        clock = self
+
+        def run(fn_self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return clock.original(fn_self, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - started
+                clock.count += 1
+                clock.widest = max(clock.widest, len(args) + len(kwargs))
+                name = getattr(fn_self, "__name__", str(fn_self))
+                clock.names[name] = clock.names.get(name, 0) + 1
+
+        jit.JITFunction.run = run
+
+    def reset(self):
+        self.seconds, self.count, self.names = 0.0, 0, {}
+
+    def close(self):
+        self.jit.JITFunction.run = self.original
+
+
+def bare_launch_fn(num_args: int):
+    """A Triton kernel of `num_args` arguments (tensors and ints, like ours), launched on a tiny grid."""
+    import triton
+    import triton.language as tl
+
+    names = [f"a{i}" for i in range(num_args - 2)]
+    source = (f"def _bare_kernel(x_ptr, {', '.join(names)}, N: tl.constexpr):\n"
+              f"    i = tl.arange(0, N)\n    tl.store(x_ptr + i, tl.load(x_ptr + i) + 1.0)\n")
+    scope = {"tl": tl, "triton": triton}
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"_bare_kernel_{num_args}.py")
+    with open(path, "w") as f:
+        f.write("import triton\nimport triton.language as tl\n\n@triton.jit\n" + source)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_bare_kernel_{num_args}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    del scope
+    x = torch.zeros(16, device="cuda")
+    extra = [x if i % 3 == 0 else 7 + i for i in range(num_args - 2)]
+    return lambda: module._bare_kernel[(1,)](x, *extra, N=16)
+
+
+def lightning_parts(shape):
+    import hccompile
+    from hccompile.kernels.lightning.chunk import lightning_attn_bwd, lightning_attn_fwd
+    from hccompile.lowering.lightning import alibi_decay
+
+    B, T, H, D = shape
+    q, k, v = (torch.randn(B, T, H, D, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+    decay = alibi_decay(H, device="cuda")
+    do = torch.randn(B, T, H, D, device="cuda").bfloat16()
+    d = decay.float().contiguous()
+
+    def step():
+        torch.autograd.backward(hccompile.lightning_attn(q, k, v, decay=decay)[0], do)
+
+    def forward_op():
+        with torch.no_grad():
+            hccompile.lightning_attn(q, k, v, decay=decay)
+
+    from hccompile.lowering.lightning import _lightning_attn_backward_host
+
+    scale = D ** -0.5
+    out = hccompile.lightning_attn(q, k, v, decay=decay)[0]
+
+    def grad_step():
+        torch.autograd.grad(hccompile.lightning_attn(q, k, v, decay=decay)[0], (q, k, v), do)
+
+    def backward_only():  # the engine on a kept graph: the forward's cost left out
+        torch.autograd.backward(out, do, retain_graph=True)
+
+    return {
+        "fwd+bwd (eager op)": step,
+        "fwd+bwd by autograd.grad (no AccumulateGrad)": grad_step,
+        "bwd by the engine (kept graph)": backward_only,
+        "fwd (op, grad mode, graph dropped)": lambda: hccompile.lightning_attn(q, k, v, decay=decay),
+        "bwd host fn in the main thread": lambda: _lightning_attn_backward_host(q, k, v, decay, None, do, None, scale),
+        "fwd (op, no_grad)": forward_op,
+        "fwd kernels (lightning_attn_fwd)": lambda: lightning_attn_fwd(q, k, v, d, None),
+        "bwd kernels (lightning_attn_bwd)": lambda: lightning_attn_bwd(q, k, v, d, do, None),
+    }
+
+
+def gdn_parts(shape):
+    import hccompile
+
+    B, T, H, D = shape
+    q, k, v = (torch.randn(B, T, H, D, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+    beta = torch.rand(B, T, H, device="cuda").bfloat16().requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda")).requires_grad_()
+    do = torch.randn(B, T, H, D, device="cuda").bfloat16()
+
+    def call():
+        return hccompile.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    def forward_op():
+        with torch.no_grad():
+            call()
+
+    return {"fwd+bwd (eager op)": lambda: torch.autograd.backward(call(), do), "fwd (op, no_grad)": forward_op}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="lightning,gdn")
+    p.add_argument("--shape", default="B4T4096H16D128")
+    args = p.parse_args()
+    import re
+
+    shape = tuple(int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", args.shape).groups())
+    clock = LaunchClock()
+    widest = 0
+    for op in args.ops.split(","):
+        parts = {"lightning": lightning_parts, "gdn": gdn_parts}[op](shape)
+        for name, fn in parts.items():
+            plain = host_ms(fn)
+            clock.reset()
+            steps = 50
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+            widest = max(widest, clock.widest)
+            launches = clock.count / steps
+            inside = clock.seconds / steps * 1e3
+            print(f"{op:9s} {name:34s} host {plain:6.3f} ms; {launches:4.1f} launches/step, "
+                  f"{inside:6.3f} ms inside JITFunction.run ({inside / max(launches, 1) * 1e3:5.1f} us each)",
+                  flush=True)
+        print(f"          kernels launched: {clock.names}", flush=True)
+    if "lightning" in args.ops:  # a GIL handoff between the engine's device thread and ours would move with this
+        sys.setswitchinterval(1e-4)
+        step = lightning_parts(shape)["fwd+bwd (eager op)"]
+        print(f"lightning fwd+bwd, switch interval 0.1 ms: host {host_ms(step):6.3f} ms", flush=True)
+        sys.setswitchinterval(5e-3)
+    clock.close()
+    bare = bare_launch_fn(max(widest, 8))
+    print(f"bare launch, {max(widest, 8)} args: {host_ms(bare, 500) * 1e3:6.1f} us", flush=True)
+    bare8 = bare_launch_fn(8)
+    print(f"bare launch, 8 args: {host_ms(bare8, 500) * 1e3:6.1f} us", flush=True)
+    x = torch.empty(1, device="cuda")
+    print(f"torch.empty [4,4096,16,128] bf16: "
+          f"{host_ms(lambda: torch.empty(4, 4096, 16, 128, dtype=torch.bfloat16, device='cuda'), 500) * 1e3:6.1f} us",
+          flush=True)
+    print(f"x.float().contiguous() on a fp32 tensor: {host_ms(lambda: x.float().contiguous(), 500) * 1e3:6.1f} us")
+
+
+if __name__ == "__main__":
+    main()
