@@ -18,6 +18,10 @@
 #               D 64, into diag_ rows                                                   (issue 20)
 #   host-eager  host time per eager fwd+bwd (lightning, GDN, the pointwise floor): the ops' calls without
 #               the dispatcher (lowering/_launch.py call_op) and through it, in one process (issue 24, 20)
+#   mhc-compile  the C1024 mHC step's compile under cProfile (n1-inductor, n4-hc-block) and hc's dumps of
+#               the compiled graphs, with the kernels and ops each generated code calls, counted (issue 18)
+#   host-split  an eager fwd+bwd's host time split into its parts (lightning, GDN): the op, the kernels'
+#               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
 #               B1 T32768 (ours and FLA's), into diag_ rows                              (issue 20)
 #   lightning-stages  the lightning defaults at the sweeps' stage budget of 96 KiB (2 stages for the flat
@@ -73,6 +77,15 @@ for run in ${RUNS:-delta host}; do
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl"
          cut_at python3 benchmarks/mhc.py --layers 2 --dim 4096 --heads 32 --batch 2 --seq 2048 \
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl" ;;
+    mhc-compile) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                     --variants n1-inductor,n4-hc-block --compile-profile 45 --dump-dir "$out/mhc_dump" \
+                     --out "$out/diag_mhc-compile_$tag.jsonl" > "$out/diag_mhc-compile_$tag.txt" 2>&1
+                 # what the compiled backward launches, per kernel or op (post_fwd calls: 8 forward + the recomputed)
+                 for code in "$out"/mhc_dump/*/graph_*/inductor_*_code.py; do
+                     echo "== $code"; grep -o "_mhc_[a-z_]*_kernel[_0-9]*\.run(\|ops\.hccompile\.[a-z_]*" "$code" | sort | uniq -c
+                 done >> "$out/diag_mhc-compile_$tag.txt" 2>&1
+                 tar czf "$out/diag_mhc-dump_$tag.tgz" -C "$out" mhc_dump && rm -rf "$out/mhc_dump" ;;
+    host-split) cut_at python3 benchmarks/analysis/host_split.py --ops lightning,gdn > "$out/diag_host-split_$tag.txt" 2>&1 ;;
     host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --through-op --top 12 \
                     --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
     lightning-quick) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \

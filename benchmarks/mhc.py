@@ -16,6 +16,7 @@ tables.
     python benchmarks/mhc.py --layers 4 --variants n4-hc-block-nofuse     # the unfused plan
     python benchmarks/mhc.py --kernels     # each fused kernel vs its reference under Inductor
     python benchmarks/mhc.py --layers 4 --variants n1-inductor,n4-hc-block --profile  # per-kernel GPU time
+    python benchmarks/mhc.py --layers 4 --variants n4-hc-block --compile-profile 40 --dump-dir /tmp/d  # compile
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def parse(variant: str) -> tuple[int, str, bool, bool]:
     return int(n_part[1:]), rest.removesuffix("-nofuse"), fuse, graphs
 
 
-def step_fn(variant: str, model):
+def step_fn(variant: str, model, dump_dir: str | None = None):
     _, kind, fuse, graphs = parse(variant)
     if kind == "eager":
         return lambda x: model(x)
@@ -63,6 +64,8 @@ def step_fn(variant: str, model):
     if kind == "inductor":
         return torch.compile(model, backend="inductor", options={"triton.cudagraphs": True} if graphs else None)
     options = {"hc_recompute": kind.split("-")[1]}
+    if dump_dir:
+        options.update(dump_dir=os.path.join(dump_dir, variant), depyf=False)
     if graphs:
         options["triton.cudagraphs"] = True
     if not fuse:
@@ -73,7 +76,7 @@ def step_fn(variant: str, model):
 def measure(variant: str, a) -> dict:
     n, kind, fuse, graphs = parse(variant)
     model = build(n, a)
-    fn = step_fn(variant, model)
+    fn = step_fn(variant, model, a.dump_dir)
     x = torch.randn(a.batch, a.seq, a.dim, device=a.device, dtype=getattr(torch, a.dtype))
     w = torch.randn_like(x)
 
@@ -84,11 +87,26 @@ def measure(variant: str, a) -> dict:
     from hccompile.explain import collect_reports
 
     torch.cuda.synchronize()
+    profiler = None
+    if a.compile_profile:  # where the compile's seconds go, by function (cProfile of the first step)
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     with collect_reports() as reports:  # hc's compile time per stage (its passes, AOT + Inductor)
         step()
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        for order in ("cumulative", "tottime"):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(a.compile_profile)
+            print(f"--- compile profile {variant} ({order})\n{text.getvalue()}", flush=True)
     stages: dict[str, float] = {}
     for graph in reports.graphs:
         for stage, seconds in graph.timings_s.items():
@@ -222,6 +240,10 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true", help="time the fused kernels alone and stop")
     p.add_argument("--profile", action="store_true",
                    help="also print each variant's per-kernel GPU time (torch.profiler) and GPU-busy share")
+    p.add_argument("--compile-profile", type=int, default=0, metavar="TOP",
+                   help="also print the TOP functions of a cProfile of each variant's first (compiling) step")
+    p.add_argument("--dump-dir", help="hc variants: hc's per-graph dumps here (its dump_dir option), to read the "
+                                      "backward's generated code")
     p.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, from {ALL}")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=1024)
