@@ -222,6 +222,12 @@ def test_lightning_ops_trace_to_their_launches(dtype, monkeypatch):
                  q, q, ((B, T, H, V), dtype), decay, h0), "lightning_attn")
     _check(trace(lambda q, k, v, decay, h0, do, dht: L.lightning_attn_backward_op(q, k, v, decay, h0, do, dht, 0.125),
                  q, q, ((B, T, H, V), dtype), decay, h0, ((B, T, H, V), dtype), h0), "lightning_attn_backward")
+    # with the forward's segment states kept, and the backward from them
+    _check(trace(lambda q, k, v, decay, h0: L.lightning_attn_op(q, k, v, decay, h0, 0.125, True, None, True),
+                 q, q, ((B, T, H, V), dtype), decay, h0), "lightning_attn")
+    _check(trace(lambda q, k, v, decay, h0, do, dht, states: L.lightning_attn_backward_op(
+        q, k, v, decay, h0, do, dht, 0.125, None, states), q, q, ((B, T, H, V), dtype), decay, h0,
+        ((B, T, H, V), dtype), h0, ((6, H, K, V), F32)), "lightning_attn_backward")
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ from .sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel, _launch_r
                      _reverse_sweep_kernel)
 from .tiles import MAX_BLOCK, MIN_DOT_DIM
 
-from .._triton import cdiv, direct, interpreted, require_triton, triton_available
+from .._triton import cdiv, direct, interpreted, require_triton, scratch_rows, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -59,6 +59,8 @@ __all__ = [
     "SavedStates",
     "lightning_attn_fwd",
     "lightning_attn_bwd",
+    "saved_states",
+    "saved_states_rows",
     "triton_available",
 ]
 
@@ -208,10 +210,9 @@ def lightning_attn_fwd(
     elif final_state_out is not None:
         raise ValueError("final_state_out: given but output_final_state is False")
     _require_triton(q.device)
+    segments = _forward_segments(q, v, cu_seqlens, segment, block, cblock, column_tile)
     if column_tile is None:
-        flat = sweeps.FLAT_SWEEPS and cblock == block
-        column_tile = FLAT_FORWARD_COLUMN_TILE if flat else NESTED_FORWARD_COLUMN_TILE
-    segments = _plan_segments(q, cu_seqlens, segment, block, cdiv(value_dim, min(column_tile, 256)))
+        column_tile = _forward_column_tile(block, cblock)
     wrap = wrap or direct
     states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state,
                              wrap=wrap, block=block)
@@ -220,6 +221,38 @@ def lightning_attn_fwd(
     if return_states:
         return out, final_state, SavedStates(states, segments.length, block)
     return out, final_state
+
+
+def _forward_column_tile(block: int, cblock: int) -> int:
+    flat = sweeps.FLAT_SWEEPS and cblock == block
+    return FLAT_FORWARD_COLUMN_TILE if flat else NESTED_FORWARD_COLUMN_TILE
+
+
+def _forward_segments(q, v, cu_seqlens, segment, block: int, cblock: int, column_tile: int | None):
+    """The forward's segments: what its states rows are planned by (lightning_attn_fwd, the op's
+    fake and saved_states share this one rule)."""
+    if column_tile is None:
+        column_tile = _forward_column_tile(block, cblock)
+    return _plan_segments(q, cu_seqlens, segment, block, cdiv(v.shape[3], min(column_tile, 256)))
+
+
+def saved_states_rows(q: torch.Tensor, v: torch.Tensor):
+    """Rows of the states lightning_attn_fwd(return_states=True) returns for fixed-length rows at
+    the default tuning (possibly symbolic): the op's fake sizes its kept states by it."""
+    return scratch_rows(_forward_segments(q, v, None, None, DEFAULT_BLOCK, DEFAULT_FORWARD_CBLOCK, None).count)
+
+
+def saved_states(q: torch.Tensor, v: torch.Tensor, states: torch.Tensor) -> "SavedStates | None":
+    """The SavedStates of a default-tuned forward of fixed-length rows from its states tensor alone
+    (the ops keep the tensor; the segment length is replanned by the forward's rule, so the
+    sweeps' switches must not change between a forward and its backward). None where the rows do not
+    match that plan (then the backward recomputes them); symbolic sizes are trusted, not compared
+    (a comparison would guard on them)."""
+    segments = _forward_segments(q, v, None, None, DEFAULT_BLOCK, DEFAULT_FORWARD_CBLOCK, None)
+    rows = scratch_rows(segments.count)
+    if isinstance(rows, int) and isinstance(states.shape[0], int) and states.shape[0] != rows:
+        return None
+    return SavedStates(states, segments.length, DEFAULT_BLOCK)
 
 
 def lightning_attn_bwd(
