@@ -211,11 +211,11 @@ def _lightning_attn_host(
     _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     if _keeps_states(q, cu_seqlens, save_states):
         o, final_state, saved = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                                   output_final_state, return_states=True)
+                                                   output_final_state, return_states=True, checked=True)
         return _forward_outputs(q, v, o, final_state, saved.states)
     if _uses_triton(q):
         o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                            output_final_state, cu_seqlens=cu_seqlens)
+                                            output_final_state, cu_seqlens=cu_seqlens, checked=True)
     else:
         o, final_state = lightning_attn_varlen_ref(q, k, v, decay, scale, initial_state, output_final_state,
                                                    cu_seqlens)
@@ -291,7 +291,8 @@ def _lightning_attn_backward_host(
     _check_eager(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q):
-        grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, states, cu_seqlens=cu_seqlens)
+        grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, states, cu_seqlens=cu_seqlens,
+                                 checked=True)
     else:
         grads = _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens)
     return _backward_outputs(q, k, v, initial_state, grads)
@@ -360,6 +361,10 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens, save_states = inputs
     # The backward recomputes what it needs from the inputs and the kept states (if the forward kept them).
     states = output[2] if save_states else None
+    # The kept states are an intermediate, not a result; unused outputs (always the states, often the
+    # final state) get None, not a zero tensor each (an fp32 [segments, H, K, V] fill per backward otherwise).
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, decay, initial_state, cu_seqlens, states)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
@@ -410,10 +415,9 @@ def lightning_attn(
         _require(name, tensor, 4, "[batch, time, heads, head_dim]")
     if decay is None:
         decay = torch.zeros(q.shape[2], dtype=torch.float32, device=q.device)
-    if not torch.compiler.is_compiling():
-        # The full check (it reads the decay's values, so eager only); under torch.compile the fake
-        # runs the trace-safe subset, and the real op the full check at run time.
-        _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
+    # The inputs are checked once, inside the op (its host function: everything, the decay's values
+    # included where they are read; traced: the trace-safe subset and the kernels' checks; its fake at
+    # trace time), so an eager call pays for the checks once.
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o, final_state, _ = call_op(lightning_attn_op, q, k, v, decay, initial_state, float(scale),
@@ -425,4 +429,4 @@ def keeps_states(q: Tensor, k: Tensor, v: Tensor, initial_state: Tensor | None, 
     """Whether the forward op should keep its segments' starting states for the backward (see
     KEEP_STATES): when a gradient will be taken, for fixed-length rows."""
     return (KEEP_STATES and cu_seqlens is None and torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (q, k, v, initial_state)))
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, initial_state)))

@@ -135,6 +135,11 @@ def _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, **states)
     return num_states
 
 
+def _num_states(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    """N of the [N, H, K, V] states of checked inputs: the batch, or the varlen sequences."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
 class SavedStates(NamedTuple):
     """The segments' starting states of one forward ([segments, H, K, V] fp32), the segment length
     and block they were planned with: what the backward's forward-state pass would recompute."""
@@ -173,6 +178,7 @@ def lightning_attn_fwd(
     final_state_out: torch.Tensor | None = None,
     wrap: Callable | None = None,
     return_states: bool = False,
+    checked: bool = False,
 ) -> tuple:
     """Lightning attention forward; q, k: [B, T, H, K], v: [B, T, H, V], decay: [H] log-decays <= 0.
 
@@ -188,9 +194,11 @@ def lightning_attn_fwd(
     loop, FLAT_FORWARD_COLUMN_TILE or NESTED_FORWARD_COLUMN_TILE).
     `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows).
     `return_states`: also return SavedStates, the segments' starting states this forward computed, which
-    lightning_attn_bwd can take (`states=`) instead of recomputing them.
+    lightning_attn_bwd can take (`states=`) instead of recomputing them. `checked`: the caller ran the
+    same checks on these inputs already (hccompile's ops do, once per call, at the default tuning).
     """
-    num_states = _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
+    num_states = _num_states(q, cu_seqlens) if checked else \
+        _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
     batch, time, heads, key_dim = q.shape
     value_dim = v.shape[3]
     scale = _default_scale(scale, key_dim)
@@ -274,6 +282,7 @@ def lightning_attn_bwd(
     out: tuple | None = None,
     wrap: Callable | None = None,
     states: "SavedStates | None" = None,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients (dq, dk, dv, dh0) of lightning_attn_fwd given do = dL/do and dht = dL/dS_T.
 
@@ -284,11 +293,14 @@ def lightning_attn_bwd(
     (cblock = block, sweeps.FLAT_WARPS), else DEFAULT_BACKWARD_CBLOCK and BACKWARD_WARPS. `wrap`: as the
     forward's. `states`: the forward's SavedStates (lightning_attn_fwd(return_states=True)) for the same
     inputs: the backward plans the forward's segments and skips recomputing their starting states.
+    `checked`: as the forward's.
     """
     flat = sweeps.FLAT_SWEEPS
     cblock = (block if flat else DEFAULT_BACKWARD_CBLOCK) if cblock is None else cblock
     num_warps = num_warps if num_warps is not None or flat else BACKWARD_WARPS
-    _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, do=do, initial_state=initial_state, dht=dht)
+    if not checked:
+        _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, do=do, initial_state=initial_state,
+                       dht=dht)
     scale = _default_scale(scale, q.shape[3])
     want_dh0 = initial_state is not None
     expected = [("out[0] (dq)", q), ("out[1] (dk)", k), ("out[2] (dv)", v)]
