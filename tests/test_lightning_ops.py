@@ -163,7 +163,7 @@ def short_segments(monkeypatch):
 def test_the_backward_from_the_kept_states_equals_the_recomputing_one(initial_state, short_segments, monkeypatch):
     """The forward keeps its segments' starting states when a gradient will be taken (KEEP_STATES);
     they are lightning_attn_fwd's own, and the backward from them gives the recomputing backward's
-    gradients bit for bit (the same kernels on the same states)."""
+    gradients (bit for bit in the interpreter)."""
     if not KERNELS_CAN_RUN:
         pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
     from hccompile.kernels.lightning.chunk import lightning_attn_fwd, saved_states_rows
@@ -184,7 +184,9 @@ def test_the_backward_from_the_kept_states_equals_the_recomputing_one(initial_st
 
     kept, recomputed = gradients(True), gradients(False)
     for name, a, b in zip(["o", "final_state", *names], kept, recomputed):
-        assert torch.equal(a, b), name
+        # the same kernels on the same states; the GPU's compiled variants (the forward's also stores
+        # the final state) may round differently in the last bits
+        assert torch.equal(a, b) if DEVICE == "cpu" else relative_rms_error(a, b) < 1e-6, name
     # what the op keeps: the forward's states, rows as its fake says, three segments a row
     with torch.no_grad():
         _, _, states = lightning_attn_op(case["q"], case["k"], case["v"], case["decay"], h0, 0.3, True, None, True)
