@@ -54,7 +54,7 @@ from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.lightning.chunk import (MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd,
-                                       saved_states, saved_states_rows, triton_available)
+                                       num_states, saved_states, saved_states_rows, triton_available)
 from ..kernels.lightning.sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel,
                                         _reverse_pair_sweep_kernel, _reverse_sweep_kernel)
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
@@ -82,11 +82,6 @@ def _require(name: str, tensor, dim: int, layout: str) -> None:
         raise ValueError(f"{name}: expected a {dim}-D tensor {layout}, got shape {tuple(tensor.shape)}")
     if not tensor.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {tensor.dtype}")
-
-
-def _num_states(q: Tensor, cu_seqlens: Tensor | None):
-    """N of the [N, H, K, V] states: the batch size, or the number of varlen sequences."""
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
 def _check_cu_seqlens_symbolic(q: Tensor, cu_seqlens: Tensor | None) -> None:
@@ -118,7 +113,7 @@ def _check_shapes_symbolic(q, k, v, decay, initial_state, do=None, dht=None, cu_
     if tuple(decay.shape) != (heads,):
         raise ValueError(f"decay: expected shape ({heads},) (one log-decay per head), got {tuple(decay.shape)}")
     _check_cu_seqlens_symbolic(q, cu_seqlens)
-    state_shape = (_num_states(q, cu_seqlens), heads, key_dim, value_dim)
+    state_shape = (num_states(q, cu_seqlens), heads, key_dim, value_dim)
     for name, tensor in (("initial_state", initial_state), ("dht", dht)):
         if tensor is not None:
             _require(name, tensor, 4, "[N, heads, K, V]")
@@ -209,17 +204,19 @@ def _lightning_attn_host(
     """(o, final state, states): with save_states (fixed-length rows, the kernels) the segments'
     starting states the backward would recompute, fp32 [saved_states_rows, H, K, V]; else (0,)."""
     _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
-    if _keeps_states(q, cu_seqlens, save_states):
-        o, final_state, saved = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                                   output_final_state, return_states=True, checked=True)
-        return _forward_outputs(q, v, o, final_state, saved.states)
     if _uses_triton(q):
-        o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                            output_final_state, cu_seqlens=cu_seqlens, checked=True)
-    else:
-        o, final_state = lightning_attn_varlen_ref(q, k, v, decay, scale, initial_state, output_final_state,
-                                                   cu_seqlens)
+        return _forward_kernels(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens,
+                                _keeps_states(q, cu_seqlens, save_states), checked=True)
+    o, final_state = lightning_attn_varlen_ref(q, k, v, decay, scale, initial_state, output_final_state, cu_seqlens)
     return _forward_outputs(q, v, o, final_state)
+
+
+def _forward_kernels(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens, keep: bool, **launch):
+    """The forward op's outputs by the kernels; `launch`: checked (the host op) or wrap (traced)."""
+    o, final_state, *saved = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
+                                                output_final_state, cu_seqlens=cu_seqlens, return_states=keep,
+                                                **launch)
+    return _forward_outputs(q, v, o, final_state, saved[0].states if keep else None)
 
 
 def _keeps_states(q: Tensor, cu_seqlens: Tensor | None, save_states: bool) -> bool:
@@ -241,13 +238,8 @@ def _lightning_attn_traced(q, k, v, decay, initial_state, scale, output_final_st
     are not checked here: on CUDA they never are, a check would synchronise)."""
     _check_shapes_symbolic(q, k, v, decay, initial_state)
     _check_options(q, k, v, decay, initial_state)
-    if _keeps_states(q, cu_seqlens, save_states):
-        o, final_state, saved = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                                   output_final_state, wrap=wrap_triton, return_states=True)
-        return _forward_outputs(q, v, o, final_state, saved.states)
-    o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                        output_final_state, wrap=wrap_triton)
-    return _forward_outputs(q, v, o, final_state)
+    return _forward_kernels(q, k, v, decay, initial_state, scale, output_final_state, None,
+                            _keeps_states(q, cu_seqlens, save_states), wrap=wrap_triton)
 
 
 def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None,
@@ -257,7 +249,7 @@ def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_stat
     batch, time, heads, key_dim = q.shape
     value_dim = v.shape[3]
     o = v.new_empty((batch, time, heads, value_dim))
-    state_shape = (_num_states(q, cu_seqlens), heads, key_dim, value_dim) if output_final_state else (0,)
+    state_shape = (num_states(q, cu_seqlens), heads, key_dim, value_dim) if output_final_state else (0,)
     kept = (saved_states_rows(q, v), heads, key_dim, value_dim) if _keeps_states(q, cu_seqlens, save_states) \
         else (0,)
     return o, q.new_empty(state_shape, dtype=_state_dtype(q)), q.new_empty(kept, dtype=torch.float32)

@@ -59,6 +59,7 @@ __all__ = [
     "SavedStates",
     "lightning_attn_fwd",
     "lightning_attn_bwd",
+    "num_states",
     "saved_states",
     "saved_states_rows",
     "triton_available",
@@ -128,15 +129,15 @@ def _default_scale(scale: float | None, key_dim: int) -> float:
 def _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, **states) -> int:
     check_attention_shapes(q, k, v, **{n: t for n, t in states.items() if n == "do"})
     _check_kernel_inputs(q=q, k=k, v=v, **{n: t for n, t in states.items() if n == "do"})
-    num_states = check_cu_seqlens(q, cu_seqlens)
-    check_decay_and_state(q, v, decay, num_states=num_states,
-                          **{n: t for n, t in states.items() if n != "do"})
+    count = check_cu_seqlens(q, cu_seqlens)
+    check_decay_and_state(q, v, decay, num_states=count, **{n: t for n, t in states.items() if n != "do"})
     _check_blocks(block, cblock, segment)
-    return num_states
+    return count
 
 
-def _num_states(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
-    """N of the [N, H, K, V] states of checked inputs: the batch, or the varlen sequences."""
+def num_states(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    """N of the [N, H, K, V] states: the batch size, or the number of varlen sequences (from the
+    sizes alone: symbolic sizes stay symbolic)."""
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
@@ -197,7 +198,7 @@ def lightning_attn_fwd(
     lightning_attn_bwd can take (`states=`) instead of recomputing them. `checked`: the caller ran the
     same checks on these inputs already (hccompile's ops do, once per call, at the default tuning).
     """
-    num_states = _num_states(q, cu_seqlens) if checked else \
+    states_count = num_states(q, cu_seqlens) if checked else \
         _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
     batch, time, heads, key_dim = q.shape
     value_dim = v.shape[3]
@@ -209,7 +210,7 @@ def lightning_attn_fwd(
         _check_out("out", out, v.dtype, v.device, o_shape)
     final_state = None
     if output_final_state:
-        state_shape = (num_states, heads, key_dim, value_dim)
+        state_shape = (states_count, heads, key_dim, value_dim)
         if final_state_out is None:
             final_state = torch.empty(state_shape, dtype=torch.float32, device=q.device)
         else:
