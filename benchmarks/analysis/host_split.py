@@ -65,13 +65,9 @@ class LaunchClock:
 
 def bare_launch_fn(num_args: int):
     """A Triton kernel of `num_args` arguments (tensors and ints, like ours), launched on a tiny grid."""
-    import triton
-    import triton.language as tl
-
     names = [f"a{i}" for i in range(num_args - 2)]
     source = (f"def _bare_kernel(x_ptr, {', '.join(names)}, N: tl.constexpr):\n"
               f"    i = tl.arange(0, N)\n    tl.store(x_ptr + i, tl.load(x_ptr + i) + 1.0)\n")
-    scope = {"tl": tl, "triton": triton}
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"_bare_kernel_{num_args}.py")
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\n\n@triton.jit\n" + source)
@@ -80,7 +76,6 @@ def bare_launch_fn(num_args: int):
     spec = importlib.util.spec_from_file_location(f"_bare_kernel_{num_args}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    del scope
     x = torch.zeros(16, device="cuda")
     extra = [x if i % 3 == 0 else 7 + i for i in range(num_args - 2)]
     return lambda: module._bare_kernel[(1,)](x, *extra, N=16)
