@@ -96,6 +96,25 @@ def _check(traced, op: str) -> None:
     assert not written_tables, (op, written_tables)
     assert hccompile_ops(gm.graph) == [f"hccompile.{op}.default"], gm.graph
     assert not pinned, f"{op}: the sequence length is guarded: {pinned}"
+    _check_cached_analysis(launches)
+
+
+def _check_cached_analysis(launches) -> None:
+    """compat caches torch's analysis of what each launch reads and writes: the cached answer must
+    be torch's own, for every launch of every op traced here."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    from hccompile.compat import cache_triton_access_analysis
+
+    analysis = cache_triton_access_analysis()
+    assert getattr(analysis, "_hccompile_cached", False)
+    for n in launches:
+        kernel = wrap.kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+        constants = wrap.kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])
+        values = {k: v.meta["val"] if isinstance(v, torch.fx.Node) else v for k, v in n.kwargs["kwargs"].items()}
+        args = (kernel, {**values, **constants}, n.kwargs["tma_descriptor_metadata"])
+        with helpers.kernel_target():
+            assert analysis(*args) == analysis.__wrapped__(*args), _kernel_name(n.kwargs["kernel_idx"])
 
 
 _READ_ONLY = re.compile(r"table|seqlens|offsets")
@@ -145,6 +164,24 @@ def test_mhc_ops_trace_to_their_launches(dtype):
     grads = [((B, S, n), dtype), ((B, S, n), dtype), ((B, S, n, n), dtype)]
     _check(trace(lambda *t: M.mhc_mapping_backward_op(*t, *scalars), proj, r, *params, *grads),
            "mhc_mapping_backward")
+
+
+@needs_compiled_kernels
+def test_launch_analysis_is_computed_once_per_key():
+    """torch analyses a traced launch's Triton IR at every call site, several times (compat): the
+    same kernel with the same argument kinds is analysed once."""
+    from hccompile import compat
+    from hccompile.lowering import mhc as M
+
+    x, h_res, h_post, f = ((2, 100, 4, 64), BF16), ((2, 100, 4, 4), BF16), ((2, 100, 4), BF16), ((2, 100, 64), BF16)
+
+    def traced_post_backward():
+        trace(lambda *t: M.mhc_post_backward_op(*t, False, [0, 1, 2, 3]), x, h_res, h_post, f, x)
+        return dict(compat.access_analysis_counts)
+
+    first = traced_post_backward()
+    again = traced_post_backward()
+    assert again["computed"] == first["computed"] and again["reused"] > first["reused"], (first, again)
 
 
 @needs_compiled_kernels
