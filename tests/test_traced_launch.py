@@ -152,8 +152,8 @@ def test_mhc_ops_trace_to_their_launches(dtype):
     _check(trace(lambda *t: M.mhc_post_op(*t, False, order), x, h_res, h_post, f), "mhc_post")
     _check(trace(lambda *t: M.mhc_post_backward_op(*t, False, order), x, h_res, h_post, f, x),
            "mhc_post_backward")
-    _check(trace(lambda *t: M.mhc_aggregate_op(*t, order), x, h_post), "mhc_aggregate")
-    _check(trace(lambda *t: M.mhc_aggregate_backward_op(*t, order), x, h_post, f), "mhc_aggregate_backward")
+    _check(trace(lambda *t: M.mhc_aggregate_op(*t), x, h_post), "mhc_aggregate")
+    _check(trace(lambda *t: M.mhc_aggregate_backward_op(*t), x, h_post, f), "mhc_aggregate_backward")
 
     spec = MappingSpec(n=n, steps=8)
     scalars = M.spec_args(spec)

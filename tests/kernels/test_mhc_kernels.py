@@ -133,10 +133,9 @@ def test_aggregate_kernel_matches_float64(case, poisoned):
     dy = dout[:, :, 0]
     y = mhc_aggregate_fwd(x, h_pre)
     assert rel(y, mhc_aggregate_ref(x.double(), h_pre.double())) < TOL[dtype]
-    dx, dh = mhc_aggregate_bwd(x, h_pre, dy, order)
-    rdx, rdh = mhc_aggregate_bwd_ref(x.double(), h_pre.double(), dy.double())
-    assert rel(dx, rdx) < TOL[dtype] and rel(dh, rdh) < TOL[dtype]
-    assert dx.permute(*order).is_contiguous()
+    dh = mhc_aggregate_bwd(x, h_pre, dy)
+    _, rdh = mhc_aggregate_bwd_ref(x.double(), h_pre.double(), dy.double())
+    assert dh.shape == h_pre.shape and dh.dtype == h_pre.dtype and rel(dh, rdh) < TOL[dtype]
 
 
 # The backward sweeps (post, aggregate) walk C in [tokens, BLOCK_C] tiles: C over several tiles with
@@ -190,10 +189,9 @@ def test_backward_sweeps_awkward_shapes(case, poisoned):
     dy = dout[:, :, 0]
     y = mhc_aggregate_fwd(x, h_post)
     assert rel(y, mhc_aggregate_ref(d64[0], d64[2])) < TOL[dtype]
-    dx, dh = mhc_aggregate_bwd(x, h_post, dy, order)
-    rdx, rdh = mhc_aggregate_bwd_ref(d64[0], d64[2], dy.double())
-    assert rel(dx, rdx) < TOL[dtype] and rel(dh, rdh) < TOL[dtype]
-    assert dx.permute(*order).is_contiguous()
+    dh = mhc_aggregate_bwd(x, h_post, dy)
+    _, rdh = mhc_aggregate_bwd_ref(d64[0], d64[2], dy.double())
+    assert dh.shape == h_post.shape and dh.dtype == h_post.dtype and rel(dh, rdh) < TOL[dtype]
 
 
 @requires_triton
@@ -382,10 +380,10 @@ def _op_args(dtype=torch.float32, requires_grad=True):
 def test_opcheck_post_and_aggregate():
     x, h_res, h_post, f = _op_args()
     torch.library.opcheck(L.mhc_post_op, (x, h_res, h_post, f, True, [0, 2, 1, 3]))
-    torch.library.opcheck(L.mhc_aggregate_op, (x, h_post, [0, 2, 1, 3]))
+    torch.library.opcheck(L.mhc_aggregate_op, (x, h_post))
     d = [t.detach() for t in (x, h_res, h_post, f)]
     torch.library.opcheck(L.mhc_post_backward_op, (*d, torch.randn_like(d[0]), False, [0, 1, 2, 3]))
-    torch.library.opcheck(L.mhc_aggregate_backward_op, (d[0], d[2], torch.randn_like(d[3]), [0, 1, 2, 3]))
+    torch.library.opcheck(L.mhc_aggregate_backward_op, (d[0], d[2], torch.randn_like(d[3])))
 
 
 @requires_triton
@@ -506,6 +504,10 @@ def test_kernels_compile_for_h100_without_spills():
             field = lambda key: int(line.split(f" {key} ")[1].split()[0])  # noqa: E731
             assert field("LOOPCVT") == 0, line
             assert field("CVT") <= final_stores[name] and field("BAR") <= 2 * final_stores[name] - 1, line
+        # the mapping backward's Sinkhorn chain: one warp at n 4, its divisors through global
+        # scratch: no shared memory, one barrier (between storing and loading the divisors)
+        if name == "mapping_bwd":
+            assert field("SHARED") == 0 and field("BAR") <= 1, line
 
 
 def test_post_backward_compiles_for_h100_at_other_stream_counts_without_spills():
