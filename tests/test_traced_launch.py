@@ -150,8 +150,9 @@ def test_mhc_ops_trace_to_their_launches(dtype):
     order = [0, 1, 2, 3]
     x, h_res, h_post, f = ((B, S, n, C), dtype), ((B, S, n, n), dtype), ((B, S, n), dtype), ((B, S, C), dtype)
     _check(trace(lambda *t: M.mhc_post_op(*t, False, order), x, h_res, h_post, f), "mhc_post")
-    _check(trace(lambda *t: M.mhc_post_backward_op(*t, False, order), x, h_res, h_post, f, x),
-           "mhc_post_backward")
+    for with_dx in (True, False):  # without dx, the dummy dx pointer is the op's own, not an input
+        _check(trace(lambda *t: M.mhc_post_backward_op(*t, False, order, with_dx), x, h_res, h_post, f, x),
+               "mhc_post_backward")
     _check(trace(lambda *t: M.mhc_aggregate_op(*t), x, h_post), "mhc_aggregate")
     _check(trace(lambda *t: M.mhc_aggregate_backward_op(*t), x, h_post, f), "mhc_aggregate_backward")
 
@@ -176,7 +177,7 @@ def test_launch_analysis_is_computed_once_per_key():
     x, h_res, h_post, f = ((2, 100, 4, 64), BF16), ((2, 100, 4, 4), BF16), ((2, 100, 4), BF16), ((2, 100, 64), BF16)
 
     def traced_post_backward():
-        trace(lambda *t: M.mhc_post_backward_op(*t, False, [0, 1, 2, 3]), x, h_res, h_post, f, x)
+        trace(lambda *t: M.mhc_post_backward_op(*t, False, [0, 1, 2, 3], False), x, h_res, h_post, f, x)
         return dict(compat.access_analysis_counts)
 
     first = traced_post_backward()

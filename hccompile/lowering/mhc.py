@@ -5,8 +5,10 @@
         out[i] = Σ_j A[i, j] x[j] + H_post[i] f, A = H_resᵀ if transpose_res else H_res;
         x [T1, T2, n, C], h_res [T1, T2, n, n], h_post [T1, T2, n], f [T1, T2, C];
         out [T1, T2, n, C] in x's dtype, its memory laid out in out_order (outer to inner).
-    hccompile::mhc_post_backward(x, h_res, h_post, f, dout, transpose_res, out_order)
-        -> (dx, dh_res, dh_post, df)
+    hccompile::mhc_post_backward(x, h_res, h_post, f, dout, transpose_res, out_order, with_dx)
+        -> (dx, dh_res, dh_post, df); without with_dx, dx is an empty [0] tensor: the compiled
+        backward forms dx = Σ_i A[i, j]·dout_i in plain torch, which Inductor folds into the kernel
+        summing the stream's gradient contributions (eager calls ask the kernel for it).
     hccompile::mhc_aggregate(Tensor x, Tensor h_pre) -> Tensor
         y = Σ_i H_pre[i] x[i], y [T1, T2, C] contiguous in x's dtype.
     hccompile::mhc_aggregate_backward(x, h_pre, dy) -> dh_pre  (dx = H_pre ⊗ dy: plain torch)
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
+from ..compat import plain_eager
 from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
 from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
@@ -121,23 +124,28 @@ def _mhc_post_fake(x, h_res, h_post, f, transpose_res, out_order):
 
 
 def _mhc_post_backward_host(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
-                         transpose_res: bool, out_order: Sequence[int]
+                         transpose_res: bool, out_order: Sequence[int], with_dx: bool
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     order = common.check_order(out_order, 4)
     if _uses_triton(x):
         _require(x, K_post._mhc_post_bwd_kernel, K_post.__name__)
-        return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
+        return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order, with_dx=with_dx)
     ct = _compute_dtype(x)
     grads = R.mhc_post_bwd_ref(*(t.to(ct) for t in (x, h_res, h_post, f, dout)), transpose_res)
-    return (_into(grads[0], x.shape, x.dtype, x.device, order),
-            *(_into(g, t.shape, t.dtype, t.device) for g, t in zip(grads[1:], (h_res, h_post, f))))
+    dx = _into(grads[0], x.shape, x.dtype, x.device, order) if with_dx else _no_dx(x)
+    return (dx, *(_into(g, t.shape, t.dtype, t.device) for g, t in zip(grads[1:], (h_res, h_post, f))))
 
 
-def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order):
+def _no_dx(x: Tensor) -> Tensor:
+    return _alloc((0,), x.dtype, x.device)
+
+
+def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order, with_dx):
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     order = common.check_order(out_order, 4)
-    return (_alloc(x.shape, x.dtype, x.device, order), _alloc(h_res.shape, h_res.dtype, x.device),
+    dx = _alloc(x.shape, x.dtype, x.device, order) if with_dx else _no_dx(x)
+    return (dx, _alloc(h_res.shape, h_res.dtype, x.device),
             _alloc(h_post.shape, h_post.dtype, x.device), _alloc(f.shape, f.dtype, x.device))
 
 
@@ -147,10 +155,10 @@ def _mhc_post_traced(x, h_res, h_post, f, transpose_res, out_order):
                                   wrap=wrap_triton)
 
 
-def _mhc_post_backward_traced(x, h_res, h_post, f, dout, transpose_res, out_order):
+def _mhc_post_backward_traced(x, h_res, h_post, f, dout, transpose_res, out_order, with_dx):
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res,
-                                  common.check_order(out_order, 4), wrap=wrap_triton)
+                                  common.check_order(out_order, 4), wrap=wrap_triton, with_dx=with_dx)
 
 
 # x [T1, T2, n, C]: the stream count and channels, fixed like a head count and head dim (fix_sizes)
@@ -172,8 +180,16 @@ def _post_setup(ctx, inputs, output) -> None:
 
 def _post_backward(ctx, dout: Tensor):
     x, h_res, h_post, f = ctx.saved_tensors
+    # Traced (torch.compile), dx = Σ_i A[i, j]·dout_i stays plain torch: Inductor folds it (the sum
+    # over n unrolled) into the kernel summing the stream's gradient contributions, so the kernel
+    # does not write an n·C-sized dx for that kernel to read back. Eager, the kernel writes it.
+    with_dx = plain_eager()
     dx, dh_res, dh_post, df = call_op(mhc_post_backward_op, x, h_res, h_post, f, dout, ctx.transpose_res,
-                                      ctx.out_order)
+                                      ctx.out_order, with_dx)
+    if not with_dx:
+        a = h_res.transpose(-1, -2) if ctx.transpose_res else h_res
+        # float32 products summed, rounded once, as the kernel does
+        dx = (a.float().unsqueeze(-1) * dout.float().unsqueeze(-2)).sum(-3).to(x.dtype)
     return dx, dh_res, dh_post, df, None, None
 
 
