@@ -85,8 +85,8 @@ if triton is not None:
         """One column of the column sweep over one step of C: v = x[j] (or f), out = Σ_i m[i]·dout_i
         = dx[j] (or df) for m = A[:, j] (or H_post), and the column's n sums over C,
         Σ_c dout_i·v = dA[:, j] (or dH_post), added to the partial sums of the earlier steps at
-        sum_ptrs (`summed`: where there are any). `out_ok`, a scalar: whether out is stored (not
-        dx[j] when the caller forms dx itself)."""
+        sum_ptrs (`summed`: where there are any). `out_ok` [1, BLOCK_C], all true or all false:
+        whether out is stored (not dx[j] when the caller forms dx itself)."""
         v_lo = tl.load(v_ptrs, mask=lo_ok, other=0.0).to(tl.float32)
         v_hi = v_lo
         if HALVES == 2:
@@ -108,10 +108,9 @@ if triton is not None:
             d_lo, d_hi, sums = _stream_step(i, v_lo, v_hi, m_ptrs, m_stride, m_ok, hp_ptrs, spn, hp_ok,
                                             dout_ptrs, sdn, dout_half, lo_ok, hi_ok, slot, d_lo, d_hi,
                                             sums, HALVES, MIXED)
-        if out_ok:
-            tl.store(out_ptrs, d_lo.to(out_ptrs.dtype.element_ty), mask=lo_ok)
-            if HALVES == 2:
-                tl.store(out_ptrs + out_half, d_hi.to(out_ptrs.dtype.element_ty), mask=hi_ok)
+        tl.store(out_ptrs, d_lo.to(out_ptrs.dtype.element_ty), mask=lo_ok & out_ok)
+        if HALVES == 2:
+            tl.store(out_ptrs + out_half, d_hi.to(out_ptrs.dtype.element_ty), mask=hi_ok & out_ok)
         tl.store(sum_ptrs, sums, mask=tok_ok[:, None] & (slot < N))
 
     @triton.jit
@@ -171,8 +170,11 @@ if triton is not None:
         d_tok = (t1 * sd1 + t2 * sd2)[:, None]
         dx_tok = (t1 * sdx1 + t2 * sdx2)[:, None]
         df_tok = (t1 * sdf1 + t2 * sdf2)[:, None]
+        # the columns whose output is stored: every one, or f's (df) only when the caller forms dx.
+        # As a [1, BLOCK_C] boolean tile, not a scalar: interpreters differ on scalar masks, and a
+        # per-token bound made Triton 3.6's ptxas spill
         if WRITE_DX:
-            first_out = 0  # the columns whose output is stored: all, or f's (df) only
+            first_out = 0
         else:
             first_out = n_streams
         if BY_COLUMN:
@@ -205,7 +207,7 @@ if triton is not None:
                                  tl.where(in_x, dx_ptr + dx_tok + j * sdxn + cols * sdxc,
                                           df_ptr + df_tok + cols * sdfc),
                                  tl.where(in_x, BLOCK_C * sdxc, BLOCK_C * sdfc),
-                                 j >= first_out,
+                                 (cols * 0 + j) >= first_out,
                                  sums_ptr + sums_tok + j * ssj + slot, lo_ok, hi_ok, tok_ok, summed,
                                  slot, n_streams, N, HALVES, UNROLL, MIXED)
         else:
@@ -395,6 +397,8 @@ def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=
     if by_column:
         bt, bc, halves, warps = common.column_sweep_blocks(x.element_size())
         unroll = COLUMN_UNROLL[x.dtype][0 if C % 16 == 0 else 1]
+        if not with_dx and C % 16 != 0:
+            unroll = 1  # fp32 without dx spilled 8 bytes at unroll 2 (n 3, 5, 9; C 40; Triton 3.6)
         unroll = unroll if n >= unroll else 1  # a loop that would never run only takes registers
         # per token n + 1 rows of partial sums (dA's columns, dH_post); rows of 16 (MAX_STREAMS):
         # a stride the compiler knows 16-divisible, hence 16-byte accesses, in the data tiles' layout
