@@ -64,6 +64,8 @@ OPCHECK_CASES = {
     "states": (dict(), True, False),
     "no-states": (dict(initial_state=False, decay="none"), False, False),
     "kept-states": (dict(T=70), True, True),
+    # one segment: the kept states still have 2 rows eagerly, as traced (kept_rows)
+    "kept-states-one-segment": (dict(), True, True),
 }
 
 

@@ -185,7 +185,10 @@ def test_backward_sweeps_awkward_shapes(case, poisoned):
     assert grads[0].permute(*order).is_contiguous()
     # without dx (a compiled backward forms it): the same sums, nothing written through dx
     no_dx = mhc_post_bwd(x, h_res, h_post, f, dout, transpose_res, order, with_dx=False)
-    assert no_dx[0].shape == (0,) and all(torch.equal(a, b) for a, b in zip(no_dx[1:], grads[1:]))
+    assert no_dx[0].shape == (0,)
+    # not bitwise: WRITE_DX compiles another kernel, whose sums may run in another order on a GPU
+    for name, g, r, like in zip(("dh_res", "dh_post", "df"), no_dx[1:], refs[1:], (h_res, h_post, f)):
+        assert g.shape == like.shape and g.dtype == like.dtype and rel(g, r) < TOL[dtype], name
     out = mhc_post_fwd(x, h_res, h_post, f, transpose_res, order)
     assert rel(out, mhc_post_ref(*d64[:4], transpose_res)) < TOL[dtype]
 

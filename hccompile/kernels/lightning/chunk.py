@@ -51,7 +51,7 @@ from .sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel, _launch_r
                      _reverse_sweep_kernel)
 from .tiles import MAX_BLOCK, MIN_DOT_DIM
 
-from .._triton import cdiv, direct, interpreted, require_triton, scratch_rows, triton_available
+from .._triton import cdiv, direct, interpreted, kept_rows, require_triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -224,7 +224,7 @@ def lightning_attn_fwd(
         column_tile = _forward_column_tile(block, cblock)
     wrap = wrap or direct
     states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state,
-                             wrap=wrap, block=block)
+                             wrap=wrap, block=block, zero_padding=return_states)
     _launch_sweep(_forward_sweep_kernel, segments, q, k, v, decay, out, states, False,
                   scale, block, cblock, column_tile, num_warps, wrap)
     if return_states:
@@ -248,7 +248,7 @@ def _forward_segments(q, v, cu_seqlens, segment, block: int, cblock: int, column
 def saved_states_rows(q: torch.Tensor, v: torch.Tensor):
     """Rows of the states lightning_attn_fwd(return_states=True) returns for fixed-length rows at
     the default tuning (possibly symbolic): the op's fake sizes its kept states by it."""
-    return scratch_rows(_forward_segments(q, v, None, None, DEFAULT_BLOCK, DEFAULT_FORWARD_CBLOCK, None).count)
+    return kept_rows(_forward_segments(q, v, None, None, DEFAULT_BLOCK, DEFAULT_FORWARD_CBLOCK, None).count)
 
 
 def saved_states(q: torch.Tensor, v: torch.Tensor, states: torch.Tensor) -> "SavedStates | None":
@@ -258,7 +258,7 @@ def saved_states(q: torch.Tensor, v: torch.Tensor, states: torch.Tensor) -> "Sav
     match that plan (then the backward recomputes them); symbolic sizes are trusted, not compared
     (a comparison would guard on them)."""
     segments = _forward_segments(q, v, None, None, DEFAULT_BLOCK, DEFAULT_FORWARD_CBLOCK, None)
-    rows = scratch_rows(segments.count)
+    rows = kept_rows(segments.count)
     if isinstance(rows, int) and isinstance(states.shape[0], int) and states.shape[0] != rows:
         return None
     return SavedStates(states, segments.length, DEFAULT_BLOCK)
