@@ -93,11 +93,17 @@ def measure(variant: str, a) -> dict:
 
         profiler = cProfile.Profile()
         profiler.enable()
+    from hccompile.compat import access_analysis_counts
+
+    analyses = dict(access_analysis_counts)
     t0 = time.perf_counter()
     with collect_reports() as reports:  # hc's compile time per stage (its passes, AOT + Inductor)
         step()
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    # torch's analyses of our traced launches during this compile: computed, and answered from
+    # compat's cache (each computed one generates a kernel's Triton IR)
+    analyses = {k: access_analysis_counts[k] - analyses[k] for k in analyses}
     if profiler is not None:
         import io
         import pstats
@@ -141,6 +147,7 @@ def measure(variant: str, a) -> dict:
             "cudagraphs": graphs,
             "step_ms": ms, "peak_gib": peak / 2**30,
             "compile_s": max(0.0, first - ms / 1e3) if compiled else 0.0,
+            "launch_analyses": analyses,
             # the rest of compile_s is Dynamo's tracing (and, for Inductor, all of it)
             "compile_stages_s": stages}
 

@@ -257,3 +257,91 @@ def plain_eager() -> bool:
     return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
                 or torch._C._is_torch_function_mode_enabled()
                 or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
+# --- torch's analysis of what a traced Triton launch reads and writes ---
+# torch generates a kernel's Triton IR to find the tensors a wrap_triton launch writes, at every call
+# site and several times per site (functionalization, Inductor's graph and its IR node): 13-124 ms a
+# time for the mHC kernels on a CPU, and an mHC step has about 90 call sites per compile. The result
+# depends only on the kernel and the values torch substitutes before generating the IR (a fake tensor
+# becomes its dtype, a symbolic size the number 2, anything else stays itself), so for our kernels it
+# is computed once per such key. torch calls the analysis through its module attribute, named
+# `identify_accessed_tensors` in 2.13 and 2.15 and `identify_mutated_tensors` in older torches: the
+# cache wraps whichever this torch has.
+_ACCESS_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+_access_cache: dict[tuple, Any] = {}
+access_analysis_counts = {"computed": 0, "reused": 0}
+
+
+def _access_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any) -> tuple | None:
+    """The cache key of one analysis, or None where it must not be cached: a kernel not ours, TMA
+    descriptors, a real (not fake) tensor, an unhashable value."""
+    import sympy
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    configs = getattr(kernel, "configs", None)
+    if configs is not None:  # an Autotuner: torch analyses its first config's kernel (launch options
+        # make torch wrap a kernel in a fresh one-config Autotuner per call site)
+        kwargs = {**kwargs, **configs[0].kwargs} if configs else kwargs
+        kernel = kernel.fn
+    fn = kernel
+    while hasattr(fn, "fn"):  # a one-config Autotuner wraps a JITFunction, which wraps a function
+        fn = fn.fn
+    if not getattr(fn, "__module__", "").startswith("hccompile.") or tma_descriptor_metadata:
+        return None
+    try:
+        from torch._inductor.ir import TensorBox
+    except ImportError:  # pragma: no cover - Inductor ships with every supported torch
+        TensorBox = FakeTensor
+    parts = []
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+            part = ("sym",)
+        elif isinstance(value, (FakeTensor, TensorBox)):
+            part = ("tensor", value.get_dtype() if isinstance(value, TensorBox) else value.dtype)
+        elif isinstance(value, torch.Tensor):
+            return None  # a real tensor: Triton specializes on its address
+        else:
+            try:
+                hash(value)
+            except TypeError:
+                return None
+            part = ("value", type(value), value)
+        parts.append((name, part))
+    return (kernel, tuple(parts))
+
+
+def cache_triton_access_analysis() -> Any:
+    """Installs the per-key cache on torch's launch analysis (above); idempotent. Returns the
+    analysis function torch calls (for tests to compare with its `__wrapped__`), or None."""
+    import copy
+
+    try:
+        import torch._higher_order_ops.triton_kernel_wrap as wrap
+    except ImportError:  # pragma: no cover
+        return
+    for attr in _ACCESS_ANALYSES:
+        analysis = getattr(wrap, attr, None)
+        if analysis is None or getattr(analysis, "_hccompile_cached", False):
+            continue
+
+        def cached(kernel, kwargs, *rest, _analysis=analysis, **more):
+            # (kernel, kwargs, tma_descriptor_metadata); older torches lacked the third
+            tma = rest[0] if len(rest) == 1 and not more else more.get("tma_descriptor_metadata")
+            simple = len(rest) + len(more) <= 1 and set(more) <= {"tma_descriptor_metadata"}
+            key = _access_key(kernel, kwargs, tma) if simple else None
+            if key is None:
+                return _analysis(kernel, kwargs, *rest, **more)
+            hit = _access_cache.get(key)
+            if hit is None:
+                access_analysis_counts["computed"] += 1
+                hit = _access_cache[key] = _analysis(kernel, kwargs, *rest, **more)
+            else:
+                access_analysis_counts["reused"] += 1
+            return copy.deepcopy(hit)
+
+        cached._hccompile_cached = True
+        cached.__wrapped__ = analysis
+        setattr(wrap, attr, cached)
+    return next((getattr(wrap, attr) for attr in _ACCESS_ANALYSES if hasattr(wrap, attr)), None)

@@ -147,3 +147,31 @@ def test_values_read_once_per_tensor_and_version():
     cached_by_tensor(frozen, ("a",), read(frozen))
     assert len(reads) == 6
     assert host_ints(torch.tensor([0, 2, 5], dtype=torch.int32)) == (0, 2, 5)
+
+
+def test_launch_analysis_cache_key():
+    """compat caches torch's analysis of a traced launch per key: the values torch substitutes before
+    generating the kernel's IR (a fake tensor's dtype, 'a symbolic size', any other value itself).
+    Not cached: kernels not ours, real tensors (Triton specializes on their address), TMA
+    descriptors. (The cached answers are checked against torch's in test_traced_launch.py.)"""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from hccompile import compat
+    from hccompile.kernels.mhc import post
+
+    kernel = post._mhc_post_fwd_kernel
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        a, b = torch.empty(4, 8), torch.empty(16, 3)
+        h = torch.empty(4, 8, dtype=torch.bfloat16)
+    sym = mode.shape_env.create_unbacked_symint()
+    key = compat._access_key(kernel, {"x": a, "C": 64, "T": sym}, {})
+    assert key is not None and key == compat._access_key(kernel, {"x": b, "C": 64, "T": 7 + sym}, {})
+    assert key != compat._access_key(kernel, {"x": h, "C": 64, "T": sym}, {})
+    assert key != compat._access_key(kernel, {"x": a, "C": 32, "T": sym}, {})
+    assert compat._access_key(kernel, {"x": torch.empty(4, 8), "C": 64}, {}) is None
+    assert compat._access_key(kernel, {"x": a, "C": 64}, {"x": ("stable", ([8, 8],))}) is None
+    foreign = type("Foreign", (), {"fn": (lambda x: x)})()  # a kernel defined outside hccompile
+    assert compat._access_key(foreign, {"x": a}, {}) is None

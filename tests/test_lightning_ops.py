@@ -59,36 +59,41 @@ def make_case(*, B=1, T=20, H=2, K=16, V=16, decay="alibi", initial_state=True, 
 
 
 OPCHECK_CASES = {
-    # name: (make_case kwargs, output_final_state). The interpreter makes each op call slow and
-    # opcheck makes dozens, so the cases are few and tiny.
-    "states": (dict(), True),
-    "no-states": (dict(initial_state=False, decay="none"), False),
+    # name: (make_case kwargs, output_final_state, save_states). The interpreter makes each op call
+    # slow and opcheck makes dozens, so the cases are few and tiny.
+    "states": (dict(), True, False),
+    "no-states": (dict(initial_state=False, decay="none"), False, False),
+    "kept-states": (dict(T=70), True, True),
+    # one segment: the kept states still have 2 rows eagerly, as traced (kept_rows)
+    "kept-states-one-segment": (dict(), True, True),
 }
 
 
 @pytest.mark.parametrize("name", list(OPCHECK_CASES))
 def test_opcheck_forward_and_backward(name, mode):
-    case_kwargs, output_final_state = OPCHECK_CASES[name]
-    case = make_case(T=9, H=1, **case_kwargs)
+    case_kwargs, output_final_state, save_states = OPCHECK_CASES[name]
+    case = make_case(**{"T": 9, "H": 1, **case_kwargs})
     q, k, v, decay, h0 = (case[n] for n in ("q", "k", "v", "decay", "initial_state"))
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), decay,
-            None if h0 is None else h0.requires_grad_(), 0.3, output_final_state)
+            None if h0 is None else h0.requires_grad_(), 0.3, output_final_state, None, save_states)
     torch.library.opcheck(lightning_attn_op, args)
 
     with torch.no_grad():
-        o, final_state = lightning_attn_op(*args)
+        o, final_state, states = lightning_attn_op(*args)
+    assert (states.numel() > 0) == (save_states and mode == "kernels")
     do = torch.randn_like(o)
     dht = torch.randn_like(final_state) if output_final_state else None
     detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, decay, h0)]
-    torch.library.opcheck(lightning_attn_backward_op, (*detached, do, dht, 0.3))
+    torch.library.opcheck(lightning_attn_backward_op, (*detached, do, dht, 0.3, None, states))
 
 
 def test_absent_outputs_are_zero_size_placeholders(mode):
     case = make_case(initial_state=False)
     q, k, v, decay = (case[n] for n in ("q", "k", "v", "decay"))
-    o, final_state = lightning_attn_op(q, k, v, decay, None, 0.3, False)
+    o, final_state, states = lightning_attn_op(q, k, v, decay, None, 0.3, False)
     assert o.shape == v.shape and o.is_contiguous()
     assert final_state.shape == (0,) and final_state.dtype == torch.float32
+    assert states.shape == (0,) and states.dtype == torch.float32
     dq, dk, dv, dh0 = lightning_attn_backward_op(q, k, v, decay, None, torch.ones_like(o), None, 0.3)
     assert (dq.shape, dk.shape, dv.shape, dh0.shape) == (q.shape, k.shape, v.shape, (0,))
     o, final_state = lightning_attn(q, k, v, decay)
@@ -145,6 +150,77 @@ def test_only_final_state_used_and_float64_uses_reference(mode):
     o64, final64 = lightning_attn(*as64[:3], case["decay"], 0.25, as64[3], True)
     assert o64.dtype == torch.float64 and final64.dtype == torch.float64
     assert relative_rms_error(final64, final_ref) < 1e-12
+
+
+@pytest.fixture
+def short_segments(monkeypatch):
+    """Segments of one 64-token block: on the CPU the plan gives each row a single segment (the
+    interpreter gains nothing from more), which would leave the kept states trivially the initial ones."""
+    from hccompile.kernels.lightning import segments
+
+    monkeypatch.setattr(segments, "_auto_segment_length", lambda longest, *_: 64)
+
+
+@pytest.mark.parametrize("initial_state", [True, False])
+def test_the_backward_from_the_kept_states_equals_the_recomputing_one(initial_state, short_segments, monkeypatch):
+    """The forward keeps its segments' starting states when a gradient will be taken (KEEP_STATES);
+    they are lightning_attn_fwd's own, and the backward from them gives the recomputing backward's
+    gradients (bit for bit in the interpreter)."""
+    if not KERNELS_CAN_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
+    from hccompile.kernels.lightning.chunk import lightning_attn_fwd, saved_states_rows
+    from hccompile.lowering import lightning as L
+
+    case = make_case(B=2, T=150, H=2, K=16, V=32, initial_state=initial_state, seed=7)
+    names = [n for n in ("q", "k", "v", "initial_state") if case[n] is not None]
+    leaves = [case[n].requires_grad_() for n in names]
+    h0 = case["initial_state"]
+    do = torch.randn(2, 150, 2, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    dht = torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+
+    def gradients(keep):
+        monkeypatch.setattr(L, "KEEP_STATES", keep)
+        assert L.keeps_states(case["q"], case["k"], case["v"], h0, None) == keep
+        o, final_state = lightning_attn(case["q"], case["k"], case["v"], case["decay"], 0.3, h0, True)
+        return [o, final_state, *torch.autograd.grad((o, final_state), leaves, (do, dht))]
+
+    kept, recomputed = gradients(True), gradients(False)
+    for name, a, b in zip(["o", "final_state", *names], kept, recomputed):
+        # the same kernels on the same states; the GPU's compiled variants (the forward's also stores
+        # the final state) may round differently in the last bits
+        assert torch.equal(a, b) if DEVICE == "cpu" else relative_rms_error(a, b) < 1e-6, name
+    # what the op keeps: the forward's states, rows as its fake says, three segments a row
+    with torch.no_grad():
+        _, _, states = lightning_attn_op(case["q"], case["k"], case["v"], case["decay"], h0, 0.3, True, None, True)
+        _, _, saved = lightning_attn_fwd(case["q"], case["k"], case["v"], case["decay"], 0.3, h0, True,
+                                         return_states=True)
+    assert states.shape == (saved_states_rows(case["q"], case["v"]), 2, 16, 32) == (6, 2, 16, 32)
+    assert torch.equal(states, saved.states)
+    # no gradient, no states; and the public function asks for none then
+    assert not L.keeps_states(case["q"].detach(), case["k"].detach(), case["v"].detach(), None, None)
+    with torch.no_grad():
+        assert not L.keeps_states(case["q"], case["k"], case["v"], h0, None)
+
+
+def test_kept_states_of_another_plan_are_recomputed(short_segments):
+    """States whose rows the forward's plan does not give (the sweeps' switches changed between a
+    forward and its backward, say) are not used: the backward recomputes them."""
+    if not KERNELS_CAN_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 set before Python starts")
+    from hccompile.kernels.lightning.chunk import saved_states
+
+    case = make_case(B=1, T=150, H=2, K=16, V=16, initial_state=False)
+    q, v = case["q"], case["v"]
+    assert saved_states(q, v, torch.zeros(3, 2, 16, 16, device=DEVICE)).segment == 64
+    assert saved_states(q, v, torch.zeros(2, 2, 16, 16, device=DEVICE)) is None
+    with torch.no_grad():
+        o, _, _ = lightning_attn_op(q, case["k"], v, case["decay"], None, 0.3, False)
+        do = torch.randn_like(o)
+        want = lightning_attn_backward_op(q, case["k"], v, case["decay"], None, do, None, 0.3)
+        got = lightning_attn_backward_op(q, case["k"], v, case["decay"], None, do, None, 0.3, None,
+                                         torch.full((2, 2, 16, 16), float("nan"), device=DEVICE))
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
 
 
 def test_compile_fullgraph_dynamic_time_compiles_once(mode):

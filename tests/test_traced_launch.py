@@ -96,6 +96,25 @@ def _check(traced, op: str) -> None:
     assert not written_tables, (op, written_tables)
     assert hccompile_ops(gm.graph) == [f"hccompile.{op}.default"], gm.graph
     assert not pinned, f"{op}: the sequence length is guarded: {pinned}"
+    _check_cached_analysis(launches)
+
+
+def _check_cached_analysis(launches) -> None:
+    """compat caches torch's analysis of what each launch reads and writes: the cached answer must
+    be torch's own, for every launch of every op traced here."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    from hccompile.compat import cache_triton_access_analysis
+
+    analysis = cache_triton_access_analysis()
+    assert getattr(analysis, "_hccompile_cached", False)
+    for n in launches:
+        kernel = wrap.kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+        constants = wrap.kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])
+        values = {k: v.meta["val"] if isinstance(v, torch.fx.Node) else v for k, v in n.kwargs["kwargs"].items()}
+        args = (kernel, {**values, **constants}, n.kwargs["tma_descriptor_metadata"])
+        with helpers.kernel_target():
+            assert analysis(*args) == analysis.__wrapped__(*args), _kernel_name(n.kwargs["kernel_idx"])
 
 
 _READ_ONLY = re.compile(r"table|seqlens|offsets")
@@ -131,10 +150,11 @@ def test_mhc_ops_trace_to_their_launches(dtype):
     order = [0, 1, 2, 3]
     x, h_res, h_post, f = ((B, S, n, C), dtype), ((B, S, n, n), dtype), ((B, S, n), dtype), ((B, S, C), dtype)
     _check(trace(lambda *t: M.mhc_post_op(*t, False, order), x, h_res, h_post, f), "mhc_post")
-    _check(trace(lambda *t: M.mhc_post_backward_op(*t, False, order), x, h_res, h_post, f, x),
-           "mhc_post_backward")
-    _check(trace(lambda *t: M.mhc_aggregate_op(*t, order), x, h_post), "mhc_aggregate")
-    _check(trace(lambda *t: M.mhc_aggregate_backward_op(*t, order), x, h_post, f), "mhc_aggregate_backward")
+    for with_dx in (True, False):  # without dx, the dummy dx pointer is the op's own, not an input
+        _check(trace(lambda *t: M.mhc_post_backward_op(*t, False, order, with_dx), x, h_res, h_post, f, x),
+               "mhc_post_backward")
+    _check(trace(lambda *t: M.mhc_aggregate_op(*t), x, h_post), "mhc_aggregate")
+    _check(trace(lambda *t: M.mhc_aggregate_backward_op(*t), x, h_post, f), "mhc_aggregate_backward")
 
     spec = MappingSpec(n=n, steps=8)
     scalars = M.spec_args(spec)
@@ -145,6 +165,24 @@ def test_mhc_ops_trace_to_their_launches(dtype):
     grads = [((B, S, n), dtype), ((B, S, n), dtype), ((B, S, n, n), dtype)]
     _check(trace(lambda *t: M.mhc_mapping_backward_op(*t, *scalars), proj, r, *params, *grads),
            "mhc_mapping_backward")
+
+
+@needs_compiled_kernels
+def test_launch_analysis_is_computed_once_per_key():
+    """torch analyses a traced launch's Triton IR at every call site, several times (compat): the
+    same kernel with the same argument kinds is analysed once."""
+    from hccompile import compat
+    from hccompile.lowering import mhc as M
+
+    x, h_res, h_post, f = ((2, 100, 4, 64), BF16), ((2, 100, 4, 4), BF16), ((2, 100, 4), BF16), ((2, 100, 64), BF16)
+
+    def traced_post_backward():
+        trace(lambda *t: M.mhc_post_backward_op(*t, False, [0, 1, 2, 3], False), x, h_res, h_post, f, x)
+        return dict(compat.access_analysis_counts)
+
+    first = traced_post_backward()
+    again = traced_post_backward()
+    assert again["computed"] == first["computed"] and again["reused"] > first["reused"], (first, again)
 
 
 @needs_compiled_kernels
@@ -222,6 +260,12 @@ def test_lightning_ops_trace_to_their_launches(dtype, monkeypatch):
                  q, q, ((B, T, H, V), dtype), decay, h0), "lightning_attn")
     _check(trace(lambda q, k, v, decay, h0, do, dht: L.lightning_attn_backward_op(q, k, v, decay, h0, do, dht, 0.125),
                  q, q, ((B, T, H, V), dtype), decay, h0, ((B, T, H, V), dtype), h0), "lightning_attn_backward")
+    # with the forward's segment states kept, and the backward from them
+    _check(trace(lambda q, k, v, decay, h0: L.lightning_attn_op(q, k, v, decay, h0, 0.125, True, None, True),
+                 q, q, ((B, T, H, V), dtype), decay, h0), "lightning_attn")
+    _check(trace(lambda q, k, v, decay, h0, do, dht, states: L.lightning_attn_backward_op(
+        q, k, v, decay, h0, do, dht, 0.125, None, states), q, q, ((B, T, H, V), dtype), decay, h0,
+        ((B, T, H, V), dtype), h0, ((6, H, K, V), F32)), "lightning_attn_backward")
 
 
 @pytest.fixture

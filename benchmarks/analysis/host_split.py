@@ -7,6 +7,12 @@ Parts: the whole step; the forward alone (no autograd); Triton's launch path, co
 JITFunction.run (its share of the step and its count); a bare launch of a small Triton kernel with
 the same number of arguments as the op's widest; torch.empty. cProfile inflates small Python calls,
 so these are plain clocks.
+
+Without a GPU, `--stub` times the same parts on CPU tensors with every launch stubbed out (Triton's
+interpreter, its kernel runs replaced by a counter): what is left is our Python, torch's dispatch
+and the autograd engine, the host work a launch-free step still does:
+
+    TRITON_INTERPRET=1 python benchmarks/analysis/host_split.py --stub --ops lightning
 """
 from __future__ import annotations
 
@@ -20,9 +26,17 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+DEVICE = "cuda"
+
+
 def host_ms(fn, steps: int = 50) -> float:
     for _ in range(3):
         fn()
+    if DEVICE != "cuda":
+        started = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - started) / steps * 1e3
     torch.cuda.synchronize()
     torch.cuda._sleep(int(3e9))
     started = time.perf_counter()
@@ -36,31 +50,38 @@ def host_ms(fn, steps: int = 50) -> float:
 class LaunchClock:
     """Wraps triton's JITFunction.run: counts launches, their argument counts and the time inside."""
 
-    def __init__(self):
+    def __init__(self, stub: bool = False):
         import triton.runtime.jit as jit
 
-        self.jit, self.original = jit, jit.JITFunction.run
+        if stub:  # the interpreter's kernels, whose runs do nothing but count
+            import triton.runtime.interpreter as interpreter
+
+            self.jit, self.original = interpreter, None
+            self.cls = interpreter.InterpretedFunction
+        else:
+            self.jit, self.original, self.cls = jit, jit.JITFunction.run, jit.JITFunction
+        self.restore = self.cls.run
         self.seconds, self.count, self.widest, self.names = 0.0, 0, 0, {}
         clock = self
 
         def run(fn_self, *args, **kwargs):
             started = time.perf_counter()
             try:
-                return clock.original(fn_self, *args, **kwargs)
+                return None if clock.original is None else clock.original(fn_self, *args, **kwargs)
             finally:
                 clock.seconds += time.perf_counter() - started
                 clock.count += 1
                 clock.widest = max(clock.widest, len(args) + len(kwargs))
-                name = getattr(fn_self, "__name__", str(fn_self))
+                name = getattr(getattr(fn_self, "fn", fn_self), "__name__", str(fn_self))
                 clock.names[name] = clock.names.get(name, 0) + 1
 
-        jit.JITFunction.run = run
+        self.cls.run = run
 
     def reset(self):
         self.seconds, self.count, self.names = 0.0, 0, {}
 
     def close(self):
-        self.jit.JITFunction.run = self.original
+        self.cls.run = self.restore
 
 
 def bare_launch_fn(num_args: int):
@@ -76,7 +97,7 @@ def bare_launch_fn(num_args: int):
     spec = importlib.util.spec_from_file_location(f"_bare_kernel_{num_args}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    x = torch.zeros(16, device="cuda")
+    x = torch.zeros(16, device=DEVICE)
     extra = [x if i % 3 == 0 else 7 + i for i in range(num_args - 2)]
     return lambda: module._bare_kernel[(1,)](x, *extra, N=16)
 
@@ -87,9 +108,9 @@ def lightning_parts(shape):
     from hccompile.lowering.lightning import alibi_decay
 
     B, T, H, D = shape
-    q, k, v = (torch.randn(B, T, H, D, device="cuda").bfloat16().requires_grad_() for _ in range(3))
-    decay = alibi_decay(H, device="cuda")
-    do = torch.randn(B, T, H, D, device="cuda").bfloat16()
+    q, k, v = (torch.randn(B, T, H, D, device=DEVICE).bfloat16().requires_grad_() for _ in range(3))
+    decay = alibi_decay(H, device=DEVICE)
+    do = torch.randn(B, T, H, D, device=DEVICE).bfloat16()
     d = decay.float().contiguous()
 
     def step():
@@ -126,10 +147,10 @@ def gdn_parts(shape):
     import hccompile
 
     B, T, H, D = shape
-    q, k, v = (torch.randn(B, T, H, D, device="cuda").bfloat16().requires_grad_() for _ in range(3))
-    beta = torch.rand(B, T, H, device="cuda").bfloat16().requires_grad_()
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda")).requires_grad_()
-    do = torch.randn(B, T, H, D, device="cuda").bfloat16()
+    q, k, v = (torch.randn(B, T, H, D, device=DEVICE).bfloat16().requires_grad_() for _ in range(3))
+    beta = torch.rand(B, T, H, device=DEVICE).bfloat16().requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=DEVICE)).requires_grad_()
+    do = torch.randn(B, T, H, D, device=DEVICE).bfloat16()
 
     def call():
         return hccompile.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
@@ -145,11 +166,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="lightning,gdn")
     p.add_argument("--shape", default="B4T4096H16D128")
+    p.add_argument("--stub", action="store_true",
+                   help="CPU tensors, launches stubbed out (needs TRITON_INTERPRET=1): the host work left")
     args = p.parse_args()
     import re
 
+    global DEVICE
+    if args.stub:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--stub needs TRITON_INTERPRET=1 (set before Python starts)")
+        from hccompile.kernels._triton import interpreter_problem
+
+        problem = interpreter_problem()  # asked before the stub, which would fail its probe
+        if problem is not None:
+            p.error(f"the interpreter cannot run the kernels here: {problem}")
+        DEVICE = "cpu"
     shape = tuple(int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", args.shape).groups())
-    clock = LaunchClock()
+    clock = LaunchClock(stub=args.stub)
     widest = 0
     for op in args.ops.split(","):
         parts = {"lightning": lightning_parts, "gdn": gdn_parts}[op](shape)
@@ -159,7 +192,8 @@ def main() -> None:
             steps = 50
             for _ in range(steps):
                 fn()
-            torch.cuda.synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
             widest = max(widest, clock.widest)
             launches = clock.count / steps
             inside = clock.seconds / steps * 1e3
@@ -173,11 +207,13 @@ def main() -> None:
         print(f"lightning fwd+bwd, switch interval 0.1 ms: host {host_ms(step):6.3f} ms", flush=True)
         sys.setswitchinterval(5e-3)
     clock.close()
+    if DEVICE != "cuda":
+        return
     bare = bare_launch_fn(max(widest, 8))
     print(f"bare launch, {max(widest, 8)} args: {host_ms(bare, 500) * 1e3:6.1f} us", flush=True)
     bare8 = bare_launch_fn(8)
     print(f"bare launch, 8 args: {host_ms(bare8, 500) * 1e3:6.1f} us", flush=True)
-    x = torch.empty(1, device="cuda")
+    x = torch.empty(1, device=DEVICE)
     print(f"torch.empty [4,4096,16,128] bf16: "
           f"{host_ms(lambda: torch.empty(4, 4096, 16, 128, dtype=torch.bfloat16, device='cuda'), 500) * 1e3:6.1f} us",
           flush=True)

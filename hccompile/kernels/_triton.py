@@ -112,6 +112,16 @@ def scratch_rows(count):
     return max(count, 1)
 
 
+def kept_rows(count):
+    """The leading size of a buffer of `count` rows that an op returns (states kept for its
+    backward): at least 2 whether `count` is symbolic or not, so that the eager op, its traced
+    form and its fake agree on the output's shape (scratch_rows alone gives 1 eagerly and 2 traced
+    for a count of 1). Rows past `count` are never read or written."""
+    if isinstance(count, torch.SymInt):
+        return torch.sym_max(count, 2)
+    return max(count, 2)
+
+
 def interpreted(kernel) -> bool:
     """Whether `kernel` was defined under the interpreter (Triton picks at definition time)."""
     return not isinstance(kernel, triton.runtime.JITFunction)

@@ -27,11 +27,13 @@ from typing import Any, Callable
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ..compat import plain_eager
+from ..compat import cache_triton_access_analysis, plain_eager
 from ._symbols import reraise_explained
 
 __all__ = ["HEADS", "RUNTIME_CHECKS", "call_op", "fix_sizes", "kernel_op", "launched_by", "launched_op",
            "register_autograd", "runtime_check", "traced_launch", "wrap_triton"]
+
+cache_triton_access_analysis()  # torch's per-call-site analysis of a traced launch, once per key
 
 # id(JITFunction) -> (kernel, op name, launches per call); the kernel is kept so the id stays its own
 _KERNEL_OPS: dict[int, tuple[Any, str, int]] = {}

@@ -11,10 +11,11 @@ in the backward graph (both triton_ops: compiled on CUDA, fixed-length calls are
 kernel launches, lowering/_launch.py):
 
     hccompile::lightning_attn(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor? initial_state,
-        float scale, bool output_final_state, Tensor? cu_seqlens=None) -> (Tensor o, Tensor final_state)
+        float scale, bool output_final_state, Tensor? cu_seqlens=None, bool save_states=False)
+        -> (Tensor o, Tensor final_state, Tensor states)
     hccompile::lightning_attn_backward(Tensor q, Tensor k, Tensor v, Tensor decay,
-        Tensor? initial_state, Tensor do, Tensor? dht, float scale, Tensor? cu_seqlens=None)
-        -> (Tensor dq, Tensor dk, Tensor dv, Tensor dinitial_state)
+        Tensor? initial_state, Tensor do, Tensor? dht, float scale, Tensor? cu_seqlens=None,
+        Tensor? states=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dinitial_state)
 
 q, k [B, T, H, K]; v [B, T, H, V]; decay [H] (log-decays, a constant: it gets no gradient);
 initial_state and dht [N, H, K, V], N = B, or for a variable-length batch (B = 1, cu_seqlens
@@ -23,6 +24,9 @@ initial_state and dht [N, H, K, V], N = B, or for a variable-length batch (B = 1
 op's `dinitial_state` is a zero-size (0,) tensor (q's dtype) when there is no initial state. The
 public function turns both back into None. Every output is contiguous; o has v's dtype; the final
 state is float32 (float64 when q is float64); dq, dk, dv, dinitial_state have their inputs' dtypes.
+With save_states (the public function asks for it when a gradient will be taken: KEEP_STATES) the
+forward's kernels also return the segments' starting states, fp32 [rows, H, K, V], which the backward
+op takes as `states` instead of recomputing them; (0,) where not kept (varlen, the reference).
 
 On CUDA, and on CPU under TRITON_INTERPRET=1, the ops run our Triton kernels
 (kernels/lightning/chunk.py) when q, k, v are float16, bfloat16 or float32; otherwise (CPU without
@@ -43,12 +47,14 @@ Usage::
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
 from ..kernels.lightning.chunk import (MAX_HEAD_DIM, SUPPORTED_DTYPES, lightning_attn_bwd, lightning_attn_fwd,
-                                       triton_available)
+                                       num_states, saved_states, saved_states_rows, triton_available)
 from ..kernels.lightning.sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel,
                                         _reverse_pair_sweep_kernel, _reverse_sweep_kernel)
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
@@ -76,11 +82,6 @@ def _require(name: str, tensor, dim: int, layout: str) -> None:
         raise ValueError(f"{name}: expected a {dim}-D tensor {layout}, got shape {tuple(tensor.shape)}")
     if not tensor.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {tensor.dtype}")
-
-
-def _num_states(q: Tensor, cu_seqlens: Tensor | None):
-    """N of the [N, H, K, V] states: the batch size, or the number of varlen sequences."""
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
 def _check_cu_seqlens_symbolic(q: Tensor, cu_seqlens: Tensor | None) -> None:
@@ -112,7 +113,7 @@ def _check_shapes_symbolic(q, k, v, decay, initial_state, do=None, dht=None, cu_
     if tuple(decay.shape) != (heads,):
         raise ValueError(f"decay: expected shape ({heads},) (one log-decay per head), got {tuple(decay.shape)}")
     _check_cu_seqlens_symbolic(q, cu_seqlens)
-    state_shape = (_num_states(q, cu_seqlens), heads, key_dim, value_dim)
+    state_shape = (num_states(q, cu_seqlens), heads, key_dim, value_dim)
     for name, tensor in (("initial_state", initial_state), ("dht", dht)):
         if tensor is not None:
             _require(name, tensor, 4, "[N, heads, K, V]")
@@ -185,45 +186,73 @@ def _absent(q: Tensor) -> Tensor:
 # Forward op
 
 
+# Whether a differentiable forward keeps its segments' starting states for the backward, which then
+# skips recomputing them (one pass of the two summary kernels, or the sequential walk, over k and v).
+# Measured on one H200 at 7999b35 (lightning-stages, backward alone): B4 T4096 H16 D128 0.538 -> 0.464 ms,
+# B1 T32768 1.199 -> 0.955, B8 T2048 H32 D64 0.318 -> 0.279, varlen B1 T16384 (8 sequences) 0.752 -> 0.513.
+# The cost: an fp32 [segments, H, K, V] tensor per layer until its backward (33.5 MB at B4 T4096 H16 D128,
+# next to 16.8 MB for each of q, k, v). FLA recomputes them. Fixed-length rows only (a varlen batch's segment
+# count depends on cu_seqlens' values, which the op's fake cannot see). HCCOMPILE_LIGHTNING_KEEP_STATES=0
+# (read at import; tests set the attribute) trades the time back for the memory.
+KEEP_STATES = os.environ.get("HCCOMPILE_LIGHTNING_KEEP_STATES", "1") != "0"
+
+
 def _lightning_attn_host(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, scale: float,
-    output_final_state: bool, cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    output_final_state: bool, cu_seqlens: Tensor | None = None, save_states: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final state, states): with save_states (fixed-length rows, the kernels) the segments'
+    starting states the backward would recompute, fp32 [saved_states_rows, H, K, V]; else (0,)."""
     _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     if _uses_triton(q):
-        o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                            output_final_state, cu_seqlens=cu_seqlens)
-    else:
-        o, final_state = lightning_attn_varlen_ref(q, k, v, decay, scale, initial_state, output_final_state,
-                                                   cu_seqlens)
+        return _forward_kernels(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens,
+                                _keeps_states(q, cu_seqlens, save_states), checked=True)
+    o, final_state = lightning_attn_varlen_ref(q, k, v, decay, scale, initial_state, output_final_state, cu_seqlens)
     return _forward_outputs(q, v, o, final_state)
 
 
-def _forward_outputs(q, v, o, final_state) -> tuple[Tensor, Tensor]:
+def _forward_kernels(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens, keep: bool, **launch):
+    """The forward op's outputs by the kernels; `launch`: checked (the host op) or wrap (traced)."""
+    o, final_state, *saved = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
+                                                output_final_state, cu_seqlens=cu_seqlens, return_states=keep,
+                                                **launch)
+    return _forward_outputs(q, v, o, final_state, saved[0].states if keep else None)
+
+
+def _keeps_states(q: Tensor, cu_seqlens: Tensor | None, save_states: bool) -> bool:
+    """The one rule the op, its traced form and its fake keep states by."""
+    return save_states and cu_seqlens is None and _uses_triton(q)
+
+
+def _forward_outputs(q, v, o, final_state, states=None) -> tuple[Tensor, Tensor, Tensor]:
     o = o.to(v.dtype).contiguous()
+    states = q.new_empty((0,), dtype=torch.float32) if states is None else states
     if final_state is None:
-        return o, q.new_empty((0,), dtype=_state_dtype(q))
-    return o, final_state.to(_state_dtype(q)).contiguous()
+        return o, q.new_empty((0,), dtype=_state_dtype(q)), states
+    return o, final_state.to(_state_dtype(q)).contiguous(), states
 
 
-def _lightning_attn_traced(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None):
+def _lightning_attn_traced(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None,
+                           save_states=False):
     """The forward op on CUDA for fixed-length rows, traced into its launches (the decay's values
     are not checked here: on CUDA they never are, a check would synchronise)."""
     _check_shapes_symbolic(q, k, v, decay, initial_state)
     _check_options(q, k, v, decay, initial_state)
-    o, final_state = lightning_attn_fwd(q, k, v, decay.float().contiguous(), scale, initial_state,
-                                        output_final_state, wrap=wrap_triton)
-    return _forward_outputs(q, v, o, final_state)
+    return _forward_kernels(q, k, v, decay, initial_state, scale, output_final_state, None,
+                            _keeps_states(q, cu_seqlens, save_states), wrap=wrap_triton)
 
 
-def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None):
+def _lightning_attn_fake(q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens=None,
+                         save_states=False):
     _check_shapes_symbolic(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
     _check_options(q, k, v, decay, initial_state)
     batch, time, heads, key_dim = q.shape
     value_dim = v.shape[3]
     o = v.new_empty((batch, time, heads, value_dim))
-    state_shape = (_num_states(q, cu_seqlens), heads, key_dim, value_dim) if output_final_state else (0,)
-    return o, q.new_empty(state_shape, dtype=_state_dtype(q))
+    state_shape = (num_states(q, cu_seqlens), heads, key_dim, value_dim) if output_final_state else (0,)
+    kept = (saved_states_rows(q, v), heads, key_dim, value_dim) if _keeps_states(q, cu_seqlens, save_states) \
+        else (0,)
+    return o, q.new_empty(state_shape, dtype=_state_dtype(q)), q.new_empty(kept, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------
@@ -248,20 +277,26 @@ def _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlen
 
 def _lightning_attn_backward_host(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, do: Tensor,
-    dht: Tensor | None, scale: float, cu_seqlens: Tensor | None = None,
+    dht: Tensor | None, scale: float, cu_seqlens: Tensor | None = None, states: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`states`: the forward op's kept states (its third output; None or zero-size: recomputed)."""
     _check_eager(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q):
-        grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=cu_seqlens)
+        grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, states, cu_seqlens=cu_seqlens,
+                                 checked=True)
     else:
         grads = _reference_backward(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens)
     return _backward_outputs(q, k, v, initial_state, grads)
 
 
-def _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, **launch):
+def _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, states=None, cu_seqlens=None, **launch):
+    kept = None
+    if states is not None and states.numel() > 0 and cu_seqlens is None:
+        kept = saved_states(q, v, states)
     return lightning_attn_bwd(q, k, v, decay.float().contiguous(), do.to(v.dtype), scale, initial_state,
-                              None if dht is None else dht.to(torch.float32), **launch)
+                              None if dht is None else dht.to(torch.float32), cu_seqlens=cu_seqlens, states=kept,
+                              **launch)
 
 
 def _backward_outputs(q, k, v, initial_state, grads) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -272,15 +307,15 @@ def _backward_outputs(q, k, v, initial_state, grads) -> tuple[Tensor, Tensor, Te
     return (*grads, dh0.to(initial_state.dtype).contiguous())
 
 
-def _lightning_attn_backward_traced(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=None):
+def _lightning_attn_backward_traced(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=None, states=None):
     """The backward op on CUDA for fixed-length rows, traced into its launches."""
     _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht)
     _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
-    grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, wrap=wrap_triton)
+    grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, states, wrap=wrap_triton)
     return _backward_outputs(q, k, v, initial_state, grads)
 
 
-def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=None):
+def _lightning_attn_backward_fake(q, k, v, decay, initial_state, do, dht, scale, cu_seqlens=None, states=None):
     _check_shapes_symbolic(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     _check_options(q, k, v, decay, initial_state, do=do, dht=dht)
     return tuple(_absent(q) if t is None else t.new_empty(t.shape) for t in (q, k, v, initial_state))
@@ -315,23 +350,29 @@ lightning_attn_backward_op = kernel_op("lightning_attn_backward", _lightning_att
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens = inputs
-    # The backward recomputes what it needs from the inputs: nothing else is saved.
-    ctx.save_for_backward(q, k, v, decay, initial_state, cu_seqlens)
+    q, k, v, decay, initial_state, scale, output_final_state, cu_seqlens, save_states = inputs
+    # The backward recomputes what it needs from the inputs and the kept states (if the forward kept them).
+    states = output[2] if save_states else None
+    # The kept states are an intermediate, not a result; unused outputs (always the states, often the
+    # final state) get None, not a zero tensor each (an fp32 [segments, H, K, V] fill per backward otherwise).
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, decay, initial_state, cu_seqlens, states)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
 
 
-def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None):
-    q, k, v, decay, initial_state, cu_seqlens = ctx.saved_tensors
+def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None, dstates: Tensor | None = None):
+    q, k, v, decay, initial_state, cu_seqlens, states = ctx.saved_tensors
     if do is None:
         do = torch.zeros(q.shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device)
     # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
     dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
+    # The kept states are the forward's intermediates, not a result: a gradient reaching them is ignored.
     dq, dk, dv, dh0 = call_op(lightning_attn_backward_op, q, k, v, decay, initial_state, do.contiguous(), dht,
-                              ctx.scale, cu_seqlens)
+                              ctx.scale, cu_seqlens, states)
     # Order of the op's arguments: the decay (a constant), cu_seqlens and the options get None.
-    return dq, dk, dv, None, (None if initial_state is None else dh0), None, None, None
+    return dq, dk, dv, None, (None if initial_state is None else dh0), None, None, None, None
 
 
 register_autograd(lightning_attn_op, _backward, _setup_context)
@@ -366,12 +407,18 @@ def lightning_attn(
         _require(name, tensor, 4, "[batch, time, heads, head_dim]")
     if decay is None:
         decay = torch.zeros(q.shape[2], dtype=torch.float32, device=q.device)
-    if not torch.compiler.is_compiling():
-        # The full check (it reads the decay's values, so eager only); under torch.compile the fake
-        # runs the trace-safe subset, and the real op the full check at run time.
-        _check_eager(q, k, v, decay, initial_state, cu_seqlens=cu_seqlens)
+    # The inputs are checked once, inside the op (its host function: everything, the decay's values
+    # included where they are read; traced: the trace-safe subset and the kernels' checks; its fake at
+    # trace time), so an eager call pays for the checks once.
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, final_state = call_op(lightning_attn_op, q, k, v, decay, initial_state, float(scale), bool(output_final_state),
-                                       cu_seqlens)
+    o, final_state, _ = call_op(lightning_attn_op, q, k, v, decay, initial_state, float(scale),
+                                bool(output_final_state), cu_seqlens, keeps_states(q, k, v, initial_state, cu_seqlens))
     return o, (final_state if output_final_state else None)
+
+
+def keeps_states(q: Tensor, k: Tensor, v: Tensor, initial_state: Tensor | None, cu_seqlens: Tensor | None) -> bool:
+    """Whether the forward op should keep its segments' starting states for the backward (see
+    KEEP_STATES): when a gradient will be taken, for fixed-length rows."""
+    return (KEEP_STATES and cu_seqlens is None and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, initial_state)))

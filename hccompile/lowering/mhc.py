@@ -5,12 +5,13 @@
         out[i] = Σ_j A[i, j] x[j] + H_post[i] f, A = H_resᵀ if transpose_res else H_res;
         x [T1, T2, n, C], h_res [T1, T2, n, n], h_post [T1, T2, n], f [T1, T2, C];
         out [T1, T2, n, C] in x's dtype, its memory laid out in out_order (outer to inner).
-    hccompile::mhc_post_backward(x, h_res, h_post, f, dout, transpose_res, out_order)
-        -> (dx, dh_res, dh_post, df)
-    hccompile::mhc_aggregate(Tensor x, Tensor h_pre, int[] x_order) -> Tensor
-        y = Σ_i H_pre[i] x[i], y [T1, T2, C] contiguous in x's dtype; x_order is the memory
-        order its backward gives dx.
-    hccompile::mhc_aggregate_backward(x, h_pre, dy, x_order) -> (dx, dh_pre)
+    hccompile::mhc_post_backward(x, h_res, h_post, f, dout, transpose_res, out_order, with_dx)
+        -> (dx, dh_res, dh_post, df); without with_dx, dx is an empty [0] tensor: the compiled
+        backward forms dx = Σ_i A[i, j]·dout_i in plain torch, which Inductor folds into the kernel
+        summing the stream's gradient contributions (eager calls ask the kernel for it).
+    hccompile::mhc_aggregate(Tensor x, Tensor h_pre) -> Tensor
+        y = Σ_i H_pre[i] x[i], y [T1, T2, C] contiguous in x's dtype.
+    hccompile::mhc_aggregate_backward(x, h_pre, dy) -> dh_pre  (dx = H_pre ⊗ dy: plain torch)
     hccompile::mhc_mapping(Tensor proj, Tensor r, Tensor alpha_pre, Tensor alpha_post,
         Tensor alpha_res, Tensor bias_pre, Tensor bias_post, Tensor bias_res, int n, int[] offsets,
         float[] coefs, bool r_divides, float[] pre_affine, float[] post_affine, str init,
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
+from ..compat import plain_eager
 from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
 from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
@@ -122,23 +124,28 @@ def _mhc_post_fake(x, h_res, h_post, f, transpose_res, out_order):
 
 
 def _mhc_post_backward_host(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, dout: Tensor,
-                         transpose_res: bool, out_order: Sequence[int]
+                         transpose_res: bool, out_order: Sequence[int], with_dx: bool
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     order = common.check_order(out_order, 4)
     if _uses_triton(x):
         _require(x, K_post._mhc_post_bwd_kernel, K_post.__name__)
-        return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
+        return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order, with_dx=with_dx)
     ct = _compute_dtype(x)
     grads = R.mhc_post_bwd_ref(*(t.to(ct) for t in (x, h_res, h_post, f, dout)), transpose_res)
-    return (_into(grads[0], x.shape, x.dtype, x.device, order),
-            *(_into(g, t.shape, t.dtype, t.device) for g, t in zip(grads[1:], (h_res, h_post, f))))
+    dx = _into(grads[0], x.shape, x.dtype, x.device, order) if with_dx else _no_dx(x)
+    return (dx, *(_into(g, t.shape, t.dtype, t.device) for g, t in zip(grads[1:], (h_res, h_post, f))))
 
 
-def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order):
+def _no_dx(x: Tensor) -> Tensor:
+    return _alloc((0,), x.dtype, x.device)
+
+
+def _mhc_post_backward_fake(x, h_res, h_post, f, dout, transpose_res, out_order, with_dx):
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     order = common.check_order(out_order, 4)
-    return (_alloc(x.shape, x.dtype, x.device, order), _alloc(h_res.shape, h_res.dtype, x.device),
+    dx = _alloc(x.shape, x.dtype, x.device, order) if with_dx else _no_dx(x)
+    return (dx, _alloc(h_res.shape, h_res.dtype, x.device),
             _alloc(h_post.shape, h_post.dtype, x.device), _alloc(f.shape, f.dtype, x.device))
 
 
@@ -148,10 +155,10 @@ def _mhc_post_traced(x, h_res, h_post, f, transpose_res, out_order):
                                   wrap=wrap_triton)
 
 
-def _mhc_post_backward_traced(x, h_res, h_post, f, dout, transpose_res, out_order):
+def _mhc_post_backward_traced(x, h_res, h_post, f, dout, transpose_res, out_order, with_dx):
     K_post.check_post_inputs(x, h_res, h_post, f, dout)
     return K_post.launch_post_bwd(x, h_res, h_post, f, dout, transpose_res,
-                                  common.check_order(out_order, 4), wrap=wrap_triton)
+                                  common.check_order(out_order, 4), wrap=wrap_triton, with_dx=with_dx)
 
 
 # x [T1, T2, n, C]: the stream count and channels, fixed like a head count and head dim (fix_sizes)
@@ -173,8 +180,16 @@ def _post_setup(ctx, inputs, output) -> None:
 
 def _post_backward(ctx, dout: Tensor):
     x, h_res, h_post, f = ctx.saved_tensors
+    # Traced (torch.compile), dx = Σ_i A[i, j]·dout_i stays plain torch: Inductor folds it (the sum
+    # over n unrolled) into the kernel summing the stream's gradient contributions, so the kernel
+    # does not write an n·C-sized dx for that kernel to read back. Eager, the kernel writes it.
+    with_dx = plain_eager()
     dx, dh_res, dh_post, df = call_op(mhc_post_backward_op, x, h_res, h_post, f, dout, ctx.transpose_res,
-                                      ctx.out_order)
+                                      ctx.out_order, with_dx)
+    if not with_dx:
+        a = h_res.transpose(-1, -2) if ctx.transpose_res else h_res
+        # float32 products summed, rounded once, as the kernel does
+        dx = (a.float().unsqueeze(-1) * dout.float().unsqueeze(-2)).sum(-3).to(x.dtype)
     return dx, dh_res, dh_post, df, None, None
 
 
@@ -192,9 +207,8 @@ def mhc_post(x: Tensor, h_res: Tensor, h_post: Tensor, f: Tensor, transpose_res:
 # aggregate
 
 
-def _mhc_aggregate_host(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Tensor:
+def _mhc_aggregate_host(x: Tensor, h_pre: Tensor) -> Tensor:
     K_agg.check_aggregate_inputs(x, h_pre)
-    common.check_order(x_order, 4, "x_order")
     if _uses_triton(x):
         _require(x, K_agg._mhc_aggregate_fwd_kernel, K_agg.__name__)
         return K_agg.launch_aggregate_fwd(x, h_pre)
@@ -203,42 +217,35 @@ def _mhc_aggregate_host(x: Tensor, h_pre: Tensor, x_order: Sequence[int]) -> Ten
     return _into(R.mhc_aggregate_ref(x.to(ct), h_pre.to(ct)), (T1, T2, C), x.dtype, x.device)
 
 
-def _mhc_aggregate_fake(x, h_pre, x_order):
+def _mhc_aggregate_fake(x, h_pre):
     K_agg.check_aggregate_inputs(x, h_pre)
-    common.check_order(x_order, 4, "x_order")
     T1, T2, _, C = x.shape
     return _alloc((T1, T2, C), x.dtype, x.device)
 
 
-def _mhc_aggregate_backward_host(x: Tensor, h_pre: Tensor, dy: Tensor, x_order: Sequence[int]
-                              ) -> tuple[Tensor, Tensor]:
+def _mhc_aggregate_backward_host(x: Tensor, h_pre: Tensor, dy: Tensor) -> Tensor:
     K_agg.check_aggregate_inputs(x, h_pre, dy)
-    order = common.check_order(x_order, 4, "x_order")
     if _uses_triton(x):
         _require(x, K_agg._mhc_aggregate_bwd_kernel, K_agg.__name__)
-        return K_agg.launch_aggregate_bwd(x, h_pre, dy, order)
+        return K_agg.launch_aggregate_bwd(x, h_pre, dy)
     ct = _compute_dtype(x)
-    dx, dh = R.mhc_aggregate_bwd_ref(x.to(ct), h_pre.to(ct), dy.to(ct))
-    return (_into(dx, x.shape, x.dtype, x.device, order),
-            _into(dh, h_pre.shape, h_pre.dtype, x.device))
+    _, dh = R.mhc_aggregate_bwd_ref(x.to(ct), h_pre.to(ct), dy.to(ct))
+    return _into(dh, h_pre.shape, h_pre.dtype, x.device)
 
 
-def _mhc_aggregate_backward_fake(x, h_pre, dy, x_order):
+def _mhc_aggregate_backward_fake(x, h_pre, dy):
     K_agg.check_aggregate_inputs(x, h_pre, dy)
-    order = common.check_order(x_order, 4, "x_order")
-    return _alloc(x.shape, x.dtype, x.device, order), _alloc(h_pre.shape, h_pre.dtype, x.device)
+    return _alloc(h_pre.shape, h_pre.dtype, x.device)
 
 
-def _mhc_aggregate_traced(x, h_pre, x_order):
+def _mhc_aggregate_traced(x, h_pre):
     K_agg.check_aggregate_inputs(x, h_pre)
-    common.check_order(x_order, 4, "x_order")
     return K_agg.launch_aggregate_fwd(x, h_pre, wrap=wrap_triton)
 
 
-def _mhc_aggregate_backward_traced(x, h_pre, dy, x_order):
+def _mhc_aggregate_backward_traced(x, h_pre, dy):
     K_agg.check_aggregate_inputs(x, h_pre, dy)
-    return K_agg.launch_aggregate_bwd(x, h_pre, dy, common.check_order(x_order, 4, "x_order"),
-                                      wrap=wrap_triton)
+    return K_agg.launch_aggregate_bwd(x, h_pre, dy, wrap=wrap_triton)
 
 
 mhc_aggregate_op = kernel_op("mhc_aggregate", _mhc_aggregate_host, _mhc_aggregate_fake,
@@ -251,23 +258,26 @@ mhc_aggregate_backward_op = kernel_op("mhc_aggregate_backward", _mhc_aggregate_b
 
 
 def _aggregate_setup(ctx, inputs, output) -> None:
-    x, h_pre, x_order = inputs
+    x, h_pre = inputs
     ctx.save_for_backward(x, h_pre)
-    ctx.x_order = list(x_order)
 
 
 def _aggregate_backward(ctx, dy: Tensor):
     x, h_pre = ctx.saved_tensors
-    dx, dh = call_op(mhc_aggregate_backward_op, x, h_pre, dy, ctx.x_order)
-    return dx, dh, None
+    dh = call_op(mhc_aggregate_backward_op, x, h_pre, dy)
+    # dx = H_pre ⊗ dy, a broadcast product (one rounding of the float32 product, as the kernels
+    # round): compiled, Inductor folds it into the kernel that sums the stream's gradient
+    # contributions, so no n·C-sized dx is written here and read back there
+    dx = h_pre.unsqueeze(-1) * dy.unsqueeze(-2)
+    return dx.to(x.dtype), dh
 
 
 register_autograd(mhc_aggregate_op, _aggregate_backward, _aggregate_setup)
 
 
-def mhc_aggregate(x: Tensor, h_pre: Tensor, x_order: Sequence[int] | None = None) -> Tensor:
+def mhc_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
     """y = Σ_i H_pre[i] x[i]; x [T1, T2, n, C], h_pre [T1, T2, n]; differentiable."""
-    return call_op(mhc_aggregate_op, x, h_pre, list(x_order if x_order is not None else IDENTITY_ORDER))
+    return call_op(mhc_aggregate_op, x, h_pre)
 
 
 # ----------------------------------------------------------------------------------------

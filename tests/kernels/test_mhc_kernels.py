@@ -133,10 +133,9 @@ def test_aggregate_kernel_matches_float64(case, poisoned):
     dy = dout[:, :, 0]
     y = mhc_aggregate_fwd(x, h_pre)
     assert rel(y, mhc_aggregate_ref(x.double(), h_pre.double())) < TOL[dtype]
-    dx, dh = mhc_aggregate_bwd(x, h_pre, dy, order)
-    rdx, rdh = mhc_aggregate_bwd_ref(x.double(), h_pre.double(), dy.double())
-    assert rel(dx, rdx) < TOL[dtype] and rel(dh, rdh) < TOL[dtype]
-    assert dx.permute(*order).is_contiguous()
+    dh = mhc_aggregate_bwd(x, h_pre, dy)
+    _, rdh = mhc_aggregate_bwd_ref(x.double(), h_pre.double(), dy.double())
+    assert dh.shape == h_pre.shape and dh.dtype == h_pre.dtype and rel(dh, rdh) < TOL[dtype]
 
 
 # The backward sweeps (post, aggregate) walk C in [tokens, BLOCK_C] tiles: C over several tiles with
@@ -184,16 +183,21 @@ def test_backward_sweeps_awkward_shapes(case, poisoned):
         assert g.shape == like.shape and g.dtype == like.dtype, name
         assert rel(g, r) < TOL[dtype], name
     assert grads[0].permute(*order).is_contiguous()
+    # without dx (a compiled backward forms it): the same sums, nothing written through dx
+    no_dx = mhc_post_bwd(x, h_res, h_post, f, dout, transpose_res, order, with_dx=False)
+    assert no_dx[0].shape == (0,)
+    # not bitwise: WRITE_DX compiles another kernel, whose sums may run in another order on a GPU
+    for name, g, r, like in zip(("dh_res", "dh_post", "df"), no_dx[1:], refs[1:], (h_res, h_post, f)):
+        assert g.shape == like.shape and g.dtype == like.dtype and rel(g, r) < TOL[dtype], name
     out = mhc_post_fwd(x, h_res, h_post, f, transpose_res, order)
     assert rel(out, mhc_post_ref(*d64[:4], transpose_res)) < TOL[dtype]
 
     dy = dout[:, :, 0]
     y = mhc_aggregate_fwd(x, h_post)
     assert rel(y, mhc_aggregate_ref(d64[0], d64[2])) < TOL[dtype]
-    dx, dh = mhc_aggregate_bwd(x, h_post, dy, order)
-    rdx, rdh = mhc_aggregate_bwd_ref(d64[0], d64[2], dy.double())
-    assert rel(dx, rdx) < TOL[dtype] and rel(dh, rdh) < TOL[dtype]
-    assert dx.permute(*order).is_contiguous()
+    dh = mhc_aggregate_bwd(x, h_post, dy)
+    _, rdh = mhc_aggregate_bwd_ref(d64[0], d64[2], dy.double())
+    assert dh.shape == h_post.shape and dh.dtype == h_post.dtype and rel(dh, rdh) < TOL[dtype]
 
 
 @requires_triton
@@ -382,10 +386,11 @@ def _op_args(dtype=torch.float32, requires_grad=True):
 def test_opcheck_post_and_aggregate():
     x, h_res, h_post, f = _op_args()
     torch.library.opcheck(L.mhc_post_op, (x, h_res, h_post, f, True, [0, 2, 1, 3]))
-    torch.library.opcheck(L.mhc_aggregate_op, (x, h_post, [0, 2, 1, 3]))
+    torch.library.opcheck(L.mhc_aggregate_op, (x, h_post))
     d = [t.detach() for t in (x, h_res, h_post, f)]
-    torch.library.opcheck(L.mhc_post_backward_op, (*d, torch.randn_like(d[0]), False, [0, 1, 2, 3]))
-    torch.library.opcheck(L.mhc_aggregate_backward_op, (d[0], d[2], torch.randn_like(d[3]), [0, 1, 2, 3]))
+    for with_dx in (True, False):
+        torch.library.opcheck(L.mhc_post_backward_op, (*d, torch.randn_like(d[0]), False, [0, 1, 2, 3], with_dx))
+    torch.library.opcheck(L.mhc_aggregate_backward_op, (d[0], d[2], torch.randn_like(d[3])))
 
 
 @requires_triton
@@ -492,20 +497,24 @@ def test_kernels_compile_for_h100_without_spills():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.strip().splitlines()
-    # post, aggregate, mapping: forward and backward, the mapping backward in two launches;
-    # bfloat16 and float32
-    assert len(lines) == 14 and all("STACK 0" in line for line in lines), run.stdout
+    # post, aggregate, mapping: forward and backward (the post's with and without dx), the mapping
+    # backward in two launches; bfloat16 and float32
+    assert len(lines) == 16 and all("STACK 0" in line for line in lines), run.stdout
     # The backward sweeps reduce over C inside a warp: no layout conversion (a shared-memory round
     # trip with barriers) inside the sweep, and after it at most one per output stored from the
     # sums (post: dH_res and dH_post, aggregate: dH_pre). Triton 3.8 merges post's two into one
     # (1 barrier); 3.6 converts each store separately (3 barriers), both after the loop.
-    final_stores = {"post_bwd": 2, "aggregate_bwd": 1}
+    final_stores = {"post_bwd": 2, "post_bwd_nodx": 2, "aggregate_bwd": 1}
     for line in lines:
         name = line.split()[0]
         if name in final_stores:
             field = lambda key: int(line.split(f" {key} ")[1].split()[0])  # noqa: E731
             assert field("LOOPCVT") == 0, line
             assert field("CVT") <= final_stores[name] and field("BAR") <= 2 * final_stores[name] - 1, line
+        # the mapping backward's Sinkhorn chain: one warp at n 4, its divisors through global
+        # scratch: no shared memory, one barrier (between storing and loading the divisors)
+        if name == "mapping_bwd":
+            assert field("SHARED") == 0 and field("BAR") <= 1, line
 
 
 def test_post_backward_compiles_for_h100_at_other_stream_counts_without_spills():
@@ -523,10 +532,10 @@ def test_post_backward_compiles_for_h100_at_other_stream_counts_without_spills()
         pytest.skip("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     command = [sys.executable, "-m", "hccompile.kernels.mhc.compile_check", "--streams", "3", "5", "9", "16",
-               "--launches", "post_bwd"]
+               "--launches", "post_bwd", "post_bwd_nodx"]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.strip().splitlines()
-    # bfloat16 and float32, per n the sweep and the sums kernel
-    assert len(lines) == 16 and all("STACK 0" in line and "LOOPCVT 0" in line for line in lines), run.stdout
-    assert sum("'BY_COLUMN': True" in line for line in lines) == 8, run.stdout
+    # bfloat16 and float32, per n the sweep and the sums kernel, with and without dx
+    assert len(lines) == 32 and all("STACK 0" in line and "LOOPCVT 0" in line for line in lines), run.stdout
+    assert sum("'BY_COLUMN': True" in line for line in lines) == 16, run.stdout

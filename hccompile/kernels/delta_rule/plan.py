@@ -25,7 +25,7 @@ import torch
 
 from .reference import DeltaRuleProblem
 
-from .._triton import cdiv, direct, next_power_of_2
+from .._triton import cdiv, direct, kept_rows, next_power_of_2
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,14 +152,12 @@ def kept_state_rows(batch, time, chunk_size: int, num_sequences: int | None = No
     """Rows of the chunk states h a forward keeps for its backward: one per chunk, for a
     variable-length batch (B = 1, num_sequences given) the bound cdiv(T, BT) + N, and at least 2.
     The ops' fakes compute it from shapes alone, and it is the same number whether the forward was
-    traced (symbolic sizes) or not (see _triton.scratch_rows for why never 1). Rows past the
-    batch's chunk count are never written or read."""
+    traced (symbolic sizes) or not (_triton.kept_rows). Rows past the batch's chunk count are never
+    written or read."""
     rows = batch * ((time + chunk_size - 1) // chunk_size)
     if num_sequences is not None:
         rows = rows + num_sequences
-    if isinstance(rows, torch.SymInt):
-        return torch.sym_max(rows, 2)
-    return max(rows, 2)
+    return kept_rows(rows)
 
 
 def fused_scores_forward_for(gate: str, switch: bool | None = None, split: bool | None = None) -> bool:

@@ -51,7 +51,7 @@ from .sweeps import (_forward_sweep_bwd_kernel, _forward_sweep_kernel, _launch_r
                      _reverse_sweep_kernel)
 from .tiles import MAX_BLOCK, MIN_DOT_DIM
 
-from .._triton import cdiv, direct, interpreted, require_triton, triton_available
+from .._triton import cdiv, direct, interpreted, kept_rows, require_triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -59,6 +59,9 @@ __all__ = [
     "SavedStates",
     "lightning_attn_fwd",
     "lightning_attn_bwd",
+    "num_states",
+    "saved_states",
+    "saved_states_rows",
     "triton_available",
 ]
 
@@ -126,11 +129,16 @@ def _default_scale(scale: float | None, key_dim: int) -> float:
 def _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, **states) -> int:
     check_attention_shapes(q, k, v, **{n: t for n, t in states.items() if n == "do"})
     _check_kernel_inputs(q=q, k=k, v=v, **{n: t for n, t in states.items() if n == "do"})
-    num_states = check_cu_seqlens(q, cu_seqlens)
-    check_decay_and_state(q, v, decay, num_states=num_states,
-                          **{n: t for n, t in states.items() if n != "do"})
+    count = check_cu_seqlens(q, cu_seqlens)
+    check_decay_and_state(q, v, decay, num_states=count, **{n: t for n, t in states.items() if n != "do"})
     _check_blocks(block, cblock, segment)
-    return num_states
+    return count
+
+
+def num_states(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    """N of the [N, H, K, V] states: the batch size, or the number of varlen sequences (from the
+    sizes alone: symbolic sizes stay symbolic)."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
 class SavedStates(NamedTuple):
@@ -171,6 +179,7 @@ def lightning_attn_fwd(
     final_state_out: torch.Tensor | None = None,
     wrap: Callable | None = None,
     return_states: bool = False,
+    checked: bool = False,
 ) -> tuple:
     """Lightning attention forward; q, k: [B, T, H, K], v: [B, T, H, V], decay: [H] log-decays <= 0.
 
@@ -186,9 +195,11 @@ def lightning_attn_fwd(
     loop, FLAT_FORWARD_COLUMN_TILE or NESTED_FORWARD_COLUMN_TILE).
     `wrap`: torch.library.wrap_triton when the launches are traced for Inductor (fixed-length rows).
     `return_states`: also return SavedStates, the segments' starting states this forward computed, which
-    lightning_attn_bwd can take (`states=`) instead of recomputing them.
+    lightning_attn_bwd can take (`states=`) instead of recomputing them. `checked`: the caller ran the
+    same checks on these inputs already (hccompile's ops do, once per call, at the default tuning).
     """
-    num_states = _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
+    states_count = num_states(q, cu_seqlens) if checked else \
+        _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, initial_state=initial_state)
     batch, time, heads, key_dim = q.shape
     value_dim = v.shape[3]
     scale = _default_scale(scale, key_dim)
@@ -199,7 +210,7 @@ def lightning_attn_fwd(
         _check_out("out", out, v.dtype, v.device, o_shape)
     final_state = None
     if output_final_state:
-        state_shape = (num_states, heads, key_dim, value_dim)
+        state_shape = (states_count, heads, key_dim, value_dim)
         if final_state_out is None:
             final_state = torch.empty(state_shape, dtype=torch.float32, device=q.device)
         else:
@@ -208,18 +219,49 @@ def lightning_attn_fwd(
     elif final_state_out is not None:
         raise ValueError("final_state_out: given but output_final_state is False")
     _require_triton(q.device)
+    segments = _forward_segments(q, v, cu_seqlens, segment, block, cblock, column_tile)
     if column_tile is None:
-        flat = sweeps.FLAT_SWEEPS and cblock == block
-        column_tile = FLAT_FORWARD_COLUMN_TILE if flat else NESTED_FORWARD_COLUMN_TILE
-    segments = _plan_segments(q, cu_seqlens, segment, block, cdiv(value_dim, min(column_tile, 256)))
+        column_tile = _forward_column_tile(block, cblock)
     wrap = wrap or direct
     states = _segment_states(segments, k, v, decay, scale, reverse=False, x0=initial_state, xt=final_state,
-                             wrap=wrap, block=block)
+                             wrap=wrap, block=block, zero_padding=return_states)
     _launch_sweep(_forward_sweep_kernel, segments, q, k, v, decay, out, states, False,
                   scale, block, cblock, column_tile, num_warps, wrap)
     if return_states:
         return out, final_state, SavedStates(states, segments.length, block)
     return out, final_state
+
+
+def _forward_column_tile(block: int, cblock: int) -> int:
+    flat = sweeps.FLAT_SWEEPS and cblock == block
+    return FLAT_FORWARD_COLUMN_TILE if flat else NESTED_FORWARD_COLUMN_TILE
+
+
+def _forward_segments(q, v, cu_seqlens, segment, block: int, cblock: int, column_tile: int | None):
+    """The forward's segments: what its states rows are planned by (lightning_attn_fwd, the op's
+    fake and saved_states share this one rule)."""
+    if column_tile is None:
+        column_tile = _forward_column_tile(block, cblock)
+    return _plan_segments(q, cu_seqlens, segment, block, cdiv(v.shape[3], min(column_tile, 256)))
+
+
+def saved_states_rows(q: torch.Tensor, v: torch.Tensor):
+    """Rows of the states lightning_attn_fwd(return_states=True) returns for fixed-length rows at
+    the default tuning (possibly symbolic): the op's fake sizes its kept states by it."""
+    return kept_rows(_forward_segments(q, v, None, None, DEFAULT_BLOCK, DEFAULT_FORWARD_CBLOCK, None).count)
+
+
+def saved_states(q: torch.Tensor, v: torch.Tensor, states: torch.Tensor) -> "SavedStates | None":
+    """The SavedStates of a default-tuned forward of fixed-length rows from its states tensor alone
+    (the ops keep the tensor; the segment length is replanned by the forward's rule, so the
+    sweeps' switches must not change between a forward and its backward). None where the rows do not
+    match that plan (then the backward recomputes them); symbolic sizes are trusted, not compared
+    (a comparison would guard on them)."""
+    segments = _forward_segments(q, v, None, None, DEFAULT_BLOCK, DEFAULT_FORWARD_CBLOCK, None)
+    rows = kept_rows(segments.count)
+    if isinstance(rows, int) and isinstance(states.shape[0], int) and states.shape[0] != rows:
+        return None
+    return SavedStates(states, segments.length, DEFAULT_BLOCK)
 
 
 def lightning_attn_bwd(
@@ -241,6 +283,7 @@ def lightning_attn_bwd(
     out: tuple | None = None,
     wrap: Callable | None = None,
     states: "SavedStates | None" = None,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients (dq, dk, dv, dh0) of lightning_attn_fwd given do = dL/do and dht = dL/dS_T.
 
@@ -251,11 +294,14 @@ def lightning_attn_bwd(
     (cblock = block, sweeps.FLAT_WARPS), else DEFAULT_BACKWARD_CBLOCK and BACKWARD_WARPS. `wrap`: as the
     forward's. `states`: the forward's SavedStates (lightning_attn_fwd(return_states=True)) for the same
     inputs: the backward plans the forward's segments and skips recomputing their starting states.
+    `checked`: as the forward's.
     """
     flat = sweeps.FLAT_SWEEPS
     cblock = (block if flat else DEFAULT_BACKWARD_CBLOCK) if cblock is None else cblock
     num_warps = num_warps if num_warps is not None or flat else BACKWARD_WARPS
-    _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, do=do, initial_state=initial_state, dht=dht)
+    if not checked:
+        _check_problem(q, k, v, decay, cu_seqlens, block, cblock, segment, do=do, initial_state=initial_state,
+                       dht=dht)
     scale = _default_scale(scale, q.shape[3])
     want_dh0 = initial_state is not None
     expected = [("out[0] (dq)", q), ("out[1] (dk)", k), ("out[2] (dv)", v)]

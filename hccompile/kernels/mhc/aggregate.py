@@ -1,4 +1,5 @@
-"""The mHC aggregate kernel, y = Σ_i H_pre[i] x[i] (the sublayer's input), and its backward.
+"""The mHC aggregate kernel, y = Σ_i H_pre[i] x[i] (the sublayer's input), and its backward's
+reduction dH_pre[i] = Σ_c x[i]·dy (dx = H_pre ⊗ dy is the caller's broadcast product).
 
 It cannot join the post kernel of the previous sublayer: H_pre of this sublayer comes from the
 projection of the whole new stream, so the new stream must be complete first. On its own it
@@ -45,25 +46,22 @@ if triton is not None:
 
     @triton.jit
     def _mhc_aggregate_bwd_kernel(
-        x_ptr, h_ptr, dy_ptr, dx_ptr, dh_ptr,
+        x_ptr, dy_ptr, dh_ptr,
         T, T2, C,
         sx1, sx2, sxn, sxc,
-        sh1, sh2, shn,
         sdy1, sdy2, sdyc,
-        sdx1, sdx2, sdxn, sdxc,
         sdh1, sdh2, sdhn,
         N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """One program: BLOCK_T tokens, sweeping C in [BLOCK_T, BLOCK_C] tiles (C inside a warp,
-        as in the post backward); dH_pre[i] accumulates in slot i of a [BLOCK_T, BLOCK_P] tile."""
+        """dH_pre[i] = Σ_c x[i]·dy. One program: BLOCK_T tokens, sweeping C in [BLOCK_T, BLOCK_C]
+        tiles (C inside a warp, as in the post backward); dH_pre[i] accumulates in slot i of a
+        [BLOCK_T, BLOCK_P] tile."""
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tok_ok = tok < T
         t1 = (tok // T2).to(tl.int64)
         t2 = (tok % T2).to(tl.int64)
         x_tok = (t1 * sx1 + t2 * sx2)[:, None]
-        dx_tok = (t1 * sdx1 + t2 * sdx2)[:, None]
         dy_tok = (t1 * sdy1 + t2 * sdy2)[:, None]
-        h_tok = t1 * sh1 + t2 * sh2
         slot = tl.arange(0, BLOCK_P)[None, :]
         sums = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -71,10 +69,7 @@ if triton is not None:
             tc_ok = tok_ok[:, None] & (cols < C)
             dy = tl.load(dy_ptr + dy_tok + cols * sdyc, mask=tc_ok, other=0.0).to(tl.float32)
             for i in tl.static_range(N):
-                h_i = tl.load(h_ptr + h_tok + i * shn, mask=tok_ok, other=0.0).to(tl.float32)
                 x_i = tl.load(x_ptr + x_tok + i * sxn + cols * sxc, mask=tc_ok, other=0.0).to(tl.float32)
-                tl.store(dx_ptr + dx_tok + i * sdxn + cols * sdxc,
-                         (h_i[:, None] * dy).to(dx_ptr.dtype.element_ty), mask=tc_ok)
                 sums = tl.where(slot == i, sums + tl.sum(x_i * dy, axis=1)[:, None], sums)
         tl.store(dh_ptr + (t1 * sdh1 + t2 * sdh2)[:, None] + slot * sdhn, sums.to(dh_ptr.dtype.element_ty),
                  mask=tok_ok[:, None] & (slot < N))
@@ -119,30 +114,28 @@ def launch_aggregate_fwd(x, h_pre, wrap=common.direct) -> torch.Tensor:
     return y
 
 
-def mhc_aggregate_bwd(x: torch.Tensor, h_pre: torch.Tensor, dy: torch.Tensor, x_order=(0, 1, 2, 3)
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [memory in x_order], dh_pre), in x's and h_pre's dtypes."""
+def mhc_aggregate_bwd(x: torch.Tensor, h_pre: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dh_pre [T1, T2, n] in h_pre's dtype. dx = H_pre ⊗ dy is a broadcast product, left to the
+    caller: under torch.compile Inductor folds it into the kernel that sums the stream's gradient
+    contributions, instead of this kernel writing an n·C-sized dx that the sum reads back."""
     check_aggregate_inputs(x, h_pre, dy)
     common.require(x.device, _mhc_aggregate_bwd_kernel, __name__)
-    order = common.check_order(x_order, 4, "x_order")
     if x.dtype == torch.float64:
         raise TypeError("x: float64 runs the reference (mhc_aggregate_bwd_ref), not the kernel")
-    return launch_aggregate_bwd(x, h_pre, dy, order)
+    return launch_aggregate_bwd(x, h_pre, dy)
 
 
-def launch_aggregate_bwd(x, h_pre, dy, order, wrap=common.direct):
+def launch_aggregate_bwd(x, h_pre, dy, wrap=common.direct) -> torch.Tensor:
     """mhc_aggregate_bwd without the checks (the ops check once, then call this)."""
     T1, T2, n, C = x.shape
-    dx = common.new_output(tuple(x.shape), x.dtype, x.device, order)
     dh = common.new_output(tuple(h_pre.shape), h_pre.dtype, x.device)
     if T1 * T2 == 0:
-        return dx, dh
+        return dh
     if C == 0:
-        return dx, dh.zero_()
+        return dh.zero_()
     bt, bc, bp, warps = common.sweep_blocks(C, x.element_size(), n)
     wrap(_mhc_aggregate_bwd_kernel)[(cdiv(T1 * T2, bt),)](
-        x, h_pre, dy, dx, dh, T1 * T2, T2, C,
-        *x.stride(), *h_pre.stride(), *dy.stride(), *dx.stride(), *dh.stride(),
+        x, dy, dh, T1 * T2, T2, C, *x.stride(), *dy.stride(), *dh.stride(),
         N=n, BLOCK_P=bp, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps,
     )
-    return dx, dh
+    return dh

@@ -50,6 +50,7 @@ def recorded_launches(n: int = 4, C: int = 1024, steps: int = 40, dtype=torch.bf
     runs = [
         ("post_fwd", lambda: post.mhc_post_fwd(x, h_res, h, f, True)),
         ("post_bwd", lambda: post.mhc_post_bwd(x, h_res, h, f, x, True)),
+        ("post_bwd_nodx", lambda: post.mhc_post_bwd(x, h_res, h, f, x, True, with_dx=False)),
         ("aggregate_fwd", lambda: aggregate.mhc_aggregate_fwd(x, h)),
         ("aggregate_bwd", lambda: aggregate.mhc_aggregate_bwd(x, h, f)),
         ("mapping_fwd", lambda: mapping.mhc_mapping_fwd(proj, r, alphas, biases, spec)),

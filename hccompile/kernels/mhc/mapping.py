@@ -21,7 +21,7 @@ import functools
 import torch
 
 from . import _common as common
-from .._triton import cdiv, next_power_of_2, tl, triton
+from .._triton import cdiv, next_power_of_2, scratch_rows, tl, triton
 from .reference import MappingSpec
 
 MAX_STREAMS = common.MAX_STREAMS
@@ -43,14 +43,40 @@ if triton is not None:
 
     @triton.jit
     def _normalise_bwd(g, m_out, s, ROWS: tl.constexpr):
-        """Gradient through m_out = m_in / s(m_in), and m_in rebuilt from m_out."""
+        """Gradient through m_out = m_in / s(m_in), and m_in rebuilt from m_out; `s` the divisors
+        broadcast along the summed axis ([BLOCK_T, BLOCK_N, BLOCK_N], as _load_divisors gives them)."""
         if ROWS:
-            g_in = (g - tl.sum(g * m_out, axis=2)[:, :, None]) / s[:, :, None]
-            m_in = m_out * s[:, :, None]
+            g_in = (g - tl.sum(g * m_out, axis=2)[:, :, None]) / s
         else:
-            g_in = (g - tl.sum(g * m_out, axis=1)[:, None, :]) / s[:, None, :]
-            m_in = m_out * s[:, None, :]
-        return g_in, m_in
+            g_in = (g - tl.sum(g * m_out, axis=1)[:, None, :]) / s
+        return g_in, m_out * s
+
+    @triton.jit
+    def _divisors_at(slot_ptr, i, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Addresses of one normalisation's divisors [BLOCK_T, BLOCK_N] in a program's scratch,
+        broadcast along the summed axis to the matrices' [BLOCK_T, BLOCK_N, BLOCK_N], and the mask
+        of one writer per divisor. Stored and loaded in the matrices' own layout, the divisors never
+        pass through shared memory (a [BLOCK_T, BLOCK_N] store would convert layouts every step)."""
+        zero = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_N], dtype=tl.int32)
+        t = tl.arange(0, BLOCK_T)[:, None, None] * BLOCK_N + zero
+        if ROWS:
+            return slot_ptr + t + i[None, :, None], (i[None, None, :] + zero) == 0
+        else:
+            return slot_ptr + t + i[None, None, :], (i[None, :, None] + zero) == 0
+
+    @triton.jit
+    def _store_divisors(slot_ptr, s, i, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+        at, first = _divisors_at(slot_ptr, i, ROWS, BLOCK_T, BLOCK_N)
+        if ROWS:
+            wide = tl.broadcast_to(s[:, :, None], [BLOCK_T, BLOCK_N, BLOCK_N])
+        else:
+            wide = tl.broadcast_to(s[:, None, :], [BLOCK_T, BLOCK_N, BLOCK_N])
+        tl.store(at, wide, mask=first)
+
+    @triton.jit
+    def _load_divisors(slot_ptr, i, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+        at, _ = _divisors_at(slot_ptr, i, ROWS, BLOCK_T, BLOCK_N)
+        return tl.load(at)
 
     @triton.jit
     def _sinkhorn_init(z, ok2, init_eps, SOFTMAX_INIT: tl.constexpr):
@@ -152,17 +178,18 @@ if triton is not None:
     def _mhc_mapping_bwd_kernel(
         proj_ptr, r_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, b_pre_ptr, b_post_ptr, b_res_ptr,
         dh_pre_ptr, dh_post_ptr, dh_res_ptr,
-        dproj_ptr, dr_ptr, partial_ptr,
+        dproj_ptr, dr_ptr, partial_ptr, divisors_ptr,
         T, spt, spk, sr, sb_pre, sb_post, sb_res,
         sdpre_t, sdpre_n, sdpost_t, sdpost_n, sdres_t, sdres_i, sdres_j,
         off_pre, off_post, off_res, coef_pre, coef_post, coef_res,
         pre_scale, post_scale, init_eps, norm_eps,
-        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
         STEPS: tl.constexpr, ROW_FIRST: tl.constexpr, SOFTMAX_INIT: tl.constexpr,
         R_DIVIDES: tl.constexpr,
     ):
         """dproj [T, n²+2n] and dr [T] per token; per program one row of partial sums
-        [dα_pre, dα_post, dα_res, dbias_pre (n), dbias_post (n), dbias_res (n²)]."""
+        [dα_pre, dα_post, dα_res, dbias_pre (n), dbias_post (n), dbias_res (n²)]. `divisors`: the
+        program's own [STEPS, BLOCK_T, BLOCK_N] float32 scratch for the Sinkhorn divisors."""
         # float32 whatever the launcher typed them (Inductor: fp64), as in the forward
         coef_pre = tl.cast(coef_pre, tl.float32)
         coef_post = tl.cast(coef_post, tl.float32)
@@ -203,28 +230,32 @@ if triton is not None:
                         a_res_ptr, coef_res, rho[:, None, None], b_res_ptr, sb_res, bias_cols2)
         m0 = _sinkhorn_init(z, ok2, init_eps, SOFTMAX_INIT)
         row_ok = ok1  # padded tokens too: their all-zero rows would divide 0 by 0
-        step = tl.arange(0, BLOCK_K)[None, :, None]
-        s_first = tl.zeros([BLOCK_T, BLOCK_K, BLOCK_N], dtype=tl.float32)
-        s_second = tl.zeros([BLOCK_T, BLOCK_K, BLOCK_N], dtype=tl.float32)
+        # Each normalisation's divisors go to the program's scratch rows and come back in reverse
+        # order: held in registers instead, every step selected and reduced over a [BLOCK_T, steps,
+        # BLOCK_N] tensor (layout conversions through shared memory, twice per step).
+        scratch = divisors_ptr + pid.to(tl.int64) * (STEPS * BLOCK_T * BLOCK_N)
+        slot = BLOCK_T * BLOCK_N
         m = m0
         for k in range(STEPS // 2):
             m, s = _normalise(m, row_ok, norm_eps, ROW_FIRST)
-            s_first = tl.where(step == k, s[:, None, :], s_first)
+            _store_divisors(scratch + (2 * k) * slot, s, i, ROW_FIRST, BLOCK_T, BLOCK_N)
             m, s = _normalise(m, row_ok, norm_eps, not ROW_FIRST)
-            s_second = tl.where(step == k, s[:, None, :], s_second)
-        s_last = tl.full([BLOCK_T, BLOCK_N], 1.0, tl.float32)
+            _store_divisors(scratch + (2 * k + 1) * slot, s, i, not ROW_FIRST, BLOCK_T, BLOCK_N)
         if STEPS % 2 == 1:
-            m, s_last = _normalise(m, row_ok, norm_eps, ROW_FIRST)
+            m, s = _normalise(m, row_ok, norm_eps, ROW_FIRST)
+            _store_divisors(scratch + (STEPS - 1) * slot, s, i, ROW_FIRST, BLOCK_T, BLOCK_N)
+        tl.debug_barrier()  # the divisors a thread stored may be loaded by another
 
         g = tl.load(dh_res_ptr + (tok64 * sdres_t)[:, None, None] + i[None, :, None] * sdres_i
                     + i[None, None, :] * sdres_j, mask=ok2, other=0.0).to(tl.float32)
         if STEPS % 2 == 1:
-            g, m = _normalise_bwd(g, m, s_last, ROW_FIRST)
+            s = _load_divisors(scratch + (STEPS - 1) * slot, i, ROW_FIRST, BLOCK_T, BLOCK_N)
+            g, m = _normalise_bwd(g, m, s, ROW_FIRST)
         for kk in range(STEPS // 2):
             k = STEPS // 2 - 1 - kk
-            s = tl.sum(tl.where(step == k, s_second, 0.0), axis=1)
+            s = _load_divisors(scratch + (2 * k + 1) * slot, i, not ROW_FIRST, BLOCK_T, BLOCK_N)
             g, m = _normalise_bwd(g, m, s, not ROW_FIRST)
-            s = tl.sum(tl.where(step == k, s_first, 0.0), axis=1)
+            s = _load_divisors(scratch + (2 * k) * slot, i, ROW_FIRST, BLOCK_T, BLOCK_N)
             g, m = _normalise_bwd(g, m, s, ROW_FIRST)
         if SOFTMAX_INIT:
             p = tl.where(ok2, m0 - init_eps, 0.0)
@@ -389,23 +420,29 @@ def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: M
     dproj = common.new_output(tuple(proj.shape), proj.dtype, proj.device)
     dr = common.new_output(tuple(r.shape), r.dtype, proj.device)
     bn = common.block_n(n)
-    bk = next_power_of_2(max(1, spec.steps // 2))
-    bt = common.block_t(2 * bk * bn + 6 * bn * bn, limit=32)
+    # tokens per program as when the divisors were held in registers ([tokens, steps/2, n] twice)
+    bt = common.block_t(2 * next_power_of_2(max(1, spec.steps // 2)) * bn + 6 * bn * bn, limit=32)
+    # a warp per 64 matrix elements: the Sinkhorn chain is latency-bound, and a program of one warp
+    # reduces and converts layouts with shuffles, without shared memory or barriers (sm_90, Triton
+    # 3.6, n 4: 13 barriers and 1 KiB of shared memory at 4 warps, 1 barrier and none at one)
+    warps = max(1, min(4, bt * bn * bn // 64))
     grid = cdiv(T, bt)
     width = 3 + 2 * n + n * n
     # one row per program: every row is written, so no zero fill (T = 0: one all-zero row)
     # sym_max: traced for Inductor (issue 24), a Python max() would guard on the token count
     partial = common.new_output((torch.sym_max(grid, 1), width), torch.float32, proj.device)
+    divisors = common.new_output((scratch_rows(grid), max(1, spec.steps) * bt * bn), torch.float32,
+                                 proj.device)
     if T > 0:
         g_pre, g_post = dh_pre.reshape(T, n), dh_post.reshape(T, n)
         g_res = dh_res.reshape(T, n, n)
         wrap(_mhc_mapping_bwd_kernel)[(grid,)](
-            proj2, r1, *a, *b, g_pre, g_post, g_res, dproj, dr.view(-1), partial,
+            proj2, r1, *a, *b, g_pre, g_post, g_res, dproj, dr.view(-1), partial, divisors,
             T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
             *g_pre.stride(), *g_post.stride(), *g_res.stride(),
             *_scalars(spec, backward=True),
-            N=n, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, STEPS=spec.steps, ROW_FIRST=spec.row_first,
-            SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides,
+            N=n, BLOCK_N=bn, BLOCK_T=bt, STEPS=spec.steps, ROW_FIRST=spec.row_first,
+            SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides, num_warps=warps,
         )
     else:
         partial.zero_()

@@ -79,13 +79,14 @@ if triton is not None:
 
     @triton.jit
     def _column_step(v_ptrs, v_half, m_ptrs, m_stride, m_ok, hp_ptrs, spn, hp_ok, dout_ptrs, sdn,
-                     dout_half, out_ptrs, out_half, sum_ptrs, lo_ok, hi_ok, tok_ok, summed, slot,
+                     dout_half, out_ptrs, out_half, out_ok, sum_ptrs, lo_ok, hi_ok, tok_ok, summed, slot,
                      n_streams, N: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr,
                      MIXED: tl.constexpr):
         """One column of the column sweep over one step of C: v = x[j] (or f), out = Σ_i m[i]·dout_i
         = dx[j] (or df) for m = A[:, j] (or H_post), and the column's n sums over C,
         Σ_c dout_i·v = dA[:, j] (or dH_post), added to the partial sums of the earlier steps at
-        sum_ptrs (`summed`: where there are any)."""
+        sum_ptrs (`summed`: where there are any). `out_ok` [1, BLOCK_C], all true or all false:
+        whether out is stored (not dx[j] when the caller forms dx itself)."""
         v_lo = tl.load(v_ptrs, mask=lo_ok, other=0.0).to(tl.float32)
         v_hi = v_lo
         if HALVES == 2:
@@ -107,9 +108,9 @@ if triton is not None:
             d_lo, d_hi, sums = _stream_step(i, v_lo, v_hi, m_ptrs, m_stride, m_ok, hp_ptrs, spn, hp_ok,
                                             dout_ptrs, sdn, dout_half, lo_ok, hi_ok, slot, d_lo, d_hi,
                                             sums, HALVES, MIXED)
-        tl.store(out_ptrs, d_lo.to(out_ptrs.dtype.element_ty), mask=lo_ok)
+        tl.store(out_ptrs, d_lo.to(out_ptrs.dtype.element_ty), mask=lo_ok & out_ok)
         if HALVES == 2:
-            tl.store(out_ptrs + out_half, d_hi.to(out_ptrs.dtype.element_ty), mask=hi_ok)
+            tl.store(out_ptrs + out_half, d_hi.to(out_ptrs.dtype.element_ty), mask=hi_ok & out_ok)
         tl.store(sum_ptrs, sums, mask=tok_ok[:, None] & (slot < N))
 
     @triton.jit
@@ -129,8 +130,11 @@ if triton is not None:
         sums_ptr, sst, ssj, n_streams,
         N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
         BY_COLUMN: tl.constexpr, HALVES: tl.constexpr, UNROLL: tl.constexpr, MIXED: tl.constexpr,
+        WRITE_DX: tl.constexpr,
     ):
         """One program: BLOCK_T tokens, sweeping C in [BLOCK_T, BLOCK_C] tiles, one per stream.
+        Not WRITE_DX: dx is left to the caller (a compiled graph forms Σ_i A[i, j]·dout_i where
+        Inductor sums the stream's gradient contributions), only dA, dH_post and df are written.
 
         Every tile is 2-D with C inside a warp (the launcher keeps BLOCK_C at 8 lanes' worth of
         16-byte vectors), so the sums over streams are register arithmetic over the unrolled
@@ -166,6 +170,13 @@ if triton is not None:
         d_tok = (t1 * sd1 + t2 * sd2)[:, None]
         dx_tok = (t1 * sdx1 + t2 * sdx2)[:, None]
         df_tok = (t1 * sdf1 + t2 * sdf2)[:, None]
+        # the columns whose output is stored: every one, or f's (df) only when the caller forms dx.
+        # As a [1, BLOCK_C] boolean tile, not a scalar: interpreters differ on scalar masks, and a
+        # per-token bound made Triton 3.6's ptxas spill
+        if WRITE_DX:
+            first_out = 0
+        else:
+            first_out = n_streams
         if BY_COLUMN:
             slot = tl.arange(0, BLOCK_P)[None, :]
             sums_tok = tok.to(tl.int64)[:, None] * sst
@@ -196,6 +207,7 @@ if triton is not None:
                                  tl.where(in_x, dx_ptr + dx_tok + j * sdxn + cols * sdxc,
                                           df_ptr + df_tok + cols * sdfc),
                                  tl.where(in_x, BLOCK_C * sdxc, BLOCK_C * sdfc),
+                                 (cols * 0 + j) >= first_out,
                                  sums_ptr + sums_tok + j * ssj + slot, lo_ok, hi_ok, tok_ok, summed,
                                  slot, n_streams, N, HALVES, UNROLL, MIXED)
         else:
@@ -222,12 +234,14 @@ if triton is not None:
                         # dout_i again: an L1 hit, cheaper than keeping n tiles live across the j loop
                         dout_i = tl.load(dout_ptr + d_tok + i * sdn + cols * sdc, mask=tc_ok,
                                          other=0.0).to(tl.float32)
-                        a_ij = tl.load(a_ptr + a_tok + i * sai + j * saj, mask=tok_ok, other=0.0)
-                        dx_j += a_ij.to(tl.float32)[:, None] * dout_i
+                        if WRITE_DX:
+                            a_ij = tl.load(a_ptr + a_tok + i * sai + j * saj, mask=tok_ok, other=0.0)
+                            dx_j += a_ij.to(tl.float32)[:, None] * dout_i
                         sums = tl.where(slot == i * N + j,
                                         sums + tl.sum(dout_i * x_j, axis=1)[:, None], sums)
-                    tl.store(dx_ptr + dx_tok + j * sdxn + cols * sdxc,
-                             dx_j.to(dx_ptr.dtype.element_ty), mask=tc_ok)
+                    if WRITE_DX:
+                        tl.store(dx_ptr + dx_tok + j * sdxn + cols * sdxc,
+                                 dx_j.to(dx_ptr.dtype.element_ty), mask=tc_ok)
 
             row = slot // N
             da_ptrs = (da_ptr + (t1 * sda1 + t2 * sda2)[:, None] + row * sdai
@@ -324,15 +338,16 @@ def launch_post_fwd(x, h_res, h_post, f, transpose_res: bool, order, wrap=common
 
 
 def mhc_post_bwd(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, f: torch.Tensor,
-                 dout: torch.Tensor, transpose_res: bool = False, out_order=(0, 1, 2, 3)
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx [memory in out_order], dh_res, dh_post, df), each in its input's dtype."""
+                 dout: torch.Tensor, transpose_res: bool = False, out_order=(0, 1, 2, 3),
+                 with_dx: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [memory in out_order], dh_res, dh_post, df), each in its input's dtype; without
+    `with_dx`, dx is an empty [0] tensor (the caller forms Σ_i A[i, j]·dout_i itself)."""
     check_post_inputs(x, h_res, h_post, f, dout)
     common.require(x.device, _mhc_post_bwd_kernel, __name__)
     order = common.check_order(out_order, 4)
     if x.dtype == torch.float64:
         raise TypeError("x: float64 runs the reference (mhc_post_bwd_ref), not the kernel")
-    return launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order)
+    return launch_post_bwd(x, h_res, h_post, f, dout, transpose_res, order, with_dx=with_dx)
 
 
 # The stream counts whose backward is the slot sweep (see _mhc_post_bwd_kernel): where its unrolled
@@ -350,9 +365,25 @@ SLOT_SWEEP_STREAMS = (1, 2, 4)
 COLUMN_UNROLL = {torch.float32: (4, 2), torch.bfloat16: (2, 1), torch.float16: (1, 1)}
 
 
-def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=common.direct):
+def _strides_in_order(shape, order) -> tuple:
+    """The strides of a dense tensor of `shape` whose memory holds the dims in `order`."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step = step * shape[d]
+    return tuple(strides)
+
+
+def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=common.direct,
+                    with_dx: bool = True):
     """mhc_post_bwd without the checks (the ops check once, then call this)."""
-    dx = common.new_output(tuple(x.shape), x.dtype, x.device, order)
+    # without dx: a [0] tensor, passed as the kernel's dx pointer, which it never stores through
+    # (an input passed there would count as written in a traced graph, and be copied)
+    # with the strides dx would have: Triton specialises on them, and a 0 there changed the column
+    # sweep's store layout (a shared-memory round trip per column)
+    dx = (common.new_output(tuple(x.shape), x.dtype, x.device, order) if with_dx
+          else common.new_output((0,), x.dtype, x.device))
+    dx_strides = dx.stride() if with_dx else _strides_in_order(tuple(x.shape), order)
     dh_res = common.new_output(tuple(h_res.shape), h_res.dtype, x.device)
     dh_post = common.new_output(tuple(h_post.shape), h_post.dtype, x.device)
     df = common.new_output(tuple(f.shape), f.dtype, x.device)
@@ -366,6 +397,8 @@ def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=
     if by_column:
         bt, bc, halves, warps = common.column_sweep_blocks(x.element_size())
         unroll = COLUMN_UNROLL[x.dtype][0 if C % 16 == 0 else 1]
+        if not with_dx and C % 16 != 0:
+            unroll = 1  # fp32 without dx spilled 8 bytes at unroll 2 (n 3, 5, 9; C 40; Triton 3.6)
         unroll = unroll if n >= unroll else 1  # a loop that would never run only takes registers
         # per token n + 1 rows of partial sums (dA's columns, dH_post); rows of 16 (MAX_STREAMS):
         # a stride the compiler knows 16-divisible, hence 16-byte accesses, in the data tiles' layout
@@ -381,9 +414,9 @@ def launch_post_bwd(x, h_res, h_post, f, dout, transpose_res: bool, order, wrap=
     wrap(_mhc_post_bwd_kernel)[(cdiv(T, bt),)](
         x, h_res, h_post, f, dout, dx, dh_res, dh_post, df, T, T2, C,
         *x.stride(), *_mixing_strides(h_res, transpose_res), *h_post.stride(), *f.stride(),
-        *dout.stride(), *dx.stride(), *_mixing_strides(dh_res, transpose_res), *dh_post.stride(),
+        *dout.stride(), *dx_strides, *_mixing_strides(dh_res, transpose_res), *dh_post.stride(),
         *df.stride(), sums, sums.stride(0), sums.stride(1), n,
-        N=n, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps, **column,
+        N=n, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps, WRITE_DX=with_dx, **column,
     )
     if by_column:
         bj = next_power_of_2(n + 1)

@@ -39,5 +39,5 @@ def plan_aggregate(layer: HCLayer, layout: StreamLayout, h_pre: fx.Node) -> Aggr
 def build_aggregate(plan: AggregatePlan, em: Emitter, x, h_pre):
     lay = plan.layout
     x4 = _canonical_stream(lay, em, x)
-    y = em.op("mhc_aggregate", x4, _tokens2(lay, em, h_pre, plan.h_pre, (lay.sizes[2],)), list(lay.order))
+    y = em.op("mhc_aggregate", x4, _tokens2(lay, em, h_pre, plan.h_pre, (lay.sizes[2],)))
     return reshape_to(em, y, lay.sym_sizes[:2] + (lay.sizes[3],), _sym_shape(plan.node), lay)

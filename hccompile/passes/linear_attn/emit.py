@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...lowering.lightning import keeps_states
 from .. import fx_match as M
 from ..emit import Emitter
 from ..fx_match import Refusal
@@ -89,7 +90,9 @@ def _attention(em: Emitter, op_name: str, q: Any, k: Any, v: Any, scale: float, 
             decay = decay.float().contiguous()
     if op_name == "causal_linear_attn":
         return em.op("causal_linear_attn", q, k, v, scale)
-    return em.getitem(em.op("lightning_attn", q, k, v, decay, None, scale, False), 0)
+    # Keep the forward's segment states for the backward when the graph will be differentiated.
+    keep = not em.eager and keeps_states(*(em.example(x) for x in (q, k, v)), None, None)
+    return em.getitem(em.op("lightning_attn", q, k, v, decay, None, scale, False, None, keep), 0)
 
 
 def build(cand: Candidate, em: Emitter, q: Any, k: Any, v: Any) -> Any:
