@@ -22,6 +22,8 @@
 #               the compiled graphs, with the kernels and ops each generated code calls, counted (issue 18)
 #   mhc-profile  per-kernel GPU time of the C1024 mHC step (n1-inductor, n4-hc-block), as
 #               diag_mhc-profile_2026-11-29_h200x1_7999b35.txt was taken                  (issue 18)
+#   mhc-host  the C1024 mHC step's host time: enqueue ms per step and a cProfile of warm steps
+#               (n1-inductor, n4-hc-block, n4-hc-block-cg)                             (issue 18, 24)
 #   host-split  an eager fwd+bwd's host time split into its parts (lightning, GDN): the op, the kernels'
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
@@ -90,6 +92,9 @@ for run in ${RUNS:-delta host}; do
     mhc-profile) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                      --variants n1-inductor,n4-hc-block --profile \
                      --out "$out/diag_mhc_$tag.jsonl" > "$out/diag_mhc-profile_$tag.txt" 2>&1 ;;
+    mhc-host) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                  --variants n1-inductor,n4-hc-block,n4-hc-block-cg --host-profile 40 \
+                  --out "$out/diag_mhc_$tag.jsonl" > "$out/diag_mhc-host_$tag.txt" 2>&1 ;;
     host-split) cut_at python3 benchmarks/analysis/host_split.py --ops lightning,gdn > "$out/diag_host-split_$tag.txt" 2>&1 ;;
     host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --through-op --top 12 \
                     --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;

@@ -136,6 +136,8 @@ def measure(variant: str, a) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     ms = statistics.median(times)
+    if a.host_profile:
+        host_profile(step, a.host_profile, variant)
     if a.profile:
         from _profile import profile_step
 
@@ -150,6 +152,35 @@ def measure(variant: str, a) -> dict:
             "launch_analyses": analyses,
             # the rest of compile_s is Dynamo's tracing (and, for Inductor, all of it)
             "compile_stages_s": stages}
+
+
+def host_profile(step, top: int, variant: str, steps: int = 20) -> None:
+    """--host-profile: where the host's time per step goes. The enqueue time is the time the host
+    takes to issue `steps` steps, before waiting for the GPU: when it is close to the wall time per
+    step, the step is host-bound and the profile below names what the host does."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    enqueue = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"--- host {variant}: enqueue {enqueue / steps * 1e3:.3f} ms/step, wall {wall / steps * 1e3:.3f} ms/step "
+          f"(no profiler)", flush=True)
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        print(f"--- host profile {variant} ({order}, {steps} steps)\n{text.getvalue()}", flush=True)
 
 
 def floor_bytes_per_token(n: int, C: int, element_size: int) -> int:
@@ -249,6 +280,9 @@ def main() -> None:
                    help="also print each variant's per-kernel GPU time (torch.profiler) and GPU-busy share")
     p.add_argument("--compile-profile", type=int, default=0, metavar="TOP",
                    help="also print the TOP functions of a cProfile of each variant's first (compiling) step")
+    p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
+                   help="also print the host's enqueue time per step and the TOP functions of a cProfile of 20 "
+                        "warm steps")
     p.add_argument("--dump-dir", help="hc variants: hc's per-graph dumps here (its dump_dir option), to read the "
                                       "backward's generated code")
     p.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, from {ALL}")
