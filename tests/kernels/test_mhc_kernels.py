@@ -312,11 +312,12 @@ def test_mapping_parameter_gradients_mixed_dtypes_and_shapes(poisoned):
 def test_mapping_parameter_gradient_sum_over_many_rows(poisoned):
     """The reduction of the per-program partial sums, over more rows than one block (a fixed
     order: the same bits on every call)."""
-    from hccompile.kernels.mhc.mapping import sum_param_grads
+    from hccompile.kernels.mhc.mapping import PARAM_GRADS_TILE, sum_param_grads
 
     n = 4
     gen = torch.Generator().manual_seed(3)
-    partial = torch.randn(150, 3 + 2 * n + n * n, generator=gen).to(DEVICE)
+    rows = 2 * PARAM_GRADS_TILE // 32 + 89  # two whole [rows, 32] tiles and a part of a third
+    partial = torch.randn(rows, 3 + 2 * n + n * n, generator=gen).to(DEVICE)
     alphas = [torch.zeros((), device=DEVICE), torch.zeros(1, device=DEVICE, dtype=torch.bfloat16),
               torch.zeros((), device=DEVICE, dtype=torch.float16)]
     biases = [torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE),
@@ -507,14 +508,17 @@ def test_kernels_compile_for_h100_without_spills():
     final_stores = {"post_bwd": 2, "post_bwd_nodx": 2, "aggregate_bwd": 1}
     for line in lines:
         name = line.split()[0]
+        field = lambda key: int(line.split(f" {key} ")[1].split()[0])  # noqa: E731
         if name in final_stores:
-            field = lambda key: int(line.split(f" {key} ")[1].split()[0])  # noqa: E731
             assert field("LOOPCVT") == 0, line
             assert field("CVT") <= final_stores[name] and field("BAR") <= 2 * final_stores[name] - 1, line
         # the mapping backward's Sinkhorn chain: one warp at n 4, its divisors through global
         # scratch: no shared memory, one barrier (between storing and loading the divisors)
         if name == "mapping_bwd":
             assert field("SHARED") == 0 and field("BAR") <= 1, line
+        # the post forward's tiles are all [tokens, C], one stream at a time: no layout conversion
+        if name == "post_fwd":
+            assert field("CVT") == 0 and field("BAR") == 0 and field("SHARED") == 0, line
 
 
 def test_post_backward_compiles_for_h100_at_other_stream_counts_without_spills():
@@ -539,3 +543,24 @@ def test_post_backward_compiles_for_h100_at_other_stream_counts_without_spills()
     # bfloat16 and float32, per n the sweep and the sums kernel, with and without dx
     assert len(lines) == 32 and all("STACK 0" in line and "LOOPCVT 0" in line for line in lines), run.stdout
     assert sum("'BY_COLUMN': True" in line for line in lines) == 16, run.stdout
+
+
+def test_post_forward_compiles_for_h100_at_other_stream_counts_without_spills():
+    """The post forward keeps the n input tiles in registers across its output streams (the
+    compiler hoists their loads): its tile shrinks with n so that n = 3, 5, 8 and 16 compile for
+    sm_90 without spills, bfloat16 and float32."""
+    import pathlib
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
+        pytest.skip("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "hccompile.kernels.mhc.compile_check", "--streams", "3", "5", "8", "16",
+               "--launches", "post_fwd"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 8 and all("STACK 0" in line and " CVT 0 " in line for line in lines), run.stdout

@@ -13,6 +13,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 2048 elements ([1, 4, 512]) takes 56 registers, at 4096 ([8, 4, 128]) 252.
 TILE_ELEMENTS = 2048
 MAX_BLOCK_C = 512
+# The post forward's [tokens, C] tile, one stream at a time (16 elements a thread on 4 warps).
+STREAM_TILE = 2048
 # The backward sweeps (post and aggregate) reduce over C: C spans SWEEP_LANES lanes of a warp,
 # 16 bytes per lane, so every sum over C is one shuffle tree inside a warp; the other lanes and
 # the warps take tokens.
@@ -78,13 +80,17 @@ def block_t(per_token_elements: int, limit: int = 64, tile: int = TILE_ELEMENTS)
     return min(limit, 1 << (bt.bit_length() - 1))
 
 
-def stream_blocks(n: int, C: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_C, BLOCK_T) for the post forward ([tokens, streams, C] tiles)."""
-    bn = block_n(n)
+def stream_blocks(n: int, C: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C) for the post forward ([tokens, C] tiles, one stream at a time): at
+    n <= 4 in 16-bit, STREAM_TILE elements ([4, 512] at C = 1024: a warp per token row, two
+    16-byte vectors per lane). The compiler keeps the n input tiles in registers across the output
+    streams (it hoists their loads out of the loop), so the tile shrinks as n grows, and by half
+    in float32 past n = 2: sm_90, Triton 3.6, no spills for n 2-16."""
     bc = block_c(C)
-    # Each token row of a tile carries its own 64-bit address arithmetic: many short rows (small C)
-    # cost far more registers than a few long ones, hence the cap.
-    return bn, bc, block_t(bn * bc, limit=4)
+    tile = STREAM_TILE * 4 // max(4, block_n(n))
+    if element_size > 2 and n > 2:
+        tile //= 2
+    return block_t(bc, limit=64, tile=max(tile, 256)), bc
 
 
 def channel_blocks(C: int) -> tuple[int, int]:

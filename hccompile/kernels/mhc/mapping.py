@@ -451,6 +451,13 @@ def launch_mapping_bwd(proj, r, alphas, biases, dh_pre, dh_post, dh_res, spec: M
     return dproj, dr, dalphas, dbiases
 
 
+# The parameter gradients' sum over the backward's partial rows (one per mapping program: 2048 at
+# B4 S2048) is one program: [PARAM_GRADS_TILE / 32, 32] tiles on PARAM_GRADS_WARPS warps, so that
+# the loop over rows is a few long iterations (27 us a launch on the H200 at 64 rows and 4 warps).
+PARAM_GRADS_TILE = 8192
+PARAM_GRADS_WARPS = 8
+
+
 def sum_param_grads(partial: torch.Tensor, alphas, biases, n: int, wrap=common.direct):
     """((dα_pre, dα_post, dα_res), (dbias_pre, dbias_post, dbias_res)) from the backward's partial
     sums [rows, 3 + 2n + n²] (contiguous float32), each shaped and typed like its parameter."""
@@ -460,11 +467,13 @@ def sum_param_grads(partial: torch.Tensor, alphas, biases, n: int, wrap=common.d
         raise ValueError(f"partial: expected contiguous float32 [rows, {width}], got "
                          f"{partial.dtype} {tuple(partial.shape)}")
     device = partial.device
-    dalphas = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in alphas)
+    # a 0-dim α's gradient is a view of a [1] buffer: Inductor lowers a 0-dim empty() to a kernel
+    # that fills it (three launches per mapping backward in the compiled mHC step on the H200)
+    dalphas = tuple(common.new_output(tuple(t.shape) or (1,), t.dtype, device) for t in alphas)
     dbiases = tuple(common.new_output(tuple(t.shape), t.dtype, device) for t in biases)
     block_w = next_power_of_2(width)
     wrap(_mhc_mapping_param_grads_kernel)[(1,)](
         partial, partial.shape[0], *dalphas, *dbiases,
-        N=n, BLOCK_R=max(1, min(64, 4096 // block_w)), BLOCK_W=block_w,
+        N=n, BLOCK_R=max(1, PARAM_GRADS_TILE // block_w), BLOCK_W=block_w, num_warps=PARAM_GRADS_WARPS,
     )
-    return dalphas, dbiases
+    return tuple(d.view(t.shape) for d, t in zip(dalphas, alphas)), dbiases
