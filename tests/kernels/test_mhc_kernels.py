@@ -517,6 +517,10 @@ def test_kernels_compile_for_h100_without_spills():
         if name == "mapping_bwd":
             assert field("SHARED") == 0 and field("BAR") <= 1, line
         # the post forward's tiles are all [tokens, C], one stream at a time: no layout conversion
+        # the mapping forward at n 4: one warp, each Sinkhorn sum inside it, no barrier (Triton 3.6
+        # gives each thread a whole matrix: no shuffle either; 3.9 spreads a matrix over lanes)
+        if name == "mapping_fwd":
+            assert field("BAR") == 0, line
         if name == "post_fwd":
             assert field("CVT") == 0 and field("BAR") == 0 and field("SHARED") == 0, line
 

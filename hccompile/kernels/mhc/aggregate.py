@@ -51,28 +51,29 @@ if triton is not None:
         sx1, sx2, sxn, sxc,
         sdy1, sdy2, sdyc,
         sdh1, sdh2, sdhn,
-        N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+        N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
-        """dH_pre[i] = Σ_c x[i]·dy. One program: BLOCK_T tokens, sweeping C in [BLOCK_T, BLOCK_C]
-        tiles (C inside a warp, as in the post backward); dH_pre[i] accumulates in slot i of a
-        [BLOCK_T, BLOCK_P] tile."""
-        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        """dH_pre[i] = Σ_c x[i]·dy. One program: BLOCK_R rows, a row being one (token, stream)
+        pair, sweeping C in [BLOCK_R, BLOCK_C] tiles. The products accumulate elementwise and are
+        summed over C once, after the sweep: one shuffle tree per row, not one per stream and step
+        (a token's dy is read once per stream, from L1)."""
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        tok = row // N
+        stream = row - tok * N
         tok_ok = tok < T
         t1 = (tok // T2).to(tl.int64)
         t2 = (tok % T2).to(tl.int64)
-        x_tok = (t1 * sx1 + t2 * sx2)[:, None]
-        dy_tok = (t1 * sdy1 + t2 * sdy2)[:, None]
-        slot = tl.arange(0, BLOCK_P)[None, :]
-        sums = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+        x_row = (t1 * sx1 + t2 * sx2 + stream * sxn)[:, None]
+        dy_row = (t1 * sdy1 + t2 * sdy2)[:, None]
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             cols = (c0 + tl.arange(0, BLOCK_C))[None, :]
             tc_ok = tok_ok[:, None] & (cols < C)
-            dy = tl.load(dy_ptr + dy_tok + cols * sdyc, mask=tc_ok, other=0.0).to(tl.float32)
-            for i in tl.static_range(N):
-                x_i = tl.load(x_ptr + x_tok + i * sxn + cols * sxc, mask=tc_ok, other=0.0).to(tl.float32)
-                sums = tl.where(slot == i, sums + tl.sum(x_i * dy, axis=1)[:, None], sums)
-        tl.store(dh_ptr + (t1 * sdh1 + t2 * sdh2)[:, None] + slot * sdhn, sums.to(dh_ptr.dtype.element_ty),
-                 mask=tok_ok[:, None] & (slot < N))
+            dy = tl.load(dy_ptr + dy_row + cols * sdyc, mask=tc_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + x_row + cols * sxc, mask=tc_ok, other=0.0).to(tl.float32)
+            acc += x * dy
+        tl.store(dh_ptr + t1 * sdh1 + t2 * sdh2 + stream * sdhn, tl.sum(acc, axis=1).to(dh_ptr.dtype.element_ty),
+                 mask=tok_ok)
 
 
 def check_aggregate_inputs(x, h_pre, dy=None) -> None:
@@ -133,9 +134,9 @@ def launch_aggregate_bwd(x, h_pre, dy, wrap=common.direct) -> torch.Tensor:
         return dh
     if C == 0:
         return dh.zero_()
-    bt, bc, bp, warps = common.sweep_blocks(C, x.element_size(), n)
-    wrap(_mhc_aggregate_bwd_kernel)[(cdiv(T1 * T2, bt),)](
+    br, bc = common.row_blocks(C, x.element_size())
+    wrap(_mhc_aggregate_bwd_kernel)[(cdiv(T1 * T2 * n, br),)](
         x, dy, dh, T1 * T2, T2, C, *x.stride(), *dy.stride(), *dh.stride(),
-        N=n, BLOCK_P=bp, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps,
+        N=n, BLOCK_R=br, BLOCK_C=bc,
     )
     return dh

@@ -377,6 +377,9 @@ def mhc_mapping_fwd(proj: torch.Tensor, r: torch.Tensor, alphas, biases, spec: M
     return launch_mapping_fwd(proj, r, alphas, biases, spec, out_dtypes)
 
 
+FORWARD_TOKENS = 32
+
+
 def launch_mapping_fwd(proj, r, alphas, biases, spec: MappingSpec, out_dtypes=None, wrap=common.direct):
     """mhc_mapping_fwd without the checks (the ops check once, then call this)."""
     n = spec.n
@@ -390,13 +393,17 @@ def launch_mapping_fwd(proj, r, alphas, biases, spec: MappingSpec, out_dtypes=No
     if T == 0:
         return h_pre, h_post, h_res
     bn = common.block_n(n)
-    bt = common.block_t(4 * bn * bn, limit=32)
+    bt = common.block_t(4 * bn * bn, limit=FORWARD_TOKENS)
+    # n <= 4: a program of one warp, so that each Sinkhorn normalisation's sums stay inside the
+    # warp (shuffles), where 4 warps took a barrier and a shared-memory round trip per sum (the
+    # chain is latency-bound: 16 x 15 us a step at C1024 on the H200)
+    warps = 1 if bn <= 4 else 4
     wrap(_mhc_mapping_fwd_kernel)[(cdiv(T, bt),)](
         proj2, r1, *a, *b, h_pre, h_post, h_res,
         T, *proj2.stride(), r1.stride(0), *(t.stride(0) for t in b),
         *_scalars(spec),
         N=n, BLOCK_N=bn, BLOCK_T=bt, STEPS=spec.steps, ROW_FIRST=spec.row_first,
-        SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides,
+        SOFTMAX_INIT=spec.init == "softmax", R_DIVIDES=spec.r_divides, num_warps=warps,
     )
     return h_pre, h_post, h_res
 
