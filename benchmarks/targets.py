@@ -87,6 +87,7 @@ host (benchmarks/host_overhead.py; files `host*.jsonl`, and the text profiles
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -648,7 +649,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the lines as a JSON list")
     parser.add_argument("--results", default=str(RESULTS), help="the raw results directory (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="name the rows each line was computed from")
+    parser.add_argument("--device", metavar="REGEX",
+                        help="a diagnostic: read the rows of devices matching REGEX (e.g. H200) where a target "
+                             "names its device (H100); refused with --check, which reads the targets' own devices")
     args = parser.parse_args(argv)
+    if args.device and args.check:
+        print("targets.py: --device is a diagnostic; --check reads each target's own device", file=sys.stderr)
+        return 2
     if (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "") != "utf8":
         sys.stdout.reconfigure(errors="replace")  # "≤" and "×" on a non-UTF-8 terminal: no crash
 
@@ -666,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     for warning in warnings:
         print(f"targets.py: {warning}", file=sys.stderr)
     selected = [t for t in TARGETS if not wanted or t.family in wanted]
+    if args.device:
+        selected = [dataclasses.replace(t, device=args.device) if t.device else t for t in selected]
     lines = evaluate(selected, files)
     if args.json:
         print(json.dumps(lines, indent=1, ensure_ascii=False))

@@ -119,6 +119,20 @@ def test_other_devices_and_error_rows_do_not_count(tmp_path):
     assert line["measured"] == pytest.approx(2.0)
 
 
+def test_device_diagnostic_reads_another_device_and_is_refused_with_check(tmp_path):
+    """--device REGEX reads the rows of another GPU (an H200 session's) where a target names the
+    H100; never with --check, which judges on the targets' own devices."""
+    h200 = "NVIDIA H200"
+    write(tmp_path / "mhc_2026-12-01_h200.jsonl", [mhc_row("n1-inductor", 10.0, 1.0, 10.0, device=h200),
+                                                   mhc_row("n4-hc-block", 15.0, 1.0, 10.0, device=h200)])
+    key = ("mhc", "step n4 hc / n1 inductor, C1024 L4 B4", "3")
+    assert lines_of("--family", "mhc", results=tmp_path)[key]["status"] == "no result"
+    line = lines_of("--family", "mhc", "--device", "H200", results=tmp_path)[key]
+    assert line["measured"] == pytest.approx(1.5) and line["device"] == "H200"
+    refused = run("--device", "H200", "--check", results=tmp_path)
+    assert refused.returncode == 2 and "--device" in refused.stderr and refused.stdout == ""
+
+
 def test_family_filter(results):
     lines = lines_of("--family", "mhc", results=results)
     assert lines and {family for family, _, _ in lines} == {"mhc"}

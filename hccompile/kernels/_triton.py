@@ -122,6 +122,18 @@ def kept_rows(count):
     return max(count, 2)
 
 
+def zero_padding_rows(states: torch.Tensor, count) -> None:
+    """Zeros the rows of `states` past `count` (kept_rows' minimum of 2, a varlen bound), so that
+    an op's output is deterministic, eager or traced alike. Traced (a symbolic count), slicing at
+    the count would guard on it and compile a second graph for one-chunk lengths; the last row is
+    zeroed instead, before the kernels write: it is the padding row at a count of 1, else a real
+    row they overwrite."""
+    if isinstance(count, torch.SymInt):
+        states[-1].zero_()
+    elif count < states.shape[0]:
+        states[count:].zero_()
+
+
 def interpreted(kernel) -> bool:
     """Whether `kernel` was defined under the interpreter (Triton picks at definition time)."""
     return not isinstance(kernel, triton.runtime.JITFunction)

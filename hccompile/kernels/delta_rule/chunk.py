@@ -46,7 +46,7 @@ from .dqkw import launch_dqkw
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
 from .wy_bwd import launch_wy_bwd
 
-from .._triton import cdiv, direct, require_triton, scratch_rows, triton
+from .._triton import cdiv, direct, require_triton, scratch_rows, triton, zero_padding_rows
 
 if triton is not None:
     from .output import _output_kernel
@@ -225,14 +225,12 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     u = torch.empty(problem.batch, time, value_heads, value_dim, dtype=stored, device=device)
     state_rows = plan_kept_state_rows(plan) if keep_states else scratch_rows(plan.num_chunks)
     h = torch.empty(state_rows, value_heads, key_dim, value_dim, dtype=stored, device=device)
-    if keep_states and not isinstance(plan.num_chunks, torch.SymInt):
+    if keep_states:
         # Kept h is an op's output: the rows past the chunk count (a varlen bound, or the minimum
-        # of 2) are zeros, not whatever the allocator left, so that it is deterministic. Not when
-        # traced (fixed-length rows, symbolic count): slicing at a symbolic row guards on the count
-        # against kept_state_rows' minimum of 2, a second graph for one-chunk lengths (the likely
-        # cause of HF's delta-rule layers compiling twice, at T = 40, on the H100 at 28f9071). The
-        # one row it can leave unwritten, at one chunk, is never read.
-        h[plan.num_chunks:].zero_()
+        # of 2) are zeros, not whatever the allocator left, eager or traced (where slicing at the
+        # symbolic count would guard on it: HF's delta-rule layers compiled twice, at T = 40, on
+        # the H100 at 28f9071)
+        zero_padding_rows(h, plan.num_chunks)
     group = problem.group_size
     nt = plan.chunks_per_row
     block_k_full = block_size(key_dim, MAX_HEAD_DIM)

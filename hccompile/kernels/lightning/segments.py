@@ -20,7 +20,7 @@ import torch
 from ..value_checks import cached_by_tensor, host_ints
 from .tiles import _block_dim, _dot_options, _state_strides
 
-from .._triton import cdiv, direct, dot, kept_rows, load_tile, tl, triton
+from .._triton import cdiv, direct, dot, kept_rows, load_tile, tl, triton, zero_padding_rows
 
 # Segments: the auto length aims at this many sweep programs per streaming multiprocessor, and
 # never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v.
@@ -385,18 +385,6 @@ def _sequential_states_chosen(walks, time, chunk: int, device: torch.device) -> 
     return walks >= sms and cdiv(time, chunk) <= SEQUENTIAL_MAX_CHUNKS
 
 
-def _zero_padding_rows(states: torch.Tensor, count) -> None:
-    """Zeros the rows of `states` past `count` (kept_rows' minimum of 2), so that an op's output
-    is deterministic, eager or traced alike. Traced (a symbolic count), slicing at the count would
-    guard on it and compile a second graph for one-segment lengths; the last row is zeroed
-    instead, before the kernels write: it is the padding row at a count of 1, else a real row they
-    overwrite."""
-    if isinstance(count, torch.SymInt):
-        states[-1].zero_()
-    elif count < states.shape[0]:
-        states[count:].zero_()
-
-
 def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay: torch.Tensor, scale: float,
                     reverse: bool, x0: torch.Tensor | None = None, xt: torch.Tensor | None = None,
                     wrap: Callable = direct, block: int = SUMMARY_CHUNK, zero_padding: bool = False) -> torch.Tensor:
@@ -408,7 +396,7 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
     heads, dim_b, dim_c = b.shape[2], b.shape[3], c.shape[3]
     states = torch.empty((kept_rows(segments.count), heads, dim_b, dim_c), dtype=torch.float32, device=b.device)
     if zero_padding:
-        _zero_padding_rows(states, segments.count)
+        zero_padding_rows(states, segments.count)
     if heads == 0 or dim_b == 0 or dim_c == 0:
         return states
     block_b, block_c = _block_dim(dim_b, SUMMARY_ROW_TILE), _block_dim(dim_c, SUMMARY_COLUMN_TILE)
