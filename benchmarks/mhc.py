@@ -3,7 +3,7 @@ and hc with recompute off / layer / block (hc fuses the hyper-connection subgrap
 kernels of hccompile/kernels/mhc unless the variant ends in "-nofuse"). One forward+backward step of
 the reference GPT (hccompile.nn.MHCGPT, layout [B, S, n, C]).
 
-Reports the median step time (CUDA events), the peak memory above parameters during the step, and
+Reports the step time (CUDA events; steps back to back, see measure()), the peak memory above parameters during the step, and
 the compile time (first step minus a warm step, caches off). n=4 rows carry issue 18's floor: the
 bytes the hyper-connection ops must move (floor_bytes_per_token, from the ops' contracts) over the
 copy bandwidth measured in the same run; with n1-inductor and n4-hc-block in one run it prints the
@@ -36,6 +36,7 @@ DEFAULT = list(ALL[:-1])
 # "-cg": the compiled variants with CUDA graphs (Inductor's triton.cudagraphs), which removes the
 # per-kernel host cost (Python op wrappers, launches) from the step.
 ALL += [f"n{n}-{k}-cg" for n in (1, 4) for k in ("inductor", "hc-block")]
+ROUNDS = 5  # rounds of --iters back-to-back steps (step_ms: their median)
 
 
 def build(n: int, a) -> torch.nn.Module:
@@ -120,6 +121,20 @@ def measure(variant: str, a) -> dict:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
+    # step_ms: steps back to back, as a training loop runs them (the host enqueues the next step
+    # while the GPU runs this one): the mean over `iters` steps between two synchronisations, the
+    # median of ROUNDS such rounds. step_synced_ms: each step alone between synchronisations (the
+    # method of rows before 2026-11-30), which adds the host's time to its first launch to every
+    # step and varied by 2 ms between two H200 machines at one commit (11.30 / 13.49 ms).
+    rounds = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.iters):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        rounds.append(start.elapsed_time(end) / a.iters)
     times = []
     for _ in range(a.iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -135,7 +150,7 @@ def measure(variant: str, a) -> dict:
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    ms = statistics.median(times)
+    ms = statistics.median(rounds)
     if a.host_profile:
         host_profile(step, a.host_profile, variant)
     if a.profile:
@@ -147,7 +162,8 @@ def measure(variant: str, a) -> dict:
     compiled = kind not in ("eager", "manager")
     return {"variant": variant, "n": n, "kind": kind, "fuse": fuse if kind.startswith("hc") else None,
             "cudagraphs": graphs,
-            "step_ms": ms, "peak_gib": peak / 2**30,
+            "step_ms": ms, "step_timing": "back-to-back", "step_rounds_ms": rounds,
+            "step_synced_ms": statistics.median(times), "peak_gib": peak / 2**30,
             "compile_s": max(0.0, first - ms / 1e3) if compiled else 0.0,
             "launch_analyses": analyses,
             # the rest of compile_s is Dynamo's tracing (and, for Inductor, all of it)
@@ -319,7 +335,7 @@ def main() -> None:
         torch._dynamo.reset()
         row = {**meta, **measure(v, a), **(floor if v.startswith("n4") else {})}
         steps[v] = row["step_ms"]
-        print(f"{v:20s} step {row['step_ms']:8.2f} ms  peak {row['peak_gib']:6.2f} GiB  "
+        print(f"{v:20s} step {row['step_ms']:8.2f} ms (alone {row['step_synced_ms']:.2f})  peak {row['peak_gib']:6.2f} GiB  "
               f"compile {row['compile_s']:6.1f} s"
               + "".join(f"  {stage} {sec:.1f}" for stage, sec in row["compile_stages_s"].items()), flush=True)
         with open(a.out, "a") as f:
