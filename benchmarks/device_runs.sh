@@ -24,6 +24,8 @@
 #               diag_mhc-profile_2026-11-29_h200x1_7999b35.txt was taken                  (issue 18)
 #   mhc-host  the C1024 mHC step's host time: enqueue ms per step and a cProfile of warm steps
 #               (n1-inductor, n4-hc-block, n4-hc-block-cg)                             (issue 18, 24)
+#   mhc-before  the C1024 n4-hc-block step of the .before tree (make before-tree REF=<commit>, carried)
+#               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
 #   host-split  an eager fwd+bwd's host time split into its parts (lightning, GDN): the op, the kernels'
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
@@ -95,6 +97,9 @@ for run in ${RUNS:-delta host}; do
     mhc-host) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                   --variants n1-inductor,n4-hc-block,n4-hc-block-cg --host-profile 40 \
                   --out "$out/diag_mhc_$tag.jsonl" > "$out/diag_mhc-host_$tag.txt" 2>&1 ;;
+    mhc-before) test -f .before/COMMIT || { echo "mhc-before: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
+                cut_at python3 benchmarks/before_after.py --family mhc --out "$out/diag_mhc-before_$tag.jsonl" \
+                    -- --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 --variants n4-hc-block ;;
     host-split) cut_at python3 benchmarks/analysis/host_split.py --ops lightning,gdn > "$out/diag_host-split_$tag.txt" 2>&1 ;;
     host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --through-op --top 12 \
                     --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;

@@ -25,7 +25,7 @@ sit in the same regions and are tagged the same way: custom ops are saved unless
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -94,9 +94,28 @@ def mapping_inputs(layer: HCLayer, region: set[fx.Node]) -> set[fx.Node]:
     ancestors = set()
     for h in (layer.h_pre, layer.h_post, layer.h_res):
         ancestors |= M.upstream(h)
-    return {node for node in ancestors & region
+    kept = {node for node in ancestors & region
             if node.op in ("call_function", "call_method") and small(node)
             and any(large(a) for a in node.all_input_nodes)}
+    return kept | {n for node in kept for n in _per_token_chain(node, ancestors & region, small)}
+
+
+def _per_token_chain(node: fx.Node, within: set[fx.Node], small: Callable[[fx.Node], bool]) -> list[fx.Node]:
+    """The per-token values computed from `node` alone on the way to the mappings (the norm
+    r = sqrt(mean(v²) + ε) after its mean): each the only user of the one before, small,
+    pointwise on it and constants. Kept too: rebuilt, each is a kernel launch of a few bytes
+    per token before the mappings' recompute and again before their backward (16 launches a
+    step at C1024, 4 layers), where keeping it costs as many bytes as the mean it starts from."""
+    chain, cur = [], node
+    while len(cur.users) == 1:
+        user = next(iter(cur.users))
+        if user not in within or user.op not in ("call_function", "call_method") or not small(user) \
+                or M.is_view(user) or M.is_impure(user) \
+                or any(a is not cur for a in user.all_input_nodes):
+            break
+        chain.append(user)
+        cur = user
+    return chain
 
 
 def copies_operand(node: fx.Node) -> bool:
@@ -202,6 +221,13 @@ class HCRecomputePass(GraphPass):
                 for n in kept_per_token | kept_norms:
                     n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                     n.meta["ac_graph_id"] = next_id
+                if start.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+                    # the previous block's output, this block's input: kept. The partitioner saves
+                    # a tagged node with users in a later block, but on CUDA the fused ops are
+                    # traced into their kernel launches, whose outputs it rebuilt: the whole stream
+                    # chain, from the embedding, at the start of the backward (8 post launches a
+                    # step at C1024, 4 layers, H200, every rebuilt stream alive at once)
+                    start.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 for layer in blk:
                     layer.f.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                     layer.f.meta["ac_graph_id"] = next_id
