@@ -37,6 +37,20 @@ DEFAULT = list(ALL[:-1])
 # per-kernel host cost (Python op wrappers, launches) from the step.
 ALL += [f"n{n}-{k}-cg" for n in (1, 4) for k in ("inductor", "hc-block")]
 ROUNDS = 5  # rounds of --iters back-to-back steps (step_ms: their median)
+HC_OPTIONS: dict = {}  # --hc-option KEY=VALUE: added to every hc variant's options (rows record them)
+
+
+def _option_value(text: str):
+    """'true'/'false', an int, a float, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def build(n: int, a) -> torch.nn.Module:
@@ -71,6 +85,7 @@ def step_fn(variant: str, model, dump_dir: str | None = None):
         options["triton.cudagraphs"] = True
     if not fuse:
         options["disable_passes"] = ["hc_fuse"]
+    options.update(HC_OPTIONS)
     return torch.compile(model, backend="hc", options=options)
 
 
@@ -162,6 +177,7 @@ def measure(variant: str, a) -> dict:
     compiled = kind not in ("eager", "manager")
     return {"variant": variant, "n": n, "kind": kind, "fuse": fuse if kind.startswith("hc") else None,
             "cudagraphs": graphs,
+            "hc_options": dict(HC_OPTIONS) if kind.startswith("hc") else None,
             "step_ms": ms, "step_timing": "back-to-back", "step_rounds_ms": rounds,
             "step_synced_ms": statistics.median(times), "peak_gib": peak / 2**30,
             "compile_s": max(0.0, first - ms / 1e3) if compiled else 0.0,
@@ -299,6 +315,9 @@ def main() -> None:
     p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
                    help="also print the host's enqueue time per step and the TOP functions of a cProfile of 20 "
                         "warm steps")
+    p.add_argument("--hc-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option for every hc variant (an hccompile option or an Inductor config key, e.g. "
+                        "static_launch_user_defined_triton_kernels=true); repeatable")
     p.add_argument("--dump-dir", help="hc variants: hc's per-graph dumps here (its dump_dir option), to read the "
                                       "backward's generated code")
     p.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, from {ALL}")
@@ -317,6 +336,11 @@ def main() -> None:
     if a.kernels:
         kernel_bench(a)
         return
+    for item in a.hc_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--hc-option {item!r}: expected KEY=VALUE")
+        HC_OPTIONS[key.strip()] = _option_value(value.strip())
     variants = [v for v in a.variants.split(",") if v]
     for v in variants:
         if v not in ALL:
