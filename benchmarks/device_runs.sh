@@ -32,6 +32,8 @@
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
 #               B1 T32768 (ours and FLA's), into diag_ rows                              (issue 20)
+#   lightning-profile  per-kernel GPU time of our lightning at B4 T4096 H16 D128, fwd+bwd and forward
+#               alone (no FLA: its first call autotunes for minutes)                  (issue 20)
 #   lightning-stages  the lightning defaults at the sweeps' stage budget of 96 KiB (2 stages for the flat
 #               forward at D 128) and 128 KiB (3 stages: fewer spills, one program per SM), every shape,
 #               and the backward from the forward's saved states, into diag_ rows         (issue 20)
@@ -112,6 +114,10 @@ for run in ${RUNS:-delta host}; do
                          --out "$out/lightning_$tag.jsonl"
                      cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B1T32768H16D128 \
                          > "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
+    lightning-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B4T4096H16D128 \
+                           > "$out/diag_lightning-profile_$tag.txt" 2>&1
+                       cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B4T4096H16D128 --fwd-only \
+                           >> "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
     lightning-stages) cut_at python3 benchmarks/lightning_tune.py --around-defaults --defaults-only \
                           --stage-budgets 98304,131072 --saved-states --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
