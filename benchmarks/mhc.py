@@ -3,6 +3,7 @@ and hc with recompute off / layer / block (hc fuses the hyper-connection subgrap
 kernels of hccompile/kernels/mhc unless the variant ends in "-nofuse"). One forward+backward step of
 the reference GPT (hccompile.nn.MHCGPT, layout [B, S, n, C]).
 
+Each variant runs in a fresh process of its own (measure_in_child; --in-process: all in this one).
 Reports the step time (CUDA events; steps back to back, see measure()), the peak memory above parameters during the step, and
 the compile time (first step minus a warm step, caches off). n=4 rows carry issue 18's floor: the
 bytes the hyper-connection ops must move (floor_bytes_per_token, from the ops' contracts) over the
@@ -215,6 +216,24 @@ def host_profile(step, top: int, variant: str, steps: int = 20) -> None:
         print(f"--- host profile {variant} ({order}, {steps} steps)\n{text.getvalue()}", flush=True)
 
 
+def measure_in_child(variant: str) -> dict:
+    """measure(variant) in a fresh Python process (this script, the same arguments): a process holds
+    one model, as a training run does. Measured after another variant in one process, the same
+    n4-hc-block step took 12.15 ms where a fresh process took 10.45 (H200, c0ebb6c): the host's
+    time per step grows with what the process already holds (the earlier variant's compiled code)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "row.json")
+        argv = [arg for arg in sys.argv[1:]]
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--variants", variant,
+                        "--child-row", path], check=True)
+        with open(path) as f:
+            return json.load(f)
+
+
 def floor_bytes_per_token(n: int, C: int, element_size: int) -> int:
     """Bytes the hyper-connection ops of one sublayer must move per token in a training step with
     block recompute, counted from the ops' contracts (each tensor read or written once by a kernel
@@ -332,6 +351,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="mhc_results.jsonl")
+    p.add_argument("--in-process", action="store_true",
+                   help="measure every variant in this process (default: each in a fresh process of its own)")
+    p.add_argument("--child-row", help=argparse.SUPPRESS)  # internal: measure one variant, write its row here
     a = p.parse_args()
     if a.kernels:
         kernel_bench(a)
@@ -353,11 +375,17 @@ def main() -> None:
             "torch": torch.__version__, "triton": triton.__version__, "layers": a.layers,
             "shape": f"L{a.layers} C{a.dim} H{a.heads} B{a.batch} S{a.seq} {a.dtype} dropout "
                      f"{a.dropout} sinkhorn {a.sinkhorn_iters}"}
+    if a.child_row:
+        with open(a.child_row, "w") as f:
+            json.dump(measure(variants[0], a), f)
+        return
     floor = floor_fields(a) if any(v.startswith("n4") for v in variants) else {}
     steps = {}
     for v in variants:
         torch._dynamo.reset()
-        row = {**meta, **measure(v, a), **(floor if v.startswith("n4") else {})}
+        measured = measure(v, a) if a.in_process else measure_in_child(v)
+        row = {**meta, **measured, "process": "shared" if a.in_process else "own",
+               **(floor if v.startswith("n4") else {})}
         steps[v] = row["step_ms"]
         print(f"{v:20s} step {row['step_ms']:8.2f} ms (alone {row['step_synced_ms']:.2f})  peak {row['peak_gib']:6.2f} GiB  "
               f"compile {row['compile_s']:6.1f} s"
