@@ -28,6 +28,8 @@
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
 #   mhc-static  the C1024 n4-hc-block step with Inductor's static launcher for our kernels, and its host
 #               profile                                                                  (issue 24)
+#   mhc-project-proto  the one-pass projection prototype (benchmarks/analysis/mhc_project_proto.py):
+#               checked against float64, then timed beside cuBLAS + Inductor at C1024 n4 (issue 18)
 #   host-split  an eager fwd+bwd's host time split into its parts (lightning, GDN): the op, the kernels'
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
@@ -107,6 +109,8 @@ for run in ${RUNS:-delta host}; do
     mhc-static) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                     --variants n4-hc-block --host-profile 25 --hc-option static_launch_user_defined_triton_kernels=true \
                     --out "$out/diag_mhc-static_$tag.jsonl" > "$out/diag_mhc-static_$tag.txt" 2>&1 ;;
+    mhc-project-proto) cut_at python3 benchmarks/analysis/mhc_project_proto.py \
+                           > "$out/diag_mhc-project-proto_$tag.txt" 2>&1 ;;
     host-split) cut_at python3 benchmarks/analysis/host_split.py --ops lightning,gdn > "$out/diag_host-split_$tag.txt" 2>&1 ;;
     host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --through-op --top 12 \
                     --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
