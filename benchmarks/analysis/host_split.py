@@ -5,7 +5,8 @@ the queue never drains and the clock reads the CPU alone.
 
 Parts: the whole step; the forward alone (no autograd); Triton's launch path, counted by wrapping
 JITFunction.run (its share of the step and its count); a bare launch of a small Triton kernel with
-the same number of arguments as the op's widest; torch.empty. cProfile inflates small Python calls,
+the same number of arguments as the op's widest, and the same kernel through its compiled launcher
+alone (the floor of a launch from Python); torch.empty. cProfile inflates small Python calls,
 so these are plain clocks.
 
 Without a GPU, `--stub` times the same parts on CPU tensors with every launch stubbed out (Triton's
@@ -100,6 +101,29 @@ def bare_launch_fn(num_args: int):
     x = torch.zeros(16, device=DEVICE)
     extra = [x if i % 3 == 0 else 7 + i for i in range(num_args - 2)]
     return lambda: module._bare_kernel[(1,)](x, *extra, N=16)
+
+
+def compiled_launch_fn(num_args: int):
+    """The same kernel launched through its CompiledKernel's launcher directly, with what
+    JITFunction.run computes per call (binding, specialisation key, cache lookup, stream, launch
+    metadata) done once: the floor of a launch from Python, hence what a launch path that skips
+    JITFunction.run could save (issue 20/24). None where this Triton's launcher takes other arguments."""
+    launch = bare_launch_fn(num_args)
+    kernel = launch()  # JITFunction.run returns the compiled kernel
+    x = torch.zeros(16, device=DEVICE)
+    extra = [x if i % 3 == 0 else 7 + i for i in range(num_args - 2)]
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (x, *extra, 16)
+
+    def run():
+        kernel.run(1, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+    try:
+        run()
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 (a diagnostic: say so and go on)
+        print(f"compiled launch: not measured on this Triton ({type(error).__name__}: {error})", flush=True)
+        return None
+    return run
 
 
 def lightning_parts(shape):
@@ -213,6 +237,10 @@ def main() -> None:
     print(f"bare launch, {max(widest, 8)} args: {host_ms(bare, 500) * 1e3:6.1f} us", flush=True)
     bare8 = bare_launch_fn(8)
     print(f"bare launch, 8 args: {host_ms(bare8, 500) * 1e3:6.1f} us", flush=True)
+    for count in (max(widest, 8), 8):
+        direct = compiled_launch_fn(count)
+        if direct is not None:
+            print(f"compiled launcher alone, {count} args: {host_ms(direct, 500) * 1e3:6.1f} us", flush=True)
     x = torch.empty(1, device=DEVICE)
     print(f"torch.empty [4,4096,16,128] bf16: "
           f"{host_ms(lambda: torch.empty(4, 4096, 16, 128, dtype=torch.bfloat16, device='cuda'), 500) * 1e3:6.1f} us",
