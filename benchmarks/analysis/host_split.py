@@ -3,7 +3,8 @@ the queue never drains and the clock reads the CPU alone.
 
     python benchmarks/analysis/host_split.py --ops lightning,gdn --shape B4T4096H16D128
 
-Parts: the whole step; the forward alone (no autograd); Triton's launch path, counted by wrapping
+Parts: the whole step, through hccompile's eager Launcher (kernels/launcher.py) and through plain
+JITFunction.run launches; the forward alone (no autograd); Triton's launch path, counted by wrapping
 JITFunction.run (its share of the step and its count); a bare launch of a small Triton kernel with
 the same number of arguments as the op's widest, and the same kernel through its compiled launcher
 alone (the floor of a launch from Python); torch.empty. cProfile inflates small Python calls,
@@ -85,8 +86,9 @@ class LaunchClock:
         self.cls.run = self.restore
 
 
-def bare_launch_fn(num_args: int):
-    """A Triton kernel of `num_args` arguments (tensors and ints, like ours), launched on a tiny grid."""
+def bare_launch_fn(num_args: int, wrap=lambda kernel: kernel):
+    """A Triton kernel of `num_args` arguments (tensors and ints, like ours), launched on a tiny grid
+    through `wrap(kernel)` (hccompile.kernels.launcher.launcher: our eager launch path)."""
     names = [f"a{i}" for i in range(num_args - 2)]
     source = (f"def _bare_kernel(x_ptr, {', '.join(names)}, N: tl.constexpr):\n"
               f"    i = tl.arange(0, N)\n    tl.store(x_ptr + i, tl.load(x_ptr + i) + 1.0)\n")
@@ -100,7 +102,8 @@ def bare_launch_fn(num_args: int):
     spec.loader.exec_module(module)
     x = torch.zeros(16, device=DEVICE)
     extra = [x if i % 3 == 0 else 7 + i for i in range(num_args - 2)]
-    return lambda: module._bare_kernel[(1,)](x, *extra, N=16)
+    launch = wrap(module._bare_kernel)
+    return lambda: launch[(1,)](x, *extra, N=16)
 
 
 def compiled_launch_fn(num_args: int):
@@ -205,12 +208,16 @@ def main() -> None:
         if problem is not None:
             p.error(f"the interpreter cannot run the kernels here: {problem}")
         DEVICE = "cpu"
+    from hccompile.kernels import launcher
+
     shape = tuple(int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", args.shape).groups())
     clock = LaunchClock(stub=args.stub)
     widest = 0
     for op in args.ops.split(","):
         parts = {"lightning": lightning_parts, "gdn": gdn_parts}[op](shape)
         for name, fn in parts.items():
+            fast = host_ms(fn)
+            launcher.enabled = False  # JITFunction.run for every launch, which the clock counts
             plain = host_ms(fn)
             clock.reset()
             steps = 50
@@ -218,10 +225,12 @@ def main() -> None:
                 fn()
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
+            launcher.enabled = True
             widest = max(widest, clock.widest)
             launches = clock.count / steps
             inside = clock.seconds / steps * 1e3
-            print(f"{op:9s} {name:34s} host {plain:6.3f} ms; {launches:4.1f} launches/step, "
+            print(f"{op:9s} {name:34s} host {fast:6.3f} ms (plain Triton launches {plain:6.3f} ms); "
+                  f"{launches:4.1f} launches/step, "
                   f"{inside:6.3f} ms inside JITFunction.run ({inside / max(launches, 1) * 1e3:5.1f} us each)",
                   flush=True)
         print(f"          kernels launched: {clock.names}", flush=True)
@@ -235,6 +244,9 @@ def main() -> None:
         return
     bare = bare_launch_fn(max(widest, 8))
     print(f"bare launch, {max(widest, 8)} args: {host_ms(bare, 500) * 1e3:6.1f} us", flush=True)
+    through = bare_launch_fn(max(widest, 8), launcher.launcher)
+    print(f"bare launch through hccompile's Launcher, {max(widest, 8)} args: {host_ms(through, 500) * 1e3:6.1f} us",
+          flush=True)
     bare8 = bare_launch_fn(8)
     print(f"bare launch, 8 args: {host_ms(bare8, 500) * 1e3:6.1f} us", flush=True)
     for count in (max(widest, 8), 8):

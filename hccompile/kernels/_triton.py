@@ -8,6 +8,8 @@ import warnings
 
 import torch
 
+from .launcher import launcher
+
 try:
     import triton
     import triton.language as tl
@@ -79,9 +81,11 @@ def _real_tensors():
 
 
 def direct(kernel):
-    """The launchers' `wrap` default: launch the kernel itself. hccompile.lowering passes
-    torch.library.wrap_triton instead, so that a traced op records the launch for Inductor."""
-    return kernel
+    """The launchers' `wrap` default: launch the kernel eagerly, through its Launcher (launcher.py:
+    Triton's specialization and compiled launcher without JITFunction.run's other per-call work).
+    hccompile.lowering passes torch.library.wrap_triton instead, so that a traced op records the
+    launch for Inductor."""
+    return launcher(kernel)
 
 
 def cdiv(x, y):

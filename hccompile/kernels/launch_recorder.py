@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from . import launcher
 from ._triton import triton
 
 # the kernel modules' "Triton, or the interpreter for CPU tensors" checks, which CPU tensors would fail
@@ -22,7 +23,8 @@ def recording_launches():
     def record(self, *args, grid, warmup, **kwargs):
         calls.append((self, grid, args, kwargs))
 
-    patches = [(triton.runtime.JITFunction, "run", record)]
+    # the eager Launcher calls a kernel's compiled launcher without run: launches go through run meanwhile
+    patches = [(triton.runtime.JITFunction, "run", record), (launcher, "enabled", False)]
     for name, module in list(sys.modules.items()):
         if name.startswith("hccompile.kernels.") and module is not None:
             patches += [(module, check, lambda *a, **k: None) for check in _CHECKS

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .._triton import cdiv, require_triton, scratch_rows, tl, triton
+from .._triton import cdiv, direct, require_triton, scratch_rows, tl, triton
 from .chunk import (ChunkLocal, Kept, chunk_local_steps, launch_split_wy_backward, sum_key_groups,
                     sweep_launch_options)
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
@@ -487,7 +487,7 @@ def merge_chains(plan, direction: str, summaries_out: torch.Tensor, summaries_in
         m_strides[2], m_strides[3] = m_strides[3], m_strides[2]
     block_k_full = block_size(key_dim, MAX_HEAD_DIM)
     block_v = min(block_size(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
-    _merge_kernel[(count, value_heads, cdiv(value_dim, block_v))](
+    direct(_merge_kernel)[(count, value_heads, cdiv(value_dim, block_v))](
         h_source, m_source if m_source.numel() else h_source, chain_h, chain_m, lengths, destinations, out,
         *h_source.stride(), *m_strides, *out.stride(),
         value_heads, key_dim, value_dim, chain_h.shape[1],
@@ -519,7 +519,7 @@ def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_t
     tiles = value_tiles + (cdiv(problem.key_dim, block_c) if with_transition else 0)
     cum = intra.cum if intra.cum is not None else geometry.dummy
     h_wide, u_wide = chunks if chunks is not None else (geometry.dummy, geometry.dummy)
-    _summary_forward_kernel[(segments.numel(), problem.value_heads, tiles)](
+    direct(_summary_forward_kernel)[(segments.numel(), problem.value_heads, tiles)](
         intra.k, cum, intra.w, intra.u_tilde, out, h_wide, u_wide, *intra.k.stride()[1:], *out.stride(), segments,
         slots, geometry.cu_seqlens, geometry.chunk_offsets, problem.value_heads, problem.group_size,
         problem.key_dim, problem.value_dim, value_tiles, GATE=kplan.gate_code, BT=kplan.chunk_size,
@@ -536,7 +536,7 @@ def _launch_incoming_state(kplan, geometry, h_wide, u_wide, initial_states, h, u
         return
     block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     block_v = block_size(problem.value_dim)
-    _incoming_state_kernel[(last - first, problem.value_heads, cdiv(problem.value_dim, block_v))](
+    direct(_incoming_state_kernel)[(last - first, problem.value_heads, cdiv(problem.value_dim, block_v))](
         h_wide[first:], u_wide, initial_states, h[first:], u, *initial_states.stride(), geometry.chunk_table[first:],
         geometry.cu_seqlens, problem.value_heads, problem.key_dim, problem.value_dim,
         BT=kplan.chunk_size, BKF=block_k_full, BV=block_v, DOT_PRECISION=kplan.dot_precision,
@@ -556,7 +556,7 @@ def _launch_summary_backward(kplan, intra, geometry, do, final_grads, segments, 
     cum = intra.cum if intra.cum is not None else geometry.dummy
     dht = final_grads if final_grads is not None else geometry.dummy
     dht_strides = final_grads.stride() if final_grads is not None else (0, 0, 0, 0)
-    _summary_backward_kernel[(segments.numel(), problem.value_heads, tiles)](
+    direct(_summary_backward_kernel)[(segments.numel(), problem.value_heads, tiles)](
         intra.q, intra.k, cum, intra.w, intra.scores, do, dht, out,
         *intra.q.stride()[1:], *intra.k.stride()[1:], *do.stride()[1:], *dht_strides, *out.stride(), segments, slots,
         geometry.cu_seqlens, problem.value_heads, problem.group_size, problem.key_dim, problem.value_dim,
@@ -655,7 +655,7 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
     block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     block_v = state_forward_block_v(block_k_full, problem.value_dim, kplan.intermediate_dtype,
                                     (hi - lo) * problem.value_heads, intra.k.device)
-    _state_forward_kernel[(hi - lo, problem.value_heads, cdiv(problem.value_dim, block_v))](
+    direct(_state_forward_kernel)[(hi - lo, problem.value_heads, cdiv(problem.value_dim, block_v))](
         intra.k, intra.k_decayed, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.u_tilde,
         initial_states[lo:],
         h, u, final_states[lo:], *intra.k.stride(), *initial_states.stride(), *final_states.stride(),
@@ -688,7 +688,7 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
     block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     block_v = state_backward_block_v(block_k_full, problem.value_dim, (hi - lo) * problem.value_heads,
                                      intra.k.device)
-    _state_backward_kernel[(hi - lo, problem.value_heads, cdiv(problem.value_dim, block_v))](
+    direct(_state_backward_kernel)[(hi - lo, problem.value_heads, cdiv(problem.value_dim, block_v))](
         intra.q, intra.k, intra.cum if intra.cum is not None else kplan.dummy, intra.w, intra.scores, do,
         final_grads[lo:], dh, du, initial_grads[lo:],
         *intra.q.stride(), *intra.k.stride(), *do.stride(), *final_grads.stride(), *initial_grads.stride(),
@@ -1010,7 +1010,7 @@ class CPBackward(CPForward):
             return
         # kplan.fused_scores_forward only with the split: the single kernel's forward kept Kdot
         assert intra.kdot is not None, "wy.py's wy_backward reads Kdot (decayed_scores writes it)"
-        _wy_backward_kernel[(last - first, problem.value_heads)](
+        direct(_wy_backward_kernel)[(last - first, problem.value_heads)](
             intra.q, intra.k, local.v, local.beta, self.do, cum, intra.inverse, intra.kdot, self.u, self.du,
             self.h[first:], self.dh[first:], self.dv, self.dbeta, self.dq_heads, self.dk_heads, self.dcum,
             self.dkdot, self.dscores,

@@ -12,7 +12,7 @@ import torch
 
 from .reference import check_attention_shapes
 
-from .._triton import cdiv, dot, interpreted, load_tile, next_power_of_2, require_triton, tl, triton, triton_available
+from .._triton import cdiv, direct, dot, interpreted, load_tile, next_power_of_2, require_triton, tl, triton, triton_available
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -172,7 +172,7 @@ def _launch_masked_linear_attn(
     defaults to _masked_linear_attn_kernel, `wrap` (torch.library.wrap_triton when traced) to
     launching it directly."""
     kernel = _masked_linear_attn_kernel if kernel is None else kernel
-    launch = kernel if wrap is None else wrap(kernel)
+    launch = (direct if wrap is None else wrap)(kernel)
     batch, time, heads, dim_ab = a.shape
     dim_c = c.shape[3]
     if batch * heads == 0 or time == 0:
