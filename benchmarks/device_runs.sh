@@ -26,6 +26,8 @@
 #               (n1-inductor, n4-hc-block, n4-hc-block-cg)                             (issue 18, 24)
 #   mhc-before  the C1024 n4-hc-block step of the .before tree (make before-tree REF=<commit>, carried)
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
+#   mhc-caller  the C1024 n1-inductor and n4-hc-block steps with each backward on the calling thread
+#               (--backward-on-caller), not on autograd's device thread                  (issue 18, 24)
 #   mhc-static  the C1024 n4-hc-block step with Inductor's static launcher for our kernels, and its host
 #               profile                                                                  (issue 24)
 #   mhc-project-proto  the one-pass projection prototype (benchmarks/analysis/mhc_project_proto.py):
@@ -106,6 +108,9 @@ for run in ${RUNS:-delta host}; do
     mhc-before) test -f .before/COMMIT || { echo "mhc-before: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                 cut_at python3 benchmarks/before_after.py --family mhc --out "$out/diag_mhc-before_$tag.jsonl" \
                     -- --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 --variants n4-hc-block ;;
+    mhc-caller) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                    --variants n1-inductor,n4-hc-block --backward-on-caller \
+                    --out "$out/diag_mhc-caller_$tag.jsonl" > "$out/diag_mhc-caller_$tag.txt" 2>&1 ;;
     mhc-static) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                     --variants n4-hc-block --host-profile 25 --hc-option static_launch_user_defined_triton_kernels=true \
                     --out "$out/diag_mhc-static_$tag.jsonl" > "$out/diag_mhc-static_$tag.txt" 2>&1 ;;

@@ -353,8 +353,13 @@ def main() -> None:
     p.add_argument("--out", default="mhc_results.jsonl")
     p.add_argument("--in-process", action="store_true",
                    help="measure every variant in this process (default: each in a fresh process of its own)")
+    p.add_argument("--backward-on-caller", action="store_true",
+                   help="run each backward on the calling thread (torch.autograd.set_multithreading_enabled(False)), "
+                        "not on autograd's device thread: what the thread handoff costs a host-bound step")
     p.add_argument("--child-row", help=argparse.SUPPRESS)  # internal: measure one variant, write its row here
     a = p.parse_args()
+    if a.backward_on_caller:  # thread-local: this process's main thread runs the steps
+        torch.autograd.set_multithreading_enabled(False)
     if a.kernels:
         kernel_bench(a)
         return
@@ -385,6 +390,7 @@ def main() -> None:
         torch._dynamo.reset()
         measured = measure(v, a) if a.in_process else measure_in_child(v)
         row = {**meta, **measured, "process": "shared" if a.in_process else "own",
+               "backward_thread": "caller" if a.backward_on_caller else "device",
                **(floor if v.startswith("n4") else {})}
         steps[v] = row["step_ms"]
         print(f"{v:20s} step {row['step_ms']:8.2f} ms (alone {row['step_synced_ms']:.2f})  peak {row['peak_gib']:6.2f} GiB  "

@@ -234,6 +234,9 @@ def main() -> None:
                   f"{inside:6.3f} ms inside JITFunction.run ({inside / max(launches, 1) * 1e3:5.1f} us each)",
                   flush=True)
         print(f"          kernels launched: {clock.names}", flush=True)
+        step = parts["fwd+bwd (eager op)"]
+        with torch.autograd.set_multithreading_enabled(False):  # no device thread: the engine runs here
+            print(f"{op:9s} fwd+bwd, the backward on the calling thread: host {host_ms(step):6.3f} ms", flush=True)
     if "lightning" in args.ops:  # a GIL handoff between the engine's device thread and ours would move with this
         sys.setswitchinterval(1e-4)
         step = lightning_parts(shape)["fwd+bwd (eager op)"]
