@@ -36,6 +36,8 @@
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
 #               B1 T32768 (ours and FLA's), into diag_ rows                              (issue 20)
+#   lightning-caller  lightning-quick's B4 T4096 rows with every backward on the calling thread
+#               (--backward-on-caller), ours and FLA's, into diag_ rows                 (issue 20)
 #   lightning-profile  per-kernel GPU time of our lightning at B4 T4096 H16 D128, fwd+bwd and forward
 #               alone (no FLA: its first call autotunes for minutes)                  (issue 20)
 #   lightning-stages  the lightning defaults at the sweeps' stage budget of 96 KiB (2 stages for the flat
@@ -123,6 +125,8 @@ for run in ${RUNS:-delta host}; do
                          --out "$out/lightning_$tag.jsonl"
                      cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B1T32768H16D128 \
                          > "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
+    lightning-caller) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \
+                          --backward-on-caller --out "$out/diag_lightning-caller_$tag.jsonl" ;;
     lightning-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B4T4096H16D128 \
                            > "$out/diag_lightning-profile_$tag.txt" 2>&1
                        cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B4T4096H16D128 --fwd-only \

@@ -232,7 +232,12 @@ def main(argv=None):
     p.add_argument("--plain-limit-gb", type=float, default=8.0, help="skip plain forms whose score matrix is larger")
     p.add_argument("--no-switches", action="store_true", help="only the defaults: no rows with a switch flipped")
     p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--backward-on-caller", action="store_true",
+                   help="every impl's backward on the calling thread (torch.autograd.set_multithreading_enabled"
+                        "(False)), not autograd's device thread: rows for diag_ files, not the targets")
     args = p.parse_args(argv)
+    if args.backward_on_caller:  # thread-local: the benchmark runs on this thread
+        torch.autograd.set_multithreading_enabled(False)
 
     import triton
 
@@ -241,7 +246,8 @@ def main(argv=None):
 
     # run_stamp: the date, a run id and the commit (HCCOMPILE_COMMIT on the device)
     meta = dict(**run_stamp(), device=torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=triton.__version__, copy_gbs=bandwidth / 1e9)
+                torch=torch.__version__, triton=triton.__version__, copy_gbs=bandwidth / 1e9,
+                backward_thread="caller" if args.backward_on_caller else "device")
     try:
         import fla
         meta["fla"] = getattr(fla, "__version__", "?")

@@ -147,6 +147,8 @@ def load(results: Path) -> tuple[dict[str, list[Row]], list[str]]:
                 except json.JSONDecodeError:
                     warnings.append(f"{path.name}:{number}: not JSON, skipped")
                     continue
+                if isinstance(data, dict) and data.get("backward_thread", "device") != "device":
+                    continue  # a diagnostic's condition (--backward-on-caller), not how users run
                 if isinstance(data, dict):
                     rows.append(Row(data, path.name, number))
                 else:

@@ -119,6 +119,17 @@ def test_other_devices_and_error_rows_do_not_count(tmp_path):
     assert line["measured"] == pytest.approx(2.0)
 
 
+def test_rows_measured_with_the_backward_on_the_calling_thread_do_not_count(tmp_path):
+    """--backward-on-caller rows are a diagnostic's condition: even the newest, they set no target."""
+    write(tmp_path / "mhc_2026-12-01_h100.jsonl", [
+        mhc_row("n1-inductor", 10.0, 1.0, 10.0),
+        mhc_row("n4-hc-block", 20.0, 1.0, 10.0, backward_thread="device"),
+        mhc_row("n4-hc-block", 11.0, 1.0, 10.0, backward_thread="caller"),
+    ])
+    line = lines_of("--family", "mhc", results=tmp_path)[("mhc", "step n4 hc / n1 inductor, C1024 L4 B4", "3")]
+    assert line["measured"] == pytest.approx(2.0)
+
+
 def test_device_diagnostic_reads_another_device_and_is_refused_with_check(tmp_path):
     """--device REGEX reads the rows of another GPU (an H200 session's) where a target names the
     H100; never with --check, which judges on the targets' own devices."""
