@@ -13,9 +13,11 @@ sublayers) are never recomputed, but for their elementwise activations (an MLP's
 the pre-activation the backward keeps anyway (option hc_recompute_include_activation).
 
 Mechanism: Dynamo-graph nodes are tagged `meta["recompute"] = MUST_RECOMPUTE` with one
-`ac_graph_id` per block (tags propagate to the joint graph, where the partitioner honours them);
-AOTAutograd's partitioner saves a tagged node whose users belong to another block, which is how a
-block's output becomes the next block's saved input. Each f is tagged MUST_SAVE. Random ops are
+`ac_graph_id` per block (tags propagate to the joint graph, where the partitioner honours them).
+A block's input (the previous block's output) is tagged MUST_SAVE: left to the partitioner, which
+saves a tagged node whose users belong to another block, it was not saved on CUDA once the fused ops
+were traced into their kernel launches, and every block's output was rebuilt from the embedding at
+the start of the backward (session 37). Each f is tagged MUST_SAVE. Random ops are
 never tagged: a dropout inside the sublayer sits before f, which is saved, so masks are never
 replayed and gradients equal the non-recompute run exactly.
 

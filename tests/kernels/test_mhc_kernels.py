@@ -481,10 +481,10 @@ def test_input_errors_name_argument_and_limit():
         MappingSpec(n=4, init="tanh").validate()
 
 
-def test_kernels_compile_for_h100_without_spills():
-    """The GPU compiler (Triton -> PTX -> ptxas, sm_90) accepts every kernel as the launchers
-    specialise them for the benchmark shape, with no register spills; runs without a GPU, in a
-    process without TRITON_INTERPRET (the interpreter never invokes the compiler)."""
+def compile_check_lines(*args: str) -> list[str]:
+    """hccompile.kernels.mhc.compile_check's lines (one per compiled launch) for `args`, run in a
+    process without TRITON_INTERPRET (the interpreter never invokes the compiler); skips where
+    Triton's NVIDIA tools (ptxas, cuobjdump) are not installed."""
     import pathlib
     import subprocess
     import sys
@@ -494,13 +494,20 @@ def test_kernels_compile_for_h100_without_spills():
     if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
         pytest.skip("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "hccompile.kernels.mhc.compile_check"], env=env,
+    run = subprocess.run([sys.executable, "-m", "hccompile.kernels.mhc.compile_check", *args], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.strip().splitlines()
+    return run.stdout.strip().splitlines()
+
+
+def test_kernels_compile_for_h100_without_spills():
+    """The GPU compiler (Triton -> PTX -> ptxas, sm_90) accepts every kernel as the launchers
+    specialise them for the benchmark shape, with no register spills; runs without a GPU, in a
+    process without TRITON_INTERPRET (the interpreter never invokes the compiler)."""
+    lines = compile_check_lines()
     # post, aggregate, mapping: forward and backward (the post's with and without dx), the mapping
     # backward in two launches; bfloat16 and float32
-    assert len(lines) == 16 and all("STACK 0" in line for line in lines), run.stdout
+    assert len(lines) == 16 and all("STACK 0" in line for line in lines), "\n".join(lines)
     # The backward sweeps reduce over C inside a warp: no layout conversion (a shared-memory round
     # trip with barriers) inside the sweep, and after it at most one per output stored from the
     # sums (post: dH_res and dH_post, aggregate: dH_pre). Triton 3.8 merges post's two into one
@@ -530,41 +537,15 @@ def test_post_backward_compiles_for_h100_at_other_stream_counts_without_spills()
     above compiles n = 4's slot sweep), its sums kernel included, compiled for sm_90 at the
     benchmark shape: no register spills and no layout conversion inside a loop, since the scratch's
     sums tile takes the data tiles' layout. At n = 16 the slot sweep spilled and took minutes."""
-    import pathlib
-    import subprocess
-    import sys
-
-    triton = pytest.importorskip("triton")
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
-        pytest.skip("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "hccompile.kernels.mhc.compile_check", "--streams", "3", "5", "9", "16",
-               "--launches", "post_bwd", "post_bwd_nodx"]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.strip().splitlines()
+    lines = compile_check_lines("--streams", "3", "5", "9", "16", "--launches", "post_bwd", "post_bwd_nodx")
     # bfloat16 and float32, per n the sweep and the sums kernel, with and without dx
-    assert len(lines) == 32 and all("STACK 0" in line and "LOOPCVT 0" in line for line in lines), run.stdout
-    assert sum("'BY_COLUMN': True" in line for line in lines) == 16, run.stdout
+    assert len(lines) == 32 and all("STACK 0" in line and "LOOPCVT 0" in line for line in lines), "\n".join(lines)
+    assert sum("'BY_COLUMN': True" in line for line in lines) == 16, "\n".join(lines)
 
 
 def test_post_forward_compiles_for_h100_at_other_stream_counts_without_spills():
     """The post forward keeps the n input tiles in registers across its output streams (the
     compiler hoists their loads): its tile shrinks with n so that n = 3, 5, 8 and 16 compile for
     sm_90 without spills, bfloat16 and float32."""
-    import pathlib
-    import subprocess
-    import sys
-
-    triton = pytest.importorskip("triton")
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
-        pytest.skip("Triton's NVIDIA backend tools (ptxas, cuobjdump) are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "hccompile.kernels.mhc.compile_check", "--streams", "3", "5", "8", "16",
-               "--launches", "post_fwd"]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.strip().splitlines()
-    assert len(lines) == 8 and all("STACK 0" in line and " CVT 0 " in line for line in lines), run.stdout
+    lines = compile_check_lines("--streams", "3", "5", "8", "16", "--launches", "post_fwd")
+    assert len(lines) == 8 and all("STACK 0" in line and " CVT 0 " in line for line in lines), "\n".join(lines)

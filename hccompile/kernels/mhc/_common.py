@@ -7,10 +7,11 @@ import torch
 from .._triton import direct, interpreted, next_power_of_2, require_triton, triton_available  # noqa: F401 (direct: the launchers default)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Elements of a [tokens, streams, channels] tile per program (4 warps). These kernels are
-# memory-bound: the tile only has to keep enough bytes in flight, and every element costs
-# registers (value and 64-bit address). Compiled for sm_90 with ptxas: the post forward at
-# 2048 elements ([1, 4, 512]) takes 56 registers, at 4096 ([8, 4, 128]) 252.
+# Elements of a [tokens, channels] or [rows, channels] tile per program (4 warps): the aggregate
+# kernels' (channel_blocks, row_blocks). These kernels are memory-bound: the tile only has to keep
+# enough bytes in flight, and every element costs registers (value and 64-bit address). Measured
+# when the post forward still took [tokens, streams, channels] tiles (sm_90, ptxas): 2048 elements
+# ([1, 4, 512]) took 56 registers, 4096 ([8, 4, 128]) 252.
 TILE_ELEMENTS = 2048
 MAX_BLOCK_C = 512
 # The post forward's [tokens, C] tile, one stream at a time (16 elements a thread on 4 warps).

@@ -35,8 +35,9 @@ if triton is not None:
         stream at a time. Every tile is the same 2-D [BLOCK_T, BLOCK_C] (16-byte vectors along C)
         and every per-token coefficient a [BLOCK_T] vector in its slice layout, so nothing changes
         layout: a [tokens, streams, C] tile, as before, took 5 layout conversions and 9 barriers
-        per program on sm_90. The input streams are reread per output stream, from L1: a run-time
-        loop over the outputs keeps the code linear in n."""
+        per program on sm_90. The code reloads the input streams per output stream (a run-time
+        loop over the outputs keeps it linear in n), but the compiler hoists those loads and keeps
+        all n input tiles in registers; that is why stream_blocks shrinks the tile as n grows."""
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         tok_ok = tok < T
