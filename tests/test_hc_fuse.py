@@ -260,6 +260,34 @@ def test_probe_refuses_a_wrong_layout_and_the_rest_still_fuses():
     assert_close(got[1], want[1], 1e-4, "grad")
 
 
+def test_probes_compute_the_ops_with_their_references(monkeypatch):
+    """Each probe proves the region against the op's contract: its ops run the plain-PyTorch
+    reference (no Triton compile at compile time), and only inside the probe."""
+    from hccompile.lowering import _launch
+    from hccompile.lowering import mhc as L
+    from hccompile.passes.hc_fuse import probe
+
+    seen = []
+    for name in ("build_mapping", "build_post", "build_aggregate"):
+        original = getattr(probe, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, _launch.references_only(), L.implementation(args[2].device, args[2].dtype)))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(probe, name, spy)
+    torch.manual_seed(2)
+    m = VariantHC()
+    x = torch.randn(2, 5, 3, 20, requires_grad=True)
+    gm, ex = dynamo_graph(m, x)
+    records, _ = run_dynamo_passes(gm, ex)
+    assert sorted(name for name, _, _ in seen) == ["build_aggregate", "build_mapping", "build_post"]
+    assert all(inside and impl == "reference" for _, inside, impl in seen) and not _launch.references_only()
+    assert L.implementation(x.device, x.dtype) != "reference" or not L.common.triton_available(x.device)
+    assert len(matches(records, "mhc_post")) == 1
+    with _launch.references():
+        assert not L._uses_triton(x) and not _launch.traced_launch(x, (x.dtype,))
+
+
 def test_dynamic_shapes_fused_once_for_every_length():
     """dynamic=True: the token dims are symbolic; the new views take their sizes from the graph
     (unflatten with -1, or size nodes of the projection), so one graph serves every length.

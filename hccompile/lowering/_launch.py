@@ -20,8 +20,10 @@ backward nodes, and torch 2.11 replaces theirs. Give each op a kernel of its own
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import threading
 from typing import Any, Callable
 
 import torch
@@ -31,7 +33,7 @@ from ..compat import cache_triton_access_analysis, plain_eager
 from ._symbols import reraise_explained
 
 __all__ = ["HEADS", "RUNTIME_CHECKS", "call_op", "fix_sizes", "kernel_op", "launched_by", "launched_op",
-           "register_autograd", "runtime_check", "traced_launch", "wrap_triton"]
+           "references", "references_only", "register_autograd", "runtime_check", "traced_launch", "wrap_triton"]
 
 cache_triton_access_analysis()  # torch's per-call-site analysis of a traced launch, once per key
 
@@ -39,13 +41,37 @@ cache_triton_access_analysis()  # torch's per-call-site analysis of a traced lau
 _KERNEL_OPS: dict[int, tuple[Any, str, int]] = {}
 
 
+_REFERENCES = threading.local()
+
+
+@contextlib.contextmanager
+def references():
+    """Within the block (this thread only), the ops that honour it (mHC's; references_only) compute
+    with their plain-PyTorch references: no Triton compile, no launch. For the passes' probes, which
+    prove that a matched region computes an op's contract; the kernels are tested against the same
+    references apart. On a fresh machine the probes' kernels were compiled by Triton's JIT at the
+    first step, and Inductor compiled them again for the graph."""
+    before = getattr(_REFERENCES, "on", False)
+    _REFERENCES.on = True
+    try:
+        yield
+    finally:
+        _REFERENCES.on = before
+
+
+def references_only() -> bool:
+    """Whether this thread is inside references()."""
+    return getattr(_REFERENCES, "on", False)
+
+
 def traced_launch(t: torch.Tensor, supported_dtypes) -> bool:
     """Whether the op body launches its kernels itself (wrap_triton) for input `t`: CUDA and a
-    kernel dtype. Under TRITON_INTERPRET on CPU the host op runs the kernels instead (Inductor's
-    CPU code cannot launch Triton)."""
+    kernel dtype, outside references(). Under TRITON_INTERPRET on CPU the host op runs the kernels
+    instead (Inductor's CPU code cannot launch Triton)."""
     from ..kernels._triton import triton_available
 
-    return t.device.type == "cuda" and t.dtype in supported_dtypes and triton_available(t.device)
+    return (t.device.type == "cuda" and t.dtype in supported_dtypes and not references_only()
+            and triton_available(t.device))
 
 
 def launched_by(op_name: str, *kernels: Any, per_call: int = 1) -> None:

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..compat import autograd_recording as _autograd_recording
 from ..compat import plain_eager
-from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
+from ._launch import HEADS, call_op, kernel_op, references_only, register_autograd, wrap_triton
 from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
 from ..kernels.mhc import mapping as K_map
@@ -59,7 +59,7 @@ IDENTITY_ORDER = (0, 1, 2, 3)
 
 
 def _uses_triton(t: Tensor) -> bool:
-    return t.dtype in common.SUPPORTED_DTYPES and common.triton_available(t.device)
+    return t.dtype in common.SUPPORTED_DTYPES and not references_only() and common.triton_available(t.device)
 
 
 def _require(t: Tensor, kernel, module: str) -> None:
@@ -70,9 +70,10 @@ def _require(t: Tensor, kernel, module: str) -> None:
 
 
 def implementation(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
-    """Which implementation backs the ops: 'triton', 'triton-interpreter' or 'reference'."""
+    """Which implementation backs the ops: 'triton', 'triton-interpreter' or 'reference' (always
+    inside _launch.references())."""
     device = torch.device(device)
-    if dtype in common.SUPPORTED_DTYPES and common.triton_available(device):
+    if dtype in common.SUPPORTED_DTYPES and not references_only() and common.triton_available(device):
         return "triton" if device.type == "cuda" else "triton-interpreter"
     return "reference"
 

@@ -1,12 +1,15 @@
 """The proof: each planned fusion is evaluated on random inputs both ways, the matched region with
 the graph's own code and the replacement through the builders the rewrite uses, and refused unless
-they agree. Nothing is rewritten on matching alone."""
+they agree. Nothing is rewritten on matching alone. The replacement's ops compute with their
+plain-PyTorch references (lowering's references()): the proof is of the op's contract, which the
+kernels' own tests hold them to, and a probe compiles no Triton kernel."""
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
 from ...compat import concrete_shape
+from ...lowering._launch import references
 from .. import fx_match as M
 from ..fx_match import Refusal
 from ..base import PassContext
@@ -68,7 +71,7 @@ def probe_mapping(plan: MappingPlan, gm: fx.GraphModule, ctx: PassContext) -> fl
     for b in plan.biases:
         if b is not None:
             inputs[b] = rand(b, "normal")
-    with torch.no_grad():
+    with torch.no_grad(), references():
         want = M.evaluate(gm, plan.values, inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
         got = build_mapping(plan, EagerEmitter(), inputs[plan.proj], inputs[plan.r],
                             [inputs.get(a) for a in plan.alphas], [inputs.get(b) for b in plan.biases])
@@ -82,7 +85,7 @@ def probe_post(plan: PostPlan, gm: fx.GraphModule, ctx: PassContext) -> float:
               plan.h_res: rand(plan.h_res, "positive"), plan.h_post: rand(plan.h_post, "positive")}
     if len(inputs) != 4:
         raise Refusal("x, f, H_res and H_post are not four distinct tensors")
-    with torch.no_grad():
+    with torch.no_grad(), references():
         want = M.evaluate(gm, [plan.x_out], inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
         got = [build_post(plan, EagerEmitter(), inputs[X], inputs[plan.h_res], inputs[plan.h_post],
                           inputs[plan.f])]
@@ -93,7 +96,7 @@ def probe_aggregate(plan: AggregatePlan, gm: fx.GraphModule, ctx: PassContext) -
     rand = _Random(_SEED + 2)
     X = plan.layout.x
     inputs = {X: rand(X, "normal"), plan.h_pre: rand(plan.h_pre, "positive")}
-    with torch.no_grad():
+    with torch.no_grad(), references():
         want = M.evaluate(gm, [plan.node], inputs, ctx.example_inputs, max_nodes=MAX_PROBE_NODES)
         got = [build_aggregate(plan, EagerEmitter(), inputs[X], inputs[plan.h_pre])]
     return _compare(got, want, "aggregate", M.probe_tolerance(M.example(X).dtype, ctx.config))
