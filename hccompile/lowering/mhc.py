@@ -12,6 +12,12 @@
     hccompile::mhc_aggregate(Tensor x, Tensor h_pre) -> Tensor
         y = Σ_i H_pre[i] x[i], y [T1, T2, C] contiguous in x's dtype.
     hccompile::mhc_aggregate_backward(x, h_pre, dy) -> dh_pre  (dx = H_pre ⊗ dy: plain torch)
+    hccompile::mhc_project(Tensor v, Tensor w) -> (Tensor proj, Tensor sq)
+        proj = v·wᵀ, sq = Σ_k v² from one read of v [T1, T2, K] (the flattened stream), w [W, K]
+        (F.linear's weight); proj [T1, T2, W] in v's dtype, sq [T1, T2] float32 (float64 for float64).
+        A W past the kernels' (kernels/mhc/project.py: 128 for 16-bit v, 32 for float32) computes
+        with the reference.
+    hccompile::mhc_project_backward(v, w, dproj, dsq) -> (dv, dw)
     hccompile::mhc_mapping(Tensor proj, Tensor r, Tensor alpha_pre, Tensor alpha_post,
         Tensor alpha_res, Tensor bias_pre, Tensor bias_post, Tensor bias_res, int n, int[] offsets,
         float[] coefs, bool r_divides, float[] pre_affine, float[] post_affine, str init,
@@ -48,12 +54,13 @@ from ..kernels.mhc import _common as common
 from ..kernels.mhc import aggregate as K_agg
 from ..kernels.mhc import mapping as K_map
 from ..kernels.mhc import post as K_post
+from ..kernels.mhc import project as K_proj
 from ..kernels.mhc import reference as R
 from ..kernels.mhc.reference import MappingSpec
 
-__all__ = ["implementation", "mhc_aggregate", "mhc_mapping", "mhc_post", "mhc_aggregate_op",
+__all__ = ["implementation", "mhc_aggregate", "mhc_mapping", "mhc_post", "mhc_project", "mhc_aggregate_op",
            "mhc_aggregate_backward_op", "mhc_mapping_op", "mhc_mapping_backward_op", "mhc_post_op",
-           "mhc_post_backward_op", "spec_args"]
+           "mhc_post_backward_op", "mhc_project_op", "mhc_project_backward_op", "spec_args"]
 
 IDENTITY_ORDER = (0, 1, 2, 3)
 
@@ -279,6 +286,87 @@ register_autograd(mhc_aggregate_op, _aggregate_backward, _aggregate_setup)
 def mhc_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
     """y = Σ_i H_pre[i] x[i]; x [T1, T2, n, C], h_pre [T1, T2, n]; differentiable."""
     return call_op(mhc_aggregate_op, x, h_pre)
+
+
+# ----------------------------------------------------------------------------------------
+# project
+
+
+def _project_on_kernels(v: Tensor, w: Tensor) -> bool:
+    return _uses_triton(v) and K_proj.kernel_width(w.shape[0], v.dtype)
+
+
+def _mhc_project_host(v: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    K_proj.check_project_inputs(v, w)
+    if _project_on_kernels(v, w):
+        _require(v, K_proj._mhc_project_fwd_kernel, K_proj.__name__)
+        return K_proj.launch_project_fwd(v, w)
+    ct = _compute_dtype(v)
+    proj, sq = R.mhc_project_ref(v.to(ct), w.to(ct))
+    return _into(proj, proj.shape, v.dtype, v.device), _into(sq, sq.shape, K_proj.sq_dtype(v), v.device)
+
+
+def _mhc_project_fake(v, w):
+    K_proj.check_project_inputs(v, w)
+    T1, T2, _ = v.shape
+    return _alloc((T1, T2, w.shape[0]), v.dtype, v.device), _alloc((T1, T2), K_proj.sq_dtype(v), v.device)
+
+
+def _mhc_project_backward_host(v: Tensor, w: Tensor, dproj: Tensor, dsq: Tensor) -> tuple[Tensor, Tensor]:
+    K_proj.check_project_inputs(v, w, dproj, dsq)
+    if _project_on_kernels(v, w):
+        _require(v, K_proj._mhc_project_bwd_kernel, K_proj.__name__)
+        return K_proj.launch_project_bwd(v, w, dproj, dsq)
+    ct = _compute_dtype(v)
+    dv, dw = R.mhc_project_bwd_ref(v.to(ct), w.to(ct), dproj.to(ct), dsq.to(ct))
+    return _into(dv, v.shape, v.dtype, v.device), _into(dw, w.shape, w.dtype, v.device)
+
+
+def _mhc_project_backward_fake(v, w, dproj, dsq):
+    K_proj.check_project_inputs(v, w, dproj, dsq)
+    return _alloc(v.shape, v.dtype, v.device), _alloc(w.shape, w.dtype, v.device)
+
+
+def _mhc_project_traced(v, w):
+    K_proj.check_project_inputs(v, w)
+    return K_proj.launch_project_fwd(v, w, wrap=wrap_triton)
+
+
+def _mhc_project_backward_traced(v, w, dproj, dsq):
+    K_proj.check_project_inputs(v, w, dproj, dsq)
+    return K_proj.launch_project_bwd(v, w, dproj, dsq, wrap=wrap_triton)
+
+
+def _project_traceable(v, w, **_) -> bool:
+    return K_proj.kernel_width(w.shape[0], v.dtype)
+
+
+# v [T1, T2, K]: the stream's width n·C, fixed like a head dim (fix_sizes)
+_STREAM_WIDTH = {"v": (2,)}
+mhc_project_op = kernel_op("mhc_project", _mhc_project_host, _mhc_project_fake, _mhc_project_traced,
+                           common.SUPPORTED_DTYPES, _kernels(K_proj, "_mhc_project_fwd_kernel"),
+                           traceable=_project_traceable, fixed_dims=_STREAM_WIDTH)
+mhc_project_backward_op = kernel_op("mhc_project_backward", _mhc_project_backward_host,
+                                    _mhc_project_backward_fake, _mhc_project_backward_traced,
+                                    common.SUPPORTED_DTYPES, _kernels(K_proj, "_mhc_project_bwd_kernel"),
+                                    traceable=_project_traceable, fixed_dims=_STREAM_WIDTH)
+
+
+def _project_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _project_backward(ctx, dproj: Tensor, dsq: Tensor):
+    v, w = ctx.saved_tensors
+    return call_op(mhc_project_backward_op, v, w, dproj, dsq)
+
+
+register_autograd(mhc_project_op, _project_backward, _project_setup)
+
+
+def mhc_project(v: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """(proj, sq) = (v·wᵀ, Σ_k v²) for v [T1, T2, K], w [W, K], from one read of v; differentiable."""
+    return call_op(mhc_project_op, v, w)
 
 
 # ----------------------------------------------------------------------------------------

@@ -33,10 +33,10 @@ ARCH = 90  # H100
 
 def recorded_launches(n: int = 4, C: int = 1024, steps: int = 40, dtype=torch.bfloat16,
                       tokens: tuple[int, int] = (2, 64)):
-    """[(name, kernel, args, kwargs)] of every kernel launch of the post, aggregate and mapping
-    launchers (forward and backward) at n streams, C channels, `dtype`; `tokens` = (T1, T2), small:
+    """[(name, kernel, args, kwargs)] of every kernel launch of the post, aggregate, mapping and
+    projection launchers (forward and backward) at n streams, C channels, `dtype`; `tokens` = (T1, T2), small:
     the per-token strides, hence the specialisation, do not depend on the token count."""
-    from . import aggregate, mapping, post
+    from . import aggregate, mapping, post, project
     from .reference import MappingSpec
 
     T1, T2 = tokens
@@ -56,6 +56,10 @@ def recorded_launches(n: int = 4, C: int = 1024, steps: int = 40, dtype=torch.bf
         ("mapping_fwd", lambda: mapping.mhc_mapping_fwd(proj, r, alphas, biases, spec)),
         ("mapping_bwd", lambda: mapping.mhc_mapping_bwd(proj, r, alphas, biases, h, h, h_res, spec)),
     ]
+    if project.kernel_width(spec.width, dtype):  # wider projections compute with the reference
+        v, phi = x.reshape(T1, T2, n * C), torch.randn(spec.width, n * C, dtype=dtype)
+        runs += [("project_fwd", lambda: project.mhc_project_fwd(v, phi)),
+                 ("project_bwd", lambda: project.mhc_project_bwd(v, phi, proj, r[..., 0].float()))]
     out = []
     for name, run in runs:
         with recording_launches() as calls:

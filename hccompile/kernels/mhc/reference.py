@@ -106,6 +106,18 @@ def mhc_aggregate_bwd_ref(x: Tensor, h_pre: Tensor, dy: Tensor) -> tuple[Tensor,
     return h_pre.unsqueeze(-1) * dy.unsqueeze(-2), (x * dy.unsqueeze(-2)).sum(-1)
 
 
+def mhc_project_ref(v: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """(proj, sq): the projection v·wᵀ of the flattened stream v [..., K] by F.linear's weight w [W, K],
+    and the sum of squares Σ_k v² that the per-token norm r is made from."""
+    return v @ w.transpose(0, 1), (v * v).sum(-1)
+
+
+def mhc_project_bwd_ref(v: Tensor, w: Tensor, dproj: Tensor, dsq: Tensor) -> tuple[Tensor, Tensor]:
+    """(dv, dw) of mhc_project_ref, written out."""
+    dv = dproj @ w + 2 * dsq.unsqueeze(-1) * v
+    return dv, dproj.reshape(-1, dproj.shape[-1]).transpose(0, 1) @ v.reshape(-1, v.shape[-1])
+
+
 def sinkhorn_ref(logits: Tensor, spec: MappingSpec) -> Tensor:
     """Sinkhorn-Knopp of [..., n, n] logits as `spec` says."""
     if spec.init == "exp":
