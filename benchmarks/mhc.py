@@ -282,7 +282,7 @@ def kernel_bench(a) -> None:
     import triton.testing
 
     from hccompile.kernels.mhc import MappingSpec, mhc_aggregate_ref, mhc_mapping_ref, mhc_post_ref
-    from hccompile.lowering.mhc import mhc_aggregate, mhc_mapping, mhc_post
+    from hccompile.lowering.mhc import mhc_aggregate, mhc_mapping, mhc_post, mhc_project
 
     dt, dev, n, C = getattr(torch, a.dtype), a.device, 4, a.dim
     B, S = a.batch, a.seq
@@ -296,6 +296,12 @@ def kernel_bench(a) -> None:
     alphas = [torch.tensor(0.5, device=dev, dtype=dt, requires_grad=True) for _ in range(3)]
     biases = [torch.zeros(w, device=dev, dtype=dt, requires_grad=True) for w in (n, n, n * n)]
     esz = x.element_size()
+    v = x.detach().reshape(B, S, n * C).requires_grad_()
+    phi = (torch.randn(spec.width, n * C, device=dev, dtype=dt) * (n * C) ** -0.5).requires_grad_()
+
+    def project_plain():  # as the graphs spell it: a linear beside the mean of squares
+        return torch.nn.functional.linear(v, phi), (v * v).mean(-1)
+
     cases = {
         "post": (lambda: mhc_post(x, h_res, h, f, True),
                  torch.compile(lambda: mhc_post_ref(x, h_res, h, f, True)), (2 * n + 1) * C * esz,
@@ -305,6 +311,8 @@ def kernel_bench(a) -> None:
         "mapping": (lambda: mhc_mapping(proj, r, alphas, biases, spec),
                     torch.compile(lambda: mhc_mapping_ref(proj, r, alphas, biases, spec)),
                     (spec.width + 1 + 2 * n + n * n) * esz, (proj, r)),
+        "project": (lambda: mhc_project(v, phi), torch.compile(project_plain), (n * C + spec.width) * esz,
+                    (v, phi)),
     }
     tokens = B * S
     for name, (fused, ref, bytes_per_token, leaves) in cases.items():
