@@ -26,6 +26,8 @@
 #               (n1-inductor, n4-hc-block, n4-hc-block-cg)                             (issue 18, 24)
 #   mhc-before  the C1024 n4-hc-block step of the .before tree (make before-tree REF=<commit>, carried)
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
+#   mhc-noproject  the C1024 n4-hc-block step without hc_project (--hc-option disable_passes=hc_project),
+#               to set beside the mhc run's row with it                                  (issue 18)
 #   mhc-kernels  each fused mHC op (post, aggregate, mapping, project) beside its plain form under
 #               Inductor, fwd and fwd+bwd, at C1024 B4 S2048 n4 (mhc.py --kernels)        (issue 18)
 #   mhc-caller  the C1024 n1-inductor and n4-hc-block steps with each backward on the calling thread
@@ -112,6 +114,9 @@ for run in ${RUNS:-delta host}; do
     mhc-before) test -f .before/COMMIT || { echo "mhc-before: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                 cut_at python3 benchmarks/before_after.py --family mhc --out "$out/diag_mhc-before_$tag.jsonl" \
                     -- --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 --variants n4-hc-block ;;
+    mhc-noproject) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                       --variants n4-hc-block --hc-option disable_passes=hc_project \
+                       --out "$out/diag_mhc-noproject_$tag.jsonl" > "$out/diag_mhc-noproject_$tag.txt" 2>&1 ;;
     mhc-kernels) cut_at python3 benchmarks/mhc.py --kernels --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                      > "$out/diag_mhc-kernels_$tag.txt" 2>&1 ;;
     mhc-caller) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \

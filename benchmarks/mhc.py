@@ -375,7 +375,8 @@ def main() -> None:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--hc-option {item!r}: expected KEY=VALUE")
-        HC_OPTIONS[key.strip()] = _option_value(value.strip())
+        key, value = key.strip(), value.strip()
+        HC_OPTIONS[key] = value.split(",") if key == "disable_passes" else _option_value(value)
     variants = [v for v in a.variants.split(",") if v]
     for v in variants:
         if v not in ALL:

@@ -124,7 +124,7 @@ def test_registry_has_stages():
     # any matcher reads the graph; detection annotates next; depthwise_conv rewrites after the
     # attention passes looked; recompute tags blocks on the final graph; saved_views tags what is left
     assert [p.name for p in passes_for_stage("dynamo")] == ["substitutes", "normalize", "hc_detect", "hc_fuse",
-                                                               "delta_rule", "htree", "linear_attn", "depthwise_conv",
+                                                               "hc_project", "delta_rule", "htree", "linear_attn", "depthwise_conv",
                                                                "recompute", "saved_views"]
     assert [p.name for p in passes_for_stage("post_grad")] == ["op_inventory"]
 

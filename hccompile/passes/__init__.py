@@ -16,6 +16,7 @@ PIPELINE: dict[str, tuple[str, ...]] = {
         "normalize",       # one spelling per operation (products, transposes, permutes, casts) for every matcher
         "hc_detect",       # finds the hyper-connection layers ...
         "hc_fuse",         # ... and fuses their ops, before recompute plans around the fused ones
+        "hc_project",      # after hc_fuse: the fused mappings' projection and norm statistic in one op
         "delta_rule",      # before linear_attn: a chunked delta rule holds masked products it would try
         "htree",           # before linear_attn: the htree region holds matrix products it would inspect
         "linear_attn",

@@ -91,6 +91,10 @@ def mapping_inputs(layer: HCLayer, region: set[fx.Node]) -> set[fx.Node]:
 
     def large(node: fx.Node) -> bool:
         numel = _numel(node)
+        if numel is None and isinstance(M.example(node), (tuple, list)):
+            # an op of several outputs (hc_project's mhc_project: the projection and Σ v²): its
+            # outputs, read through getitem, reduce what it reads
+            return any(large(a) for a in node.all_input_nodes)
         return numel is not None and numel > limit
 
     ancestors = set()
@@ -112,10 +116,10 @@ def _per_token_chain(node: fx.Node, within: set[fx.Node], small: Callable[[fx.No
     while len(cur.users) == 1:
         user = next(iter(cur.users))
         if user not in within or user.op not in ("call_function", "call_method") or not small(user) \
-                or M.is_view(user) or M.is_impure(user) \
-                or any(a is not cur for a in user.all_input_nodes):
+                or M.is_impure(user) or any(a is not cur for a in user.all_input_nodes):
             break
-        chain.append(user)
+        if not M.is_view(user):  # a view (hc_project's keepdim unsqueeze) is followed, not kept
+            chain.append(user)
         cur = user
     return chain
 
