@@ -1,8 +1,9 @@
 """hc_project: a fused mHC mapping's projection linear(v, φ) and the reduction of v² its norm is made
 from become one hccompile::mhc_project. Every spelling of the squares and the reduction it claims
 (x·x, x**2, x.pow(2), x.square(); mean or sum, keepdim or not; squares in float32 or not), the
-near-misses it must refuse (a bias, squares of another tensor), the replaced graph against the unreplaced one (outputs and gradients), several lengths in one compiled graph, and
-the recompute plan keeping the op's per-token outputs."""
+near-misses it must refuse (a bias, squares of another tensor), the replaced graph against the
+unreplaced one (outputs and gradients), several lengths in one compiled graph, and the recompute
+plan keeping the op's per-token outputs."""
 from __future__ import annotations
 
 import pytest
