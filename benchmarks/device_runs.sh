@@ -34,8 +34,9 @@
 #               (--backward-on-caller), not on autograd's device thread                  (issue 18, 24)
 #   mhc-static  the C1024 n4-hc-block step with Inductor's static launcher for our kernels, and its host
 #               profile                                                                  (issue 24)
-#   mhc-project-proto  the one-pass projection prototype (benchmarks/analysis/mhc_project_proto.py):
-#               checked against float64, then timed beside cuBLAS + Inductor at C1024 n4 (issue 18)
+#   mhc-project-proto  the projection kernels' launch configurations (kernels/mhc/project.py, swept by
+#               benchmarks/analysis/mhc_project_proto.py): checked against float64, then timed beside
+#               cuBLAS + Inductor at C1024 n4                                             (issue 18)
 #   host-split  an eager fwd+bwd's host time split into its parts (lightning, GDN): the op, the kernels'
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at

@@ -1,25 +1,19 @@
-"""A prototype, not hccompile code: the mHC projection of the flattened stream in one pass, forward and
-backward, timed against what the compiled step runs today (issue 18's "fewer, larger kernels").
+"""Launch configurations of the mHC projection kernels (hccompile/kernels/mhc/project.py), timed side by
+side with what the compiled step ran before them (issue 18). This was the kernels' prototype (36df33d); its
+kernels became the op's, and it now sweeps their tiles on the op's own kernels.
 
-Today, per sublayer, the compiled C1024 step reads the n·C stream v [T, K] (K = n·C) for the projection:
-- forward: a cuBLAS matmul proj = v·φᵀ ([T, K] × [K, W], W = n² + 2n = 24) and an Inductor reduction
-  Σ v² per token (the norm r), each reading v: 8 × 20 + 7 × 23 µs a step on the H200 (session 37's profile);
-- backward: dv = dproj·φ (a cuBLAS matmul writing [T, K], read back by the stream-gradient sum) and
-  dφ = dprojᵀ·v (split-K cuBLAS, reading v again); the norm's term 2·dsq·v rides in Inductor's sum, which
-  reads v a third time.
-
-The two kernels here read v once each way:
-- `project_fwd`: proj and Σ v² from one sweep of v (tl.dot on [BLOCK_T, BLOCK_K] × [BLOCK_K, 32] tiles);
-- `project_bwd`: dv = dproj·φ + 2·dsq·v and dφ in one sweep. A program owns BLOCK_K columns of v and walks a
-  share of the tokens, so φ's tile stays in registers and dφ's [32, BLOCK_K] sums need no atomics: one
-  partial per token share, summed after (SPLITS rows).
+Per sublayer the compiled C1024 step reads the n·C stream v [T, K] (K = n·C) for the projection:
+- forward: before, a cuBLAS matmul proj = v·φᵀ ([T, K] × [K, W], W = n² + 2n = 24) and an Inductor
+  reduction Σ v² per token (the norm r), each reading v; the op's kernel reads it once;
+- backward: before, dv = dproj·φ (a cuBLAS matmul writing [T, K]) and dφ = dprojᵀ·v (split-K cuBLAS,
+  reading v again); the op's kernel writes dv = dproj·φ + 2·dsq·v and its token share's dφ from one read.
 
     TRITON_INTERPRET=1 python benchmarks/analysis/mhc_project_proto.py --check   # CPU: against float64
     python benchmarks/analysis/mhc_project_proto.py                              # GPU: check, then time
+    python benchmarks/analysis/mhc_project_proto.py --sm90                       # compile each for sm_90
 
-The GPU run prints each side's time per call, at C1024 n4 B4 S2048 bf16 (T 8192, K 4096). If the fused pair
-wins, it becomes an op in hccompile/kernels/mhc with its pass rewrite (linear(v, φ) and mean(v², -1) on the
-same v).
+The GPU run prints each configuration's time per call at C1024 n4 B4 S2048 bf16 (T 8192, K 4096); the op's
+defaults are kernels/mhc/project.TILES and SPLITS.
 """
 from __future__ import annotations
 
@@ -32,75 +26,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-
-@triton.jit
-def _project_fwd_kernel(v_ptr, w_ptr, proj_ptr, sq_ptr, T, K, W,
-                        svt, svk, swn, swk, spt, spn,
-                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """proj[t, :] = v[t, :]·φᵀ and sq[t] = Σ_k v[t, k]² for BLOCK_T tokens, one sweep over K."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    outs = tl.arange(0, BLOCK_W)
-    row_ok = rows < T
-    out_ok = outs < W
-    rows64 = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_T, BLOCK_W], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        v = tl.load(v_ptr + rows64[:, None] * svt + ks[None, :] * svk, mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + outs[None, :] * swn + ks[:, None] * swk, mask=k_ok[:, None] & out_ok[None, :],
-                    other=0.0)
-        if UPCAST:  # the interpreter multiplies bf16 bit patterns as integers (_triton.dot)
-            w = w.to(tl.float32)
-        vf = v.to(tl.float32)
-        acc = tl.dot(vf if UPCAST else v, w, acc, input_precision=PRECISION)
-        squares += vf * vf
-    tl.store(proj_ptr + rows64[:, None] * spt + outs[None, :] * spn, acc.to(proj_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & out_ok[None, :])
-    tl.store(sq_ptr + rows64, tl.sum(squares, axis=1), mask=row_ok)
-
-
-@triton.jit
-def _project_bwd_kernel(v_ptr, w_ptr, dproj_ptr, dsq_ptr, dv_ptr, dw_ptr, T, K, W, tokens_per_split,
-                        svt, svk, swn, swk, sdt, sdn, sdvt, sdvk, sws, swn2, swk2,
-                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """For BLOCK_K columns of v and one share of the tokens: dv = dproj·φ + 2·dsq·v, stored, and the
-    share's dφ[:, columns] = Σ_t dproj[t, :]ᵀ v[t, columns] into dw_ptr[split]."""
-    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    split = tl.program_id(1)
-    outs = tl.arange(0, BLOCK_W)
-    k_ok = ks < K
-    out_ok = outs < W
-    w = tl.load(w_ptr + outs[:, None] * swn + ks[None, :] * swk, mask=out_ok[:, None] & k_ok[None, :],
-                other=0.0)
-    if UPCAST:
-        w = w.to(tl.float32)
-    dw = tl.zeros([BLOCK_W, BLOCK_K], dtype=tl.float32)
-    start = split * tokens_per_split
-    for t0 in range(start, start + tokens_per_split, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
-        row_ok = (rows < T) & (rows < start + tokens_per_split)
-        rows64 = rows.to(tl.int64)
-        tk_ok = row_ok[:, None] & k_ok[None, :]
-        v = tl.load(v_ptr + rows64[:, None] * svt + ks[None, :] * svk, mask=tk_ok, other=0.0)
-        g = tl.load(dproj_ptr + rows64[:, None] * sdt + outs[None, :] * sdn,
-                    mask=row_ok[:, None] & out_ok[None, :], other=0.0)
-        dsq = tl.load(dsq_ptr + rows64, mask=row_ok, other=0.0)
-        if UPCAST:
-            g = g.to(tl.float32)
-            v = v.to(tl.float32)
-        dv = tl.dot(g, w, input_precision=PRECISION) + (2.0 * dsq)[:, None] * v.to(tl.float32)
-        tl.store(dv_ptr + rows64[:, None] * sdvt + ks[None, :] * sdvk, dv.to(dv_ptr.dtype.element_ty), mask=tk_ok)
-        dw = tl.dot(tl.trans(g), v, dw, input_precision=PRECISION)
-    tl.store(dw_ptr + split * sws + outs[:, None] * swn2 + ks[None, :] * swk2, dw,
-             mask=out_ok[:, None] & k_ok[None, :])
-
+from hccompile.kernels.mhc import project as P  # noqa: E402
 
 BLOCK_W = 32
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -113,34 +40,36 @@ def precision(dtype: torch.dtype) -> str:
 
 def project_fwd(v: torch.Tensor, w: torch.Tensor, block_t: int = 32, block_k: int = 128, warps: int = 4,
                 stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """(proj [T, W] in v's dtype, sq [T] float32) for v [T, K], w [W, K] (F.linear's weight)."""
+    """(proj [T, W] in v's dtype, sq [T] float32) for v [T, K], w [W, K], through the op's forward kernel."""
     T, K = v.shape
     W = w.shape[0]
-    proj = torch.empty(T, W, dtype=v.dtype, device=v.device)
-    sq = torch.empty(T, dtype=torch.float32, device=v.device)
-    _project_fwd_kernel[(triton.cdiv(T, block_t),)](
-        v, w, proj, sq, T, K, W, *v.stride(), *w.stride(), *proj.stride(),
-        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=BLOCK_W, UPCAST=INTERPRETED, PRECISION=precision(v.dtype),
+    v3 = v.unsqueeze(0)
+    proj = torch.empty(1, T, W, dtype=v.dtype, device=v.device)
+    sq = torch.empty(1, T, dtype=torch.float32, device=v.device)
+    P._mhc_project_fwd_kernel[(triton.cdiv(T, block_t),)](
+        v3, w, proj, sq, T, T, K, W, *v3.stride(), *w.stride(), *proj.stride(), *sq.stride(),
+        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=BLOCK_W, PRECISION=precision(v.dtype), UPCAST=INTERPRETED,
         num_warps=warps, num_stages=stages)
-    return proj, sq
+    return proj[0], sq[0]
 
 
 def project_bwd(v: torch.Tensor, w: torch.Tensor, dproj: torch.Tensor, dsq: torch.Tensor, splits: int = 8,
                 block_t: int = 64, block_k: int = 128, warps: int = 4, stages: int = 3
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dv [T, K] in v's dtype, dw [W, K] float32) for the forward's outputs' gradients dproj [T, W] and
-    dsq [T] (of sq = Σ v²)."""
+    dsq [T] (of sq = Σ v²), through the op's backward kernel with `splits` token shares."""
     T, K = v.shape
     W = w.shape[0]
-    dv = torch.empty_like(v)
+    v3, g3, s3 = v.unsqueeze(0), dproj.unsqueeze(0), dsq.unsqueeze(0)
+    dv = torch.empty_like(v3)
     partial = torch.empty(splits, W, K, dtype=torch.float32, device=v.device)
     per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
-    _project_bwd_kernel[(triton.cdiv(K, block_k), splits)](
-        v, w, dproj, dsq, dv, partial, T, K, W, per_split, *v.stride(), *w.stride(), *dproj.stride(),
-        *dv.stride(), *partial.stride(),
-        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=BLOCK_W, UPCAST=INTERPRETED, PRECISION=precision(v.dtype),
+    P._mhc_project_bwd_kernel[(triton.cdiv(K, block_k), splits)](
+        v3, w, g3, s3, dv, partial, T, T, K, W, per_split, *v3.stride(), *w.stride(), *g3.stride(),
+        *s3.stride(), *dv.stride(), *partial.stride(),
+        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=BLOCK_W, PRECISION=precision(v.dtype), UPCAST=INTERPRETED,
         num_warps=warps, num_stages=stages)
-    return dv, partial.sum(0)
+    return dv[0], partial.sum(0)
 
 
 def reference(v, w, dproj, dsq):
@@ -211,23 +140,23 @@ def sm90(T: int = 8192, K: int = 4096, W: int = 24) -> None:
     would specialise it, with its registers, spills and layout conversions (hccompile's compile_check)."""
     from hccompile.kernels.mhc.compile_check import compile_launch, resources
 
-    v = torch.empty(T, K, dtype=torch.bfloat16)
+    v = torch.empty(1, T, K, dtype=torch.bfloat16)
     w = torch.empty(W, K, dtype=torch.bfloat16)
-    proj, sq = torch.empty(T, W, dtype=torch.bfloat16), torch.empty(T)
-    dproj, dsq, dv = torch.empty(T, W, dtype=torch.bfloat16), torch.empty(T), torch.empty_like(v)
+    proj, sq = torch.empty(1, T, W, dtype=torch.bfloat16), torch.empty(1, T)
+    dproj, dsq, dv = torch.empty(1, T, W, dtype=torch.bfloat16), torch.empty(1, T), torch.empty_like(v)
     for bt, bk, warps, stages in FWD_CONFIGS:
-        args = (v, w, proj, sq, T, K, W, *v.stride(), *w.stride(), *proj.stride())
-        kw = dict(BLOCK_T=bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, UPCAST=False, PRECISION="tf32", num_warps=warps,
+        args = (v, w, proj, sq, T, T, K, W, *v.stride(), *w.stride(), *proj.stride(), *sq.stride())
+        kw = dict(BLOCK_T=bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=warps,
                   num_stages=stages)
-        print("forward ", kw, resources(compile_launch(_project_fwd_kernel, args, kw)), flush=True)
+        print("forward ", kw, resources(compile_launch(P._mhc_project_fwd_kernel, args, kw)), flush=True)
     for splits, bt, bk, warps in BWD_CONFIGS:
         partial = torch.empty(splits, W, K)
         per = triton.cdiv(triton.cdiv(T, splits), bt) * bt
-        args = (v, w, dproj, dsq, dv, partial, T, K, W, per, *v.stride(), *w.stride(), *dproj.stride(),
-                *dv.stride(), *partial.stride())
-        kw = dict(BLOCK_T=bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, UPCAST=False, PRECISION="tf32", num_warps=warps,
+        args = (v, w, dproj, dsq, dv, partial, T, T, K, W, per, *v.stride(), *w.stride(), *dproj.stride(),
+                *dsq.stride(), *dv.stride(), *partial.stride())
+        kw = dict(BLOCK_T=bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=warps,
                   num_stages=3)
-        print("backward", kw, resources(compile_launch(_project_bwd_kernel, args, kw)), flush=True)
+        print("backward", kw, resources(compile_launch(P._mhc_project_bwd_kernel, args, kw)), flush=True)
 
 
 def main() -> None:
