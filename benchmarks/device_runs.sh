@@ -12,7 +12,11 @@
 #           beside the rows)                                                          (issue 22)
 #   lightning  lightning attention, ours against FLA                                    (issue 20)
 #   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
-#           (step, peak memory, compile time with hc's stages, floor)                     (issue 18)
+#           (step, peak memory, compile time with hc's stages, floor), and n4-hc-block-cg at C1024
+#           (the host target: without / with CUDA graphs)                            (issue 18, 24)
+#   lightning-scan  per-kernel GPU time of lightning at B1 T32768 with the segment prefix as a loop
+#               (HCCOMPILE_LIGHTNING_PREFIX_SCAN=0) and as a scan, then ours against FLA at B1 T32768 and
+#               B4 T4096                                                                 (issue 20)
 #   lightning-tune  the lightning defaults (flat loop, 64 columns, 4 warps) and their neighbours (paired
 #               reverse, 8 warps, 128 columns, nested loops), sequential states on and off, D 128 and
 #               D 64, into diag_ rows                                                   (issue 20)
@@ -95,7 +99,7 @@ for run in ${RUNS:-delta host}; do
         done
         tar czf "$out/cp_profiles_$tag.tgz" -C "$out" cp_profiles && rm -rf "$out/cp_profiles" ;;
     mhc) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
-             --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl"
+             --variants n1-inductor,n4-hc-block,n4-hc-block-cg --out "$out/mhc_$tag.jsonl"
          cut_at python3 benchmarks/mhc.py --layers 2 --dim 4096 --heads 32 --batch 2 --seq 2048 \
              --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl" ;;
     mhc-compile) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
@@ -135,6 +139,12 @@ for run in ${RUNS:-delta host}; do
                          --out "$out/lightning_$tag.jsonl"
                      cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B1T32768H16D128 \
                          > "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
+    lightning-scan) cut_at env HCCOMPILE_LIGHTNING_PREFIX_SCAN=0 python3 benchmarks/profile_ops.py --ops lightning \
+                        --shape B1T32768H16D128 > "$out/diag_lightning-scan_$tag.txt" 2>&1
+                    cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B1T32768H16D128 \
+                        >> "$out/diag_lightning-scan_$tag.txt" 2>&1
+                    cut_at python3 benchmarks/lightning.py --shapes B1-T32768-H16-D128,B4-T4096-H16-D128 --skip-plain \
+                        --no-switches --out "$out/lightning_$tag.jsonl" ;;
     lightning-caller) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \
                           --backward-on-caller --out "$out/diag_lightning-caller_$tag.jsonl" ;;
     lightning-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B4T4096H16D128 \

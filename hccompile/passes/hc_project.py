@@ -186,8 +186,11 @@ def probe_project(plan: ProjectPlan, gm: fx.GraphModule, ctx: PassContext) -> fl
 def rewrite_project(plan: ProjectPlan, gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
-    # right after v and φ: before the linear, the reduction and every user of either
+    # right after v and φ: before the linear, the reduction and every user of either; past the
+    # placeholders when both are inputs (a node inserted among them breaks the graph's signature)
     anchor = max(plan.v, plan.phi, key=order.__getitem__).next
+    while anchor.op == "placeholder":
+        anchor = anchor.next
     meta_from = plan.linear
     em = GraphEmitter(g, ctx.fake_mode, {k: meta_from.meta[k] for k in _INHERITED_META if k in meta_from.meta})
     with g.inserting_before(anchor):

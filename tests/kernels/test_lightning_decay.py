@@ -314,6 +314,66 @@ def test_segments_of_any_length_are_exact(segment, block, cblock):
         assert relative_rms_error(got, want) < 1e-4, f"{name} at segment={segment}"
 
 
+def float64_segment_states(summaries, lengths, first, decay, x0, reverse):
+    """The prefix pass's contract, one segment at a time in float64: X = x0, then per segment (last
+    to first if reverse) state[s] = X, X = exp(g L_s) X + summary[s]; returns (states, last X)."""
+    states = torch.empty_like(summaries, dtype=torch.float64)
+    finals = []
+    for n in range(len(first) - 1):
+        X = x0[n].double() if x0 is not None else torch.zeros_like(summaries[0], dtype=torch.float64)
+        order = range(first[n], first[n + 1])
+        for s in (reversed(order) if reverse else order):
+            states[s] = X
+            X = torch.exp(decay.double()[:, None, None] * lengths[s]) * X + summaries[s].double()
+        finals.append(X)
+    return states, torch.stack(finals)
+
+
+@requires_triton
+@pytest.mark.parametrize("scan_segments, time, bounds, segment, dims, reverse", [
+    (2, 130, None, 32, (24, 20), False),  # 5 segments a row, the last ragged: three scan blocks
+    (2, 130, None, 32, (24, 20), True),
+    (32, 96, None, 64, (100, 60), True),  # a state of 6000 elements: tiles past its end
+    (2, 200, [0, 50, 50, 137, 200], 64, (24, 20), True),  # varlen: an empty sequence, one of two segments
+    (32, 200, [0, 50, 50, 137, 200], 64, (24, 20), False),
+])
+def test_segment_prefix_scan_equals_the_prefix_contract(monkeypatch, scan_segments, time, bounds, segment, dims,
+                                                        reverse):
+    """The prefix as a scan (segments.PREFIX_SCAN), PREFIX_SEGMENTS at a time with the carry between
+    blocks, against the prefix's contract in float64: every segment's state and the last state,
+    states poisoned with NaN where a summary is not."""
+    from hccompile.kernels.lightning import segments as segments_module
+
+    monkeypatch.setattr(segments_module, "PREFIX_SCAN", True)
+    monkeypatch.setattr(segments_module, "PREFIX_SEGMENTS", scan_segments)
+    heads, (dim_b, dim_c) = 3, dims
+    batch = 2 if bounds is None else 1
+    generator = torch.Generator().manual_seed(21)
+    q = torch.empty(batch, time, heads, dim_b, device=DEVICE)
+    cu_seqlens = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    plan = segments_module._plan_segments(q, cu_seqlens, segment, 16, 1)
+    if plan.varlen:
+        table = plan.table.cpu()
+        lengths, first = table[:, 2].tolist(), plan.first.cpu().tolist()
+    else:
+        lengths = [min(segment, time - (s % plan.per_sequence) * segment) for s in range(plan.count)]
+        first = [n * plan.per_sequence for n in range(plan.num_sequences + 1)]
+    summaries = torch.randn(plan.count, heads, dim_b, dim_c, generator=generator).to(DEVICE)
+    x0 = torch.randn(plan.num_sequences, heads, dim_b, dim_c, generator=generator).to(DEVICE)
+    decay = make_decay("mixed", heads).to(DEVICE)
+    want_states, want_final = float64_segment_states(summaries.cpu(), lengths, first, decay.cpu(), x0.cpu(), reverse)
+    states = summaries.clone()
+    xt = torch.full_like(x0, float("nan"))
+    table_arg, first_arg, time_arg, length, per_sequence = plan.kernel_args(decay)
+    tile = min(segments_module.PREFIX_SCAN_TILE, 1 << (dim_b * dim_c - 1).bit_length())
+    segments_module._segment_scan_kernel[(plan.num_sequences * heads, -(-dim_b * dim_c // tile))](
+        states, decay, table_arg, first_arg, x0, xt, *states.stride(), *x0.stride(), *xt.stride(), decay.stride(0),
+        heads, dim_b, dim_c, time_arg, length, per_sequence, IS_VARLEN=plan.varlen, REVERSE=reverse, HAS_X0=True,
+        STORE_XT=True, SEGMENTS=scan_segments, TILE=tile)
+    assert relative_rms_error(states.cpu(), want_states) < 1e-6
+    assert relative_rms_error(xt.cpu(), want_final) < 1e-6
+
+
 VARLEN_CASES = [
     # (cu_seqlens, segment, dtype): sequences shorter and longer than a segment, an empty one
     ([0, 50, 50, 137, 200], 64, torch.float32),

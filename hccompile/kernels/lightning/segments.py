@@ -20,7 +20,7 @@ import torch
 from ..value_checks import cached_by_tensor, host_ints
 from .tiles import _block_dim, _dot_options, _state_strides
 
-from .._triton import cdiv, direct, dot, kept_rows, load_tile, tl, triton, zero_padding_rows
+from .._triton import cdiv, direct, dot, kept_rows, load_tile, next_power_of_2, tl, triton, zero_padding_rows
 
 # Segments: the auto length aims at this many sweep programs per streaming multiprocessor, and
 # never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v.
@@ -31,6 +31,13 @@ SUMMARY_CHUNK = 64
 SUMMARY_ROW_TILE = 128
 SUMMARY_COLUMN_TILE = 64
 PREFIX_TILE = 64
+# The prefix as a scan (_segment_scan_kernel): PREFIX_SEGMENTS segments' summaries of PREFIX_SCAN_TILE
+# state elements loaded at once and combined by tl.associative_scan, instead of one dependent round trip
+# to memory per segment. HCCOMPILE_LIGHTNING_PREFIX_SCAN=0 (read at import) keeps the loop, for the
+# side-by-side measurement.
+PREFIX_SCAN = os.environ.get("HCCOMPILE_LIGHTNING_PREFIX_SCAN", "1") != "0"
+PREFIX_SEGMENTS = 32
+PREFIX_SCAN_TILE = 128
 # The states may instead come from one sequential pass per (sequence, head, state tile) over the
 # whole sequence (_sequential_states_kernel: FLA's chunk-state walk, storing only the
 # segments' states): one launch instead of two and no summaries in memory, but sequences * H * tiles
@@ -179,6 +186,87 @@ if triton is not None:
             xt_ptrs += rows[:, None] * stride_xtr + cols[None, :] * stride_xtc
             tl.store(xt_ptrs, state.to(xt_ptr.dtype.element_ty), mask=mask)
 
+
+    @triton.jit
+    def _affine_then(d_first, x_first, d_then, x_then):
+        """Two steps X <- d X + x, first then then, as one: X <- (d_first d_then) X + (d_then x_first + x_then)."""
+        return d_first * d_then, x_first * d_then + x_then
+
+    @triton.jit
+    def _segment_scan_kernel(
+        x_ptr, decay_ptr, table_ptr, first_segment_ptr, x0_ptr, xt_ptr,
+        stride_xs, stride_xh, stride_xr, stride_xc,
+        stride_x0n, stride_x0h, stride_x0r, stride_x0c,
+        stride_xtn, stride_xth, stride_xtr, stride_xtc,
+        stride_decay,
+        H, DIM_B, DIM_C, time, seg_length, per_sequence,
+        IS_VARLEN: tl.constexpr,
+        REVERSE: tl.constexpr,
+        HAS_X0: tl.constexpr,
+        STORE_XT: tl.constexpr,
+        SEGMENTS: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        """_segment_prefix_kernel's result as a scan: for TILE state elements (flattened) of one
+        sequence and head, SEGMENTS segments' summaries at a time are loaded together and combined
+        by tl.associative_scan over the affine steps X <- exp(g L_s) X + x[s]; x[s] is then
+        overwritten with the state entering step s. The chain of dependent memory round trips is
+        one per SEGMENTS segments instead of one per segment."""
+        pid_nh = tl.program_id(0)
+        seq = pid_nh // H
+        head = (pid_nh % H).to(tl.int64)
+        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
+        if IS_VARLEN:
+            first = tl.load(first_segment_ptr + seq)
+            count = tl.load(first_segment_ptr + seq + 1) - first
+        else:
+            first = seq * per_sequence
+            count = per_sequence
+        elems = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        in_state = elems < DIM_B * DIM_C
+        offsets = (elems // DIM_C) * stride_xr + (elems % DIM_C) * stride_xc
+        seq = seq.to(tl.int64)
+        if HAS_X0:
+            x0 = x0_ptr + seq * stride_x0n + head * stride_x0h
+            state = tl.load(x0 + (elems // DIM_C) * stride_x0r + (elems % DIM_C) * stride_x0c,
+                            mask=in_state, other=0.0).to(tl.float32)
+        else:
+            state = tl.zeros([TILE], dtype=tl.float32)
+        x_ptr += head * stride_xh
+        steps = tl.arange(0, SEGMENTS)
+        for block_start in range(0, count, SEGMENTS):
+            step = block_start + steps
+            taken = step < count
+            if REVERSE:
+                seg = tl.where(taken, first + count - 1 - step, first)
+                after = seg - 1
+            else:
+                seg = tl.where(taken, first + step, first)
+                after = seg + 1
+            if IS_VARLEN:
+                seg_len = tl.load(table_ptr + seg * 4 + 2, mask=taken, other=0)  # not in a helper: _fixed_segment
+            else:
+                _, _, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
+            d = tl.where(taken, tl.exp(gamma * seg_len.to(tl.float32)), 1.0)
+            ptrs = x_ptr + seg.to(tl.int64)[:, None] * stride_xs + offsets[None, :]
+            mask = taken[:, None] & in_state[None, :]
+            summary = tl.load(ptrs, mask=mask, other=0.0)
+            d_all, x_all = tl.associative_scan((tl.broadcast_to(d[:, None], (SEGMENTS, TILE)), summary), 0,
+                                               _affine_then)
+            leaving = d_all * state[None, :] + x_all  # the state leaving each step
+            last = tl.minimum(count - block_start, SEGMENTS) - 1
+            # every summary of this block read (by any thread) before the first is overwritten
+            tl.debug_barrier()
+            # step s + 1 starts from the state leaving step s; the block's first from the carry
+            after_ptrs = x_ptr + after.to(tl.int64)[:, None] * stride_xs + offsets[None, :]
+            tl.store(after_ptrs, leaving, mask=mask & (steps < last)[:, None])
+            tl.store(x_ptr + seg.to(tl.int64)[:, None] * stride_xs + offsets[None, :],
+                     tl.broadcast_to(state[None, :], (SEGMENTS, TILE)), mask=mask & (steps == 0)[:, None])
+            state = tl.sum(tl.where((steps == last)[:, None], leaving, 0.0), axis=0)
+        if STORE_XT:
+            xt = xt_ptr + seq * stride_xtn + head * stride_xth
+            tl.store(xt + (elems // DIM_C) * stride_xtr + (elems % DIM_C) * stride_xtc,
+                     state.to(xt_ptr.dtype.element_ty), mask=in_state)
 
     @triton.jit
     def _sequential_states_kernel(
@@ -421,6 +509,16 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
         heads, dim_b, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
         REVERSE=reverse, CHUNK=SUMMARY_CHUNK, BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
     )
+    if PREFIX_SCAN:
+        tile = min(PREFIX_SCAN_TILE, next_power_of_2(dim_b * dim_c))
+        wrap(_segment_scan_kernel)[(segments.num_sequences * heads, cdiv(dim_b * dim_c, tile))](
+            states, decay, table, first,
+            x0 if x0 is not None else states, xt if xt is not None else states,
+            *states.stride(), *_state_strides(x0, False), *_state_strides(xt, False), decay.stride(0),
+            heads, dim_b, dim_c, time, length, per_sequence, IS_VARLEN=segments.varlen,
+            REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, SEGMENTS=PREFIX_SEGMENTS, TILE=tile,
+        )
+        return states
     prefix_b, prefix_c = _block_dim(dim_b, PREFIX_TILE), _block_dim(dim_c, PREFIX_TILE)
     wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, cdiv(dim_b, prefix_b),
                                   cdiv(dim_c, prefix_c))](
