@@ -14,9 +14,8 @@
 #   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
 #           (step, peak memory, compile time with hc's stages, floor), and n4-hc-block-cg at C1024
 #           (the host target: without / with CUDA graphs)                            (issue 18, 24)
-#   lightning-scan  per-kernel GPU time of lightning at B1 T32768 with the segment prefix as a loop
-#               (HCCOMPILE_LIGHTNING_PREFIX_SCAN=0) and as a scan, then ours against FLA at B1 T32768 and
-#               B4 T4096                                                                 (issue 20)
+#   lightning-b1  per-kernel GPU time of lightning at B1 T32768, then ours against FLA at B1 T32768 and
+#               B4 T4096 (the target rows)                                               (issue 20)
 #   lightning-tune  the lightning defaults (flat loop, 64 columns, 4 warps) and their neighbours (paired
 #               reverse, 8 warps, 128 columns, nested loops), sequential states on and off, D 128 and
 #               D 64, into diag_ rows                                                   (issue 20)
@@ -139,12 +138,10 @@ for run in ${RUNS:-delta host}; do
                          --out "$out/lightning_$tag.jsonl"
                      cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning --shape B1T32768H16D128 \
                          > "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
-    lightning-scan) cut_at env HCCOMPILE_LIGHTNING_PREFIX_SCAN=0 python3 benchmarks/profile_ops.py --ops lightning \
-                        --shape B1T32768H16D128 > "$out/diag_lightning-scan_$tag.txt" 2>&1
-                    cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B1T32768H16D128 \
-                        >> "$out/diag_lightning-scan_$tag.txt" 2>&1
-                    cut_at python3 benchmarks/lightning.py --shapes B1-T32768-H16-D128,B4-T4096-H16-D128 --skip-plain \
-                        --no-switches --out "$out/lightning_$tag.jsonl" ;;
+    lightning-b1) cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B1T32768H16D128 \
+                      > "$out/diag_lightning-b1_$tag.txt" 2>&1
+                  cut_at python3 benchmarks/lightning.py --shapes B1-T32768-H16-D128,B4-T4096-H16-D128 --skip-plain \
+                      --no-switches --out "$out/lightning_$tag.jsonl" ;;
     lightning-caller) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \
                           --backward-on-caller --out "$out/diag_lightning-caller_$tag.jsonl" ;;
     lightning-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B4T4096H16D128 \

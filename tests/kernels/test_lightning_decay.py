@@ -337,15 +337,12 @@ def float64_segment_states(summaries, lengths, first, decay, x0, reverse):
     (2, 200, [0, 50, 50, 137, 200], 64, (24, 20), True),  # varlen: an empty sequence, one of two segments
     (32, 200, [0, 50, 50, 137, 200], 64, (24, 20), False),
 ])
-def test_segment_prefix_scan_equals_the_prefix_contract(monkeypatch, scan_segments, time, bounds, segment, dims,
-                                                        reverse):
-    """The prefix as a scan (segments.PREFIX_SCAN), PREFIX_SEGMENTS at a time with the carry between
-    blocks, against the prefix's contract in float64: every segment's state and the last state,
-    states poisoned with NaN where a summary is not."""
+def test_segment_prefix_equals_its_contract(scan_segments, time, bounds, segment, dims,
+                                            reverse):
+    """The prefix pass (a scan, PREFIX_SEGMENTS segments at a time with the carry between blocks)
+    against its contract in float64: every segment's state and the last state (poisoned)."""
     from hccompile.kernels.lightning import segments as segments_module
 
-    monkeypatch.setattr(segments_module, "PREFIX_SCAN", True)
-    monkeypatch.setattr(segments_module, "PREFIX_SEGMENTS", scan_segments)
     heads, (dim_b, dim_c) = 3, dims
     batch = 2 if bounds is None else 1
     generator = torch.Generator().manual_seed(21)
@@ -365,8 +362,8 @@ def test_segment_prefix_scan_equals_the_prefix_contract(monkeypatch, scan_segmen
     states = summaries.clone()
     xt = torch.full_like(x0, float("nan"))
     table_arg, first_arg, time_arg, length, per_sequence = plan.kernel_args(decay)
-    tile = min(segments_module.PREFIX_SCAN_TILE, 1 << (dim_b * dim_c - 1).bit_length())
-    segments_module._segment_scan_kernel[(plan.num_sequences * heads, -(-dim_b * dim_c // tile))](
+    tile = min(segments_module.PREFIX_TILE, 1 << (dim_b * dim_c - 1).bit_length())
+    segments_module._segment_prefix_kernel[(plan.num_sequences * heads, -(-dim_b * dim_c // tile))](
         states, decay, table_arg, first_arg, x0, xt, *states.stride(), *x0.stride(), *xt.stride(), decay.stride(0),
         heads, dim_b, dim_c, time_arg, length, per_sequence, IS_VARLEN=plan.varlen, REVERSE=reverse, HAS_X0=True,
         STORE_XT=True, SEGMENTS=scan_segments, TILE=tile)

@@ -3,7 +3,7 @@
 One program per (batch, head) sweeping the whole sequence leaves most of a GPU idle (B1 T32768 H16 is 16 programs). Time is therefore cut into segments
 of whole blocks, and each sweep program starts from its segment's state, made by two small
 passes: a parallel summary (what each segment adds to the state: one matrix product per
-segment) and a sequential prefix over the segments of each sequence (not over blocks). This
+segment) and a prefix over the segments of each sequence (not over blocks; a scan). This
 is the affine-summary idea of context parallelism (seed 002) inside one GPU; it is exact for any
 segment length, and the block and micro-chunk split inside a segment stays chunk.py's.
 Variable-length batches (FLA's cu_seqlens) are segments that never cross a sequence boundary.
@@ -30,14 +30,12 @@ MIN_SEGMENT = 256
 SUMMARY_CHUNK = 64
 SUMMARY_ROW_TILE = 128
 SUMMARY_COLUMN_TILE = 64
-PREFIX_TILE = 64
-# The prefix as a scan (_segment_scan_kernel): PREFIX_SEGMENTS segments' summaries of PREFIX_SCAN_TILE
-# state elements loaded at once and combined by tl.associative_scan, instead of one dependent round trip
-# to memory per segment. HCCOMPILE_LIGHTNING_PREFIX_SCAN=0 (read at import) keeps the loop, for the
-# side-by-side measurement.
-PREFIX_SCAN = os.environ.get("HCCOMPILE_LIGHTNING_PREFIX_SCAN", "1") != "0"
+# The prefix pass is a scan: PREFIX_SEGMENTS segments' summaries of PREFIX_TILE state elements loaded at
+# once and combined by tl.associative_scan. A loop over the segments, one dependent round trip to memory
+# each, took 0.12 ms a launch at B1 T32768 H16 D128 (32 segments) on the H200, the scan 0.025 ms
+# (diag_lightning-scan_2026-11-30_h200x1_e78730e.txt).
 PREFIX_SEGMENTS = 32
-PREFIX_SCAN_TILE = 128
+PREFIX_TILE = 128
 # The states may instead come from one sequential pass per (sequence, head, state tile) over the
 # whole sequence (_sequential_states_kernel: FLA's chunk-state walk, storing only the
 # segments' states): one launch instead of two and no summaries in memory, but sequences * H * tiles
@@ -96,7 +94,13 @@ if triton is not None:
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
-        pid_sh = tl.program_id(0)
+        # a (segment, head)'s state tiles are neighbours in launch order: they read the same rows at
+        # about the same time, all but the first from L2
+        tiles_c = tl.cdiv(DIM_C, BLOCK_C)
+        tiles = tl.cdiv(DIM_B, BLOCK_B) * tiles_c
+        pid_sh = tl.program_id(0) // tiles
+        pid_b = tl.program_id(0) % tiles // tiles_c
+        pid_c = tl.program_id(0) % tiles_c
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
         if IS_VARLEN:
@@ -109,8 +113,8 @@ if triton is not None:
         gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
 
         rows = tl.arange(0, CHUNK)
-        b_cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-        c_cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        b_cols = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         acc = tl.zeros([BLOCK_B, BLOCK_C], dtype=tl.float32)
         for chunk_start in range(0, seg_len, CHUNK):
             local = chunk_start + rows
@@ -128,72 +132,12 @@ if triton is not None:
         tl.store(x_ptrs, acc, mask=(b_cols[:, None] < DIM_B) & (c_cols[None, :] < DIM_C))
 
     @triton.jit
-    def _segment_prefix_kernel(
-        x_ptr, decay_ptr, table_ptr, first_segment_ptr, x0_ptr, xt_ptr,
-        stride_xs, stride_xh, stride_xr, stride_xc,
-        stride_x0n, stride_x0h, stride_x0r, stride_x0c,
-        stride_xtn, stride_xth, stride_xtr, stride_xtc,
-        stride_decay,
-        H, DIM_B, DIM_C, time, seg_length, per_sequence,
-        IS_VARLEN: tl.constexpr,
-        REVERSE: tl.constexpr,
-        HAS_X0: tl.constexpr,
-        STORE_XT: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        """Turns one sequence's segment summaries, in place, into the state each segment's sweep
-        starts from: X = x0, then per segment (first to last; last to first if REVERSE)
-        x[s] <- X and X <- exp(g L_s) X + x[s]. The last X is the final state (forward) or the
-        initial state's gradient (reverse), stored when STORE_XT."""
-        pid_nh = tl.program_id(0)
-        seq = pid_nh // H
-        head = (pid_nh % H).to(tl.int64)
-        gamma = tl.load(decay_ptr + head * stride_decay).to(tl.float32)
-        if IS_VARLEN:
-            first = tl.load(first_segment_ptr + seq)
-            count = tl.load(first_segment_ptr + seq + 1) - first
-        else:
-            first = seq * per_sequence
-            count = per_sequence
-        rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-        cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < DIM_B) & (cols[None, :] < DIM_C)
-        seq = seq.to(tl.int64)
-        if HAS_X0:
-            x0_ptrs = x0_ptr + seq * stride_x0n + head * stride_x0h
-            state = tl.load(x0_ptrs + rows[:, None] * stride_x0r + cols[None, :] * stride_x0c,
-                            mask=mask, other=0.0).to(tl.float32)
-        else:
-            state = tl.zeros([BLOCK_B, BLOCK_C], dtype=tl.float32)
-        for i in range(0, count):
-            if REVERSE:
-                seg = first + count - 1 - i
-            else:
-                seg = first + i
-            if IS_VARLEN:
-                row = table_ptr + seg * 4  # loaded here, not in a helper (see _fixed_segment)
-                _, _, seg_len = tl.load(row).to(tl.int64), tl.load(row + 1).to(tl.int64), tl.load(row + 2)
-            else:
-                _, _, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
-            ptrs = x_ptr + seg.to(tl.int64) * stride_xs + head * stride_xh
-            ptrs += rows[:, None] * stride_xr + cols[None, :] * stride_xc
-            summary = tl.load(ptrs, mask=mask, other=0.0)
-            tl.store(ptrs, state, mask=mask)
-            state = state * tl.exp(gamma * seg_len.to(tl.float32)) + summary
-        if STORE_XT:
-            xt_ptrs = xt_ptr + seq * stride_xtn + head * stride_xth
-            xt_ptrs += rows[:, None] * stride_xtr + cols[None, :] * stride_xtc
-            tl.store(xt_ptrs, state.to(xt_ptr.dtype.element_ty), mask=mask)
-
-
-    @triton.jit
     def _affine_then(d_first, x_first, d_then, x_then):
         """Two steps X <- d X + x, first then then, as one: X <- (d_first d_then) X + (d_then x_first + x_then)."""
         return d_first * d_then, x_first * d_then + x_then
 
     @triton.jit
-    def _segment_scan_kernel(
+    def _segment_prefix_kernel(
         x_ptr, decay_ptr, table_ptr, first_segment_ptr, x0_ptr, xt_ptr,
         stride_xs, stride_xh, stride_xr, stride_xc,
         stride_x0n, stride_x0h, stride_x0r, stride_x0c,
@@ -207,11 +151,14 @@ if triton is not None:
         SEGMENTS: tl.constexpr,
         TILE: tl.constexpr,
     ):
-        """_segment_prefix_kernel's result as a scan: for TILE state elements (flattened) of one
-        sequence and head, SEGMENTS segments' summaries at a time are loaded together and combined
-        by tl.associative_scan over the affine steps X <- exp(g L_s) X + x[s]; x[s] is then
-        overwritten with the state entering step s. The chain of dependent memory round trips is
-        one per SEGMENTS segments instead of one per segment."""
+        """Turns one sequence's segment summaries, in place, into the state each segment's sweep
+        starts from: X = x0, then per segment (first to last; last to first if REVERSE)
+        x[s] <- X and X <- exp(g L_s) X + x[s]. The last X is the final state (forward) or the
+        initial state's gradient (reverse), stored when STORE_XT.
+
+        A program holds TILE state elements (flattened) of one sequence and head; SEGMENTS segments'
+        summaries are loaded together and combined by tl.associative_scan over those affine steps,
+        so the chain of dependent memory round trips is one per SEGMENTS segments, not one per segment."""
         pid_nh = tl.program_id(0)
         seq = pid_nh // H
         head = (pid_nh % H).to(tl.int64)
@@ -503,29 +450,18 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
             BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
         )
         return states
-    wrap(_segment_summary_kernel)[(segments.count * heads, *tiles)](
+    wrap(_segment_summary_kernel)[(segments.count * heads * tiles[0] * tiles[1],)](
         b, c, decay, table, states,
         *b.stride(), *c.stride(), *states.stride(), decay.stride(0),
         heads, dim_b, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
         REVERSE=reverse, CHUNK=SUMMARY_CHUNK, BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
     )
-    if PREFIX_SCAN:
-        tile = min(PREFIX_SCAN_TILE, next_power_of_2(dim_b * dim_c))
-        wrap(_segment_scan_kernel)[(segments.num_sequences * heads, cdiv(dim_b * dim_c, tile))](
-            states, decay, table, first,
-            x0 if x0 is not None else states, xt if xt is not None else states,
-            *states.stride(), *_state_strides(x0, False), *_state_strides(xt, False), decay.stride(0),
-            heads, dim_b, dim_c, time, length, per_sequence, IS_VARLEN=segments.varlen,
-            REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, SEGMENTS=PREFIX_SEGMENTS, TILE=tile,
-        )
-        return states
-    prefix_b, prefix_c = _block_dim(dim_b, PREFIX_TILE), _block_dim(dim_c, PREFIX_TILE)
-    wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, cdiv(dim_b, prefix_b),
-                                  cdiv(dim_c, prefix_c))](
+    tile = min(PREFIX_TILE, next_power_of_2(dim_b * dim_c))
+    wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, cdiv(dim_b * dim_c, tile))](
         states, decay, table, first,
         x0 if x0 is not None else states, xt if xt is not None else states,
         *states.stride(), *_state_strides(x0, False), *_state_strides(xt, False), decay.stride(0),
         heads, dim_b, dim_c, time, length, per_sequence, IS_VARLEN=segments.varlen,
-        REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, BLOCK_B=prefix_b, BLOCK_C=prefix_c,
+        REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, SEGMENTS=PREFIX_SEGMENTS, TILE=tile,
     )
     return states

@@ -101,8 +101,11 @@ if triton is not None:
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
-        pid_sh = tl.program_id(0)
-        pid_c = tl.program_id(1)
+        # a (segment, head)'s column tiles are neighbours in launch order: they stream the same a
+        # and b rows at about the same time, all but the first from L2
+        tiles = tl.cdiv(DIM_C, BLOCK_C)
+        pid_sh = tl.program_id(0) // tiles
+        pid_c = tl.program_id(0) % tiles
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
         if IS_VARLEN:
@@ -216,8 +219,11 @@ if triton is not None:
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
-        pid_sh = tl.program_id(0)
-        pid_c = tl.program_id(1)
+        # a (segment, head)'s column tiles are neighbours in launch order: they stream the same a
+        # and b rows at about the same time, all but the first from L2
+        tiles = tl.cdiv(DIM_C, BLOCK_C)
+        pid_sh = tl.program_id(0) // tiles
+        pid_c = tl.program_id(0) % tiles
         seg = pid_sh // H
         head = (pid_sh % H).to(tl.int64)
         if IS_VARLEN:
@@ -428,7 +434,7 @@ def _launch_sweep(kernel, segments: _Segments, a, b, c, decay, out, states, stat
     if num_warps is None:
         num_warps = FLAT_WARPS if flat else 8 if cblock * max(block_ab, block_c) >= 64 * 128 else 4
     table, _, time, length, per_sequence = segments.kernel_args(decay)
-    wrap(kernel)[(segments.count * heads, cdiv(dim_c, block_c))](
+    wrap(kernel)[(segments.count * heads * cdiv(dim_c, block_c),)](
         a, b, c, decay, table, states, out,
         *a.stride(), *b.stride(), *c.stride(), *out.stride(),
         *_state_strides(states, states_transposed), decay.stride(0),
