@@ -131,7 +131,7 @@ for run in ${RUNS:-delta host}; do
                     --out "$out/diag_mhc-static_$tag.jsonl" > "$out/diag_mhc-static_$tag.txt" 2>&1 ;;
     mhc-project-proto) cut_at python3 benchmarks/analysis/mhc_project_proto.py \
                            > "$out/diag_mhc-project-proto_$tag.txt" 2>&1 ;;
-    host-split) cut_at python3 benchmarks/analysis/host_split.py --ops lightning,gdn > "$out/diag_host-split_$tag.txt" 2>&1 ;;
+    host-split) cut_at python3 benchmarks/analysis/host_split.py --ops lightning,lightning-nodecay,gdn > "$out/diag_host-split_$tag.txt" 2>&1 ;;
     host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --through-op --top 12 \
                     --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
     lightning-quick) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \

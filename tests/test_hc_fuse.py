@@ -292,20 +292,26 @@ def test_dynamic_shapes_fused_once_for_every_length():
     """dynamic=True: the token dims are symbolic; the new views take their sizes from the graph
     (unflatten with -1, or size nodes of the projection), so one graph serves every length.
     Layout [S, B, n·C]: the one that needs both symbolic sizes as nodes."""
-    m = _model("sbnc", layers=1)
-    be = Collect(compiler="aot_eager", strict=True)
-    cm = torch.compile(m, backend=be, dynamic=True)
-    for S in (8, 13):
-        x = torch.randn(3, S, 32, requires_grad=True)
-        params = list(m.parameters())
-        got = outputs_and_grads(cm, [x], [x] + params)
-        want = outputs_and_grads(m, [x], [x] + params)
-        assert_close([got[0]], [want[0]], 1e-5, "out")
-        assert_close(got[1], want[1], 1e-4, "grad")
-    assert len(be.reports) == 1, "recompiled"
+    be = one_graph_for_every_length(_model("sbnc", layers=1), lambda S: torch.randn(3, S, 32), (8, 13))
     assert not be.refusals, be.refusals
     for pattern in OPS:
         assert len([mm for mm in be.matches if mm["pattern"] == pattern]) == 2, pattern
+
+
+def one_graph_for_every_length(m, make_input, lengths):
+    """Compile m under hc (aot_eager, dynamic=True), run it at every length, check outputs and gradients
+    against eager and that one graph served them all; returns the backend, whose matches the caller reads."""
+    be = Collect(compiler="aot_eager", strict=True)
+    cm = torch.compile(m, backend=be, dynamic=True)
+    params = list(m.parameters())
+    for S in lengths:
+        x = make_input(S).requires_grad_()
+        got = outputs_and_grads(cm, [x], [x] + params)
+        want = outputs_and_grads(m, [x], [x] + params)
+        assert_close([got[0]], [want[0]], 1e-5, f"out at length {S}")
+        assert_close(got[1], want[1], 1e-4, f"grad at length {S}")
+    assert len(be.reports) == 1, "recompiled"
+    return be
 
 
 def test_disable_passes_turns_fusion_off():

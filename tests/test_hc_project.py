@@ -13,7 +13,8 @@ from torch import nn
 import hccompile.passes.hc_project  # noqa: F401  (registers the pass)
 from hccompile.nn.mhc import MHCGPT
 from helpers import Collect
-from test_hc_fuse import assert_close, dynamo_graph, matches, outputs_and_grads, refusals, run_dynamo_passes
+from test_hc_fuse import (assert_close, dynamo_graph, matches, one_graph_for_every_length, outputs_and_grads, refusals,
+                          run_dynamo_passes)
 
 PASSES = ("hc_detect", "hc_fuse", "hc_project", "recompute")
 
@@ -181,16 +182,7 @@ def test_one_graph_for_every_length_with_dropout_and_recompute():
     compile serves S 8, 13 and 21; outputs and gradients equal the eager model's."""
     torch.manual_seed(0)
     m = MHCGPT(32, 2, 2, n=4, sinkhorn_iters=3, dropout=0.0)
-    be = Collect(compiler="aot_eager", strict=True)
-    cm = torch.compile(m, backend=be, dynamic=True)
-    for S in (8, 13, 21):
-        x = torch.randn(2, S, 32, requires_grad=True)
-        params = list(m.parameters())
-        got = outputs_and_grads(cm, [x], [x] + params)
-        want = outputs_and_grads(m, [x], [x] + params)
-        assert_close([got[0]], [want[0]], 1e-5, "out")
-        assert_close(got[1], want[1], 1e-4, "grad")
-    assert len(be.reports) == 1, "recompiled"
+    be = one_graph_for_every_length(m, lambda S: torch.randn(2, S, 32), (8, 13, 21))
     assert len([mm for mm in be.matches if mm["pattern"] == "mhc_project"]) == 4
 
 

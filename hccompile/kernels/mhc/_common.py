@@ -41,7 +41,9 @@ def check_order(order, ndim: int, name: str = "out_order") -> list[int]:
     return order
 
 
-def check_tensor(name: str, t, ndim: int, layout: str, float64_ok: bool = True) -> None:
+def check_tensor(name: str, t, ndim: int, layout: str, float64_ok: bool = True, shape: tuple | None = None) -> None:
+    """t a tensor of ndim dims in a supported dtype, of `shape` if given (sizes possibly symbolic:
+    only compared for equality). `layout` names the dims in messages, e.g. "[T1, T2, n]"."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -49,6 +51,8 @@ def check_tensor(name: str, t, ndim: int, layout: str, float64_ok: bool = True) 
     allowed = SUPPORTED_DTYPES + ((torch.float64,) if float64_ok else ())
     if t.dtype not in allowed:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported (one of {[str(d) for d in allowed]})")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(t.shape)} must be {layout} = {tuple(shape)}")
 
 
 def check_same_device(**named: torch.Tensor) -> None:

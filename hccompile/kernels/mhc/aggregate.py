@@ -78,15 +78,11 @@ if triton is not None:
 
 def check_aggregate_inputs(x, h_pre, dy=None) -> None:
     common.check_tensor("x", x, 4, "[T1, T2, n, C]")
-    common.check_tensor("h_pre", h_pre, 3, "[T1, T2, n]")
     T1, T2, n, C = x.shape
-    if tuple(h_pre.shape) != (T1, T2, n):
-        raise ValueError(f"h_pre: shape {tuple(h_pre.shape)} must be [T1, T2, n] = {(T1, T2, n)}")
+    common.check_tensor("h_pre", h_pre, 3, "[T1, T2, n]", shape=(T1, T2, n))
     named = dict(x=x, h_pre=h_pre)
     if dy is not None:
-        common.check_tensor("dy", dy, 3, "[T1, T2, C]")
-        if tuple(dy.shape) != (T1, T2, C):
-            raise ValueError(f"dy: shape {tuple(dy.shape)} must be [T1, T2, C] = {(T1, T2, C)}")
+        common.check_tensor("dy", dy, 3, "[T1, T2, C]", shape=(T1, T2, C))
         named["dy"] = dy
     common.check_same_device(**named)
     common.check_streams(n)

@@ -336,9 +336,7 @@ def check_mapping_inputs(proj, r, alphas, biases, spec: MappingSpec, grads=None,
     if grads is not None:
         for name, g, shape in zip(("dh_pre", "dh_post", "dh_res"), grads,
                                   (lead + (n,), lead + (n,), lead + (n, n))):
-            common.check_tensor(name, g, len(shape), str(list(shape)))
-            if tuple(g.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(g.shape)} must be {shape}")
+            common.check_tensor(name, g, len(shape), str(list(shape)), shape=shape)
             named[name] = g
     common.check_same_device(**named)
 

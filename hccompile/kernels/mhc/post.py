@@ -284,16 +284,10 @@ if triton is not None:
 def check_post_inputs(x, h_res, h_post, f, dout=None) -> None:
     """Shape contract of the post kernel (symbolic-size safe: only equality checks)."""
     common.check_tensor("x", x, 4, "[T1, T2, n, C]")
-    common.check_tensor("h_res", h_res, 4, "[T1, T2, n, n]")
-    common.check_tensor("h_post", h_post, 3, "[T1, T2, n]")
-    common.check_tensor("f", f, 3, "[T1, T2, C]")
     T1, T2, n, C = x.shape
-    if tuple(h_res.shape) != (T1, T2, n, n):
-        raise ValueError(f"h_res: shape {tuple(h_res.shape)} must be [T1, T2, n, n] = {(T1, T2, n, n)}")
-    if tuple(h_post.shape) != (T1, T2, n):
-        raise ValueError(f"h_post: shape {tuple(h_post.shape)} must be [T1, T2, n] = {(T1, T2, n)}")
-    if tuple(f.shape) != (T1, T2, C):
-        raise ValueError(f"f: shape {tuple(f.shape)} must be [T1, T2, C] = {(T1, T2, C)}")
+    common.check_tensor("h_res", h_res, 4, "[T1, T2, n, n]", shape=(T1, T2, n, n))
+    common.check_tensor("h_post", h_post, 3, "[T1, T2, n]", shape=(T1, T2, n))
+    common.check_tensor("f", f, 3, "[T1, T2, C]", shape=(T1, T2, C))
     if f.dtype != x.dtype:
         raise TypeError(f"f: dtype {f.dtype} differs from x's {x.dtype}")
     named = dict(x=x, h_res=h_res, h_post=h_post, f=f)

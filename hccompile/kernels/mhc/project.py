@@ -130,14 +130,10 @@ def check_project_inputs(v, w, dproj=None, dsq=None) -> None:
         raise TypeError(f"w: dtype {w.dtype} differs from v's {v.dtype}")
     named = dict(v=v, w=w)
     if dproj is not None:
-        common.check_tensor("dproj", dproj, 3, "[T1, T2, W]")
-        if tuple(dproj.shape) != (T1, T2, W):
-            raise ValueError(f"dproj: shape {tuple(dproj.shape)} must be [T1, T2, W] = {(T1, T2, W)}")
+        common.check_tensor("dproj", dproj, 3, "[T1, T2, W]", shape=(T1, T2, W))
         named["dproj"] = dproj
     if dsq is not None:
-        common.check_tensor("dsq", dsq, 2, "[T1, T2]")
-        if tuple(dsq.shape) != (T1, T2):
-            raise ValueError(f"dsq: shape {tuple(dsq.shape)} must be [T1, T2] = {(T1, T2)}")
+        common.check_tensor("dsq", dsq, 2, "[T1, T2]", shape=(T1, T2))
         named["dsq"] = dsq
     common.check_same_device(**named)
 
