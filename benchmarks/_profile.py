@@ -50,3 +50,49 @@ def profile_step(step, steps: int = 5, top: int = 30) -> tuple[str, dict]:
     summary = {"wall_ms": wall_ms, "gpu_busy_ms": busy, "kernels_per_step": launches,
                "top": [{"kernel": n[:160], "ms": ms, "calls": c} for ms, c, n in rows[:top]]}
     return "\n".join(lines), summary
+
+
+def memory_at_peak(step, top: int = 25) -> str:
+    """The blocks alive when one step's allocated memory peaks, largest first, each with the Python
+    frame that allocated it (in Inductor's generated code, the line names the buffer: "buf84 =
+    empty_strided_cuda(...)"), from the allocator's recorded history replayed event by event. Counts
+    what the step allocates, not what was alive before it (parameters, optimizer state)."""
+    import linecache
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=500_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, dict] = {}
+    current = peak = 0
+    at_peak: dict[int, dict] = {}
+    for trace in snapshot.get("device_traces", []):
+        for event in trace:
+            action, addr, size = event.get("action"), event.get("addr"), event.get("size", 0)
+            if action == "alloc":
+                live[addr] = event
+                current += size
+                if current > peak:
+                    peak, at_peak = current, dict(live)
+            elif action == "free_completed" and addr in live:
+                current -= live.pop(addr).get("size", 0)
+
+    def where(event) -> str:
+        frames = event.get("frames") or []
+        mine = [f for f in frames if "torchinductor" in f.get("filename", "") or "hccompile" in f.get("filename", "")
+                or "benchmarks" in f.get("filename", "")]
+        frame = (mine or frames or [{}])[0]
+        text = linecache.getline(frame.get("filename", ""), frame.get("line", 0)).strip()
+        return f"{frame.get('filename', '?').rsplit('/', 1)[-1]}:{frame.get('line', '?')} {frame.get('name', '')}: {text[:110]}"
+
+    groups: dict[str, list[int]] = {}
+    for event in at_peak.values():
+        groups.setdefault(where(event), []).append(event.get("size", 0))
+    rows = sorted(((sum(sizes), len(sizes), place) for place, sizes in groups.items()), reverse=True)
+    lines = [f"peak {peak / 2**30:.3f} GiB allocated within the step, {len(at_peak)} blocks alive at the peak"]
+    lines += [f"  {total / 2**20:9.1f} MiB  {count:3d} x  {place}" for total, count, place in rows[:top]]
+    return "\n".join(lines)

@@ -29,6 +29,8 @@
 #               (n1-inductor, n4-hc-block, n4-hc-block-cg)                             (issue 18, 24)
 #   mhc-before  the C1024 n4-hc-block step of the .before tree (make before-tree REF=<commit>, carried)
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
+#   mhc-memory  the blocks alive at the C1024 step's memory peak, by the line that allocated them
+#               (n1-inductor, n4-hc-block with and without hc_project)                  (issue 18)
 #   mhc-noproject  the C1024 n4-hc-block step without hc_project (--hc-option disable_passes=hc_project),
 #               to set beside the mhc run's row with it                                  (issue 18)
 #   mhc-kernels  each fused mHC op (post, aggregate, mapping, project) beside its plain form under
@@ -121,6 +123,12 @@ for run in ${RUNS:-delta host}; do
     mhc-noproject) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                        --variants n4-hc-block --hc-option disable_passes=hc_project \
                        --out "$out/diag_mhc-noproject_$tag.jsonl" > "$out/diag_mhc-noproject_$tag.txt" 2>&1 ;;
+    mhc-memory) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                    --variants n1-inductor,n4-hc-block --memory-peak 30 \
+                    --out "$out/diag_mhc-memory_$tag.jsonl" > "$out/diag_mhc-memory_$tag.txt" 2>&1
+                cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                    --variants n4-hc-block --memory-peak 30 --hc-option disable_passes=hc_project \
+                    --out "$out/diag_mhc-memory_$tag.jsonl" >> "$out/diag_mhc-memory_$tag.txt" 2>&1 ;;
     mhc-kernels) cut_at python3 benchmarks/mhc.py --kernels --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                      > "$out/diag_mhc-kernels_$tag.txt" 2>&1 ;;
     mhc-caller) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \

@@ -169,6 +169,12 @@ def measure(variant: str, a) -> dict:
     ms = statistics.median(rounds)
     if a.host_profile:
         host_profile(step, a.host_profile, variant)
+    if a.memory_peak:
+        from _profile import memory_at_peak
+
+        model.zero_grad(set_to_none=True)
+        print(f"--- memory at the peak, {variant}\n{memory_at_peak(step, a.memory_peak)}", flush=True)
+        model.zero_grad(set_to_none=True)
     if a.profile:
         from _profile import profile_step
 
@@ -339,6 +345,9 @@ def main() -> None:
                    help="also print each variant's per-kernel GPU time (torch.profiler) and GPU-busy share")
     p.add_argument("--compile-profile", type=int, default=0, metavar="TOP",
                    help="also print the TOP functions of a cProfile of each variant's first (compiling) step")
+    p.add_argument("--memory-peak", type=int, default=0, metavar="TOP",
+                   help="print the TOP largest groups of blocks alive at one step's memory peak, by the line "
+                        "that allocated them (torch.cuda.memory's recorded history)")
     p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
                    help="also print the host's enqueue time per step and the TOP functions of a cProfile of 20 "
                         "warm steps")
