@@ -1,0 +1,236 @@
+"""Prototype (issue 18): the mHC stream's whole gradient from one kernel, instead of the projection's
+backward kernel beside the Inductor pointwise kernels that sum the stream's gradient.
+
+Per sublayer, the compiled C1024 n4 backward (`diag_mhc-dump_2026-11-30_h200x2_30b2b4b.tgz`) computes the
+gradient of the sublayer's input stream x [T, n, C] from three terms:
+
+    dx[t, i, c] = Σ_j A[t, i, j] g[t, j, c]          (the post's residual mix; g: the gradient of its output)
+                + h_pre[t, i] dy[t, c]                (the aggregate y = Σ_i h_pre[i] x[i]; dy: y's gradient)
+                + Σ_w dproj[t, w] φ[w, i·C + c] + 2 dsq[t] x[t, i, c]     (mhc_project: proj = x·φᵀ, sq = Σ x²)
+    dφ[w, k]    = Σ_t dproj[t, w] x[t, k]             (k = i·C + c)
+
+Today the last line and its dx term are `_mhc_project_bwd_kernel` (reads x, writes dv), and Inductor sums
+the three terms in pointwise kernels that read g in float32 (128 MB a layer at C1024 B4 S2048), write the
+sum twice (with and without dv) and read dv back: about 7 stream-sized reads and writes a sublayer, 0.1 ms
+each of the 8 sublayers' kernels `_8`, `_13`, `_14` (`diag_mhc-profile_…73e592c.txt`). Here one kernel
+reads x and g once and writes dx once: 3.
+
+Layout of this prototype: x, g, dx [T, n·C] contiguous; A [T, n, n], h_pre [T, n] float32; dy [T, C];
+φ [W, n·C]; dproj [T, W]; dsq [T] float32. A program holds C-columns [BLOCK_C] of one stream i for one
+share of the tokens (the op's backward kernel's split), so that dφ's partial stays in registers; the n
+programs of one column block are neighbours in launch order, so g, read by each of them, comes from HBM
+once. If it pays, it becomes `mhc_project_backward`'s kernel with a post_grad pass that hands it g, A,
+h_pre and dy (the graph's add of the three terms), as mhc_project_proto.py became project.py.
+
+    TRITON_INTERPRET=1 python benchmarks/analysis/mhc_stream_grad_proto.py --check   # CPU: against float64
+    python benchmarks/analysis/mhc_stream_grad_proto.py                              # GPU: check, then time
+    python benchmarks/analysis/mhc_stream_grad_proto.py --sm90                       # compile each for sm_90
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_W = 32
+
+
+def precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _stream_grad_kernel(
+    x_ptr, w_ptr, dproj_ptr, dsq_ptr, g_ptr, a_ptr, hp_ptr, dy_ptr, dx_ptr, dw_ptr,
+    T, C, W, tokens_per_split,
+    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dx for BLOCK_C columns of stream i over one share of the tokens, and that share's dφ partial."""
+    i = tl.program_id(0) % N
+    cs = (tl.program_id(0) // N) * BLOCK_C + tl.arange(0, BLOCK_C)
+    share = tl.program_id(1)
+    K = N * C
+    outs = tl.arange(0, BLOCK_W)
+    c_ok = cs < C
+    out_ok = outs < W
+    ks = (i * C + cs).to(tl.int64)
+    w = tl.load(w_ptr + outs[:, None] * K + ks[None, :], mask=out_ok[:, None] & c_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers
+        w = w.to(tl.float32)
+    dw = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
+    start = share * tokens_per_split
+    for t0 in range(start, start + tokens_per_split, BLOCK_T):
+        tok = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = (tok < T) & (tok < start + tokens_per_split)
+        tok64 = tok.to(tl.int64)
+        tc = tok_ok[:, None] & c_ok[None, :]
+        x = tl.load(x_ptr + tok64[:, None] * K + ks[None, :], mask=tc, other=0.0)
+        gp = tl.load(dproj_ptr + tok64[:, None] * W + outs[None, :], mask=tok_ok[:, None] & out_ok[None, :],
+                     other=0.0)
+        dsq = tl.load(dsq_ptr + tok64, mask=tok_ok, other=0.0).to(tl.float32)
+        hp = tl.load(hp_ptr + tok64 * N + i, mask=tok_ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + tok64[:, None] * C + cs[None, :], mask=tc, other=0.0).to(tl.float32)
+        if UPCAST:
+            gp = gp.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(gp, w, input_precision=PRECISION) + (2.0 * dsq)[:, None] * x.to(tl.float32) + hp[:, None] * dy
+        for j in tl.static_range(N):
+            a_ij = tl.load(a_ptr + tok64 * (N * N) + i * N + j, mask=tok_ok, other=0.0).to(tl.float32)
+            g_j = tl.load(g_ptr + tok64[:, None] * K + (j * C + cs).to(tl.int64)[None, :], mask=tc,
+                          other=0.0).to(tl.float32)
+            acc += a_ij[:, None] * g_j
+        tl.store(dx_ptr + tok64[:, None] * K + ks[None, :], acc.to(dx_ptr.dtype.element_ty), mask=tc)
+        dw = tl.dot(tl.trans(gp), x, dw, input_precision=PRECISION)
+    tl.store(dw_ptr + share * W * K + outs[:, None] * K + ks[None, :], dw, mask=out_ok[:, None] & c_ok[None, :])
+
+
+def stream_grad(x, w, dproj, dsq, g, a, hp, dy, n: int, splits: int = 8, block_t: int = 64, block_c: int = 128,
+                warps: int = 4, stages: int = 3):
+    """(dx [T, n·C] in x's dtype, dφ [W, n·C] float32)."""
+    T, K = x.shape
+    C, W = K // n, w.shape[0]
+    dx = torch.empty_like(x)
+    partial = torch.empty(splits, W, K, dtype=torch.float32, device=x.device)
+    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
+    _stream_grad_kernel[(n * triton.cdiv(C, block_c), splits)](
+        x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per_split,
+        N=n, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=BLOCK_W, PRECISION=precision(x.dtype), UPCAST=INTERPRETED,
+        num_warps=warps, num_stages=stages)
+    return dx, partial.sum(0)
+
+
+def reference(x, w, dproj, dsq, g, a, hp, dy, n: int):
+    """float64: (dx, dφ)."""
+    T, K = x.shape
+    C = K // n
+    x64 = x.double()
+    mix = torch.einsum("tij,tjc->tic", a.double(), g.double().view(T, n, C))
+    pre = hp.double()[:, :, None] * dy.double()[:, None, :]
+    dx = (mix + pre).reshape(T, K) + dproj.double() @ w.double() + 2 * dsq.double()[:, None] * x64
+    return dx, dproj.double().T @ x64
+
+
+def inputs(device: str, T: int, n: int, C: int, W: int, dtype: torch.dtype, g_dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, n * C, generator=gen).to(device, dtype)
+    w = (torch.randn(W, n * C, generator=gen) * 0.02).to(device, dtype)
+    dproj = torch.randn(T, W, generator=gen).to(device, dtype)
+    dsq = torch.randn(T, generator=gen).to(device, torch.float32)
+    g = torch.randn(T, n * C, generator=gen).to(device, g_dtype)
+    a = torch.softmax(torch.randn(T, n, n, generator=gen), -1).to(device)
+    hp = torch.sigmoid(torch.randn(T, n, generator=gen)).to(device)
+    dy = torch.randn(T, C, generator=gen).to(device, dtype)
+    return x, w, dproj, dsq, g, a, hp, dy
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(device: str, T: int, n: int, C: int, dtype: torch.dtype, g_dtype: torch.dtype, block_c: int) -> None:
+    args = inputs(device, T, n, C, 24, dtype, g_dtype)
+    got = stream_grad(*args, n=n, splits=3, block_t=16, block_c=block_c)
+    want = reference(*args, n=n)
+    errors = [rel(x, r) for x, r in zip(got, want)]
+    limit = 1e-5 if dtype == torch.float32 else 8e-3
+    status = "ok" if all(e < limit and e == e for e in errors) else "FAILED"
+    print(f"check T{T} n{n} C{C} {dtype} g {g_dtype}: dx {errors[0]:.1e} dphi {errors[1]:.1e} (limit {limit:.0e}) "
+          f"{status}", flush=True)
+    if status != "ok":
+        raise SystemExit(1)
+
+
+# (splits, BLOCK_T, BLOCK_C, warps). Compiled for sm_90 with Triton 3.6 (--sm90): BLOCK_T 64 BLOCK_C 128 at 4 warps
+# spills 696 bytes a thread (255 registers), at 8 warps none; BLOCK_C 64 at 4 warps none (248 registers)
+CONFIGS = ((8, 64, 64, 4), (16, 64, 64, 4), (8, 64, 128, 8), (16, 64, 128, 8), (8, 32, 64, 4), (8, 64, 128, 4))
+
+
+def time_gpu(T: int, n: int, C: int) -> None:
+    """The prototype against what the compiled step runs today for the same terms: the op's backward kernel
+    (dv, dφ) and Inductor's sum of the mix, the aggregate's term and dv, with g in float32 as the graph has it."""
+    from triton.testing import do_bench
+
+    from hccompile.kernels.mhc import project as P
+
+    dtype = torch.bfloat16
+    x, w, dproj, dsq, g, a, hp, dy = inputs("cuda", T, n, C, 24, dtype, dtype)
+    g32 = g.float()
+    x3, gp3, s3 = x.unsqueeze(0), dproj.unsqueeze(0), dsq.unsqueeze(0)
+
+    def project_bwd():
+        return P.launch_project_bwd(x3, w, gp3, s3)
+
+    @torch.compile
+    def inductor_sum(g32, a, hp, dy, dv):
+        mix = torch.einsum("tij,tjc->tic", a, g32.view(T, n, C)).to(dtype)
+        return (mix + (hp[:, :, None] * dy[:, None, :]).to(dtype)).reshape(T, n * C) + dv
+
+    def today():
+        dv, dw = project_bwd()
+        return inductor_sum(g32, a, hp, dy, dv[0]), dw
+
+    print(f"x [{T}, {n}x{C}] bf16 clone (read + write): {do_bench(lambda: x.clone()) * 1e3:.1f} us", flush=True)
+    print(f"today: the op's backward kernel alone: {do_bench(project_bwd) * 1e3:.1f} us", flush=True)
+    print(f"today: the op's backward kernel + Inductor's sum (g float32): {do_bench(today) * 1e3:.1f} us", flush=True)
+    for splits, bt, bc, warps in CONFIGS:
+        ms = do_bench(lambda: stream_grad(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps))
+        print(f"fused splits {splits:2d} BT {bt:3d} BC {bc} warps {warps}: {ms * 1e3:.1f} us", flush=True)
+
+
+def sm90(T: int, n: int, C: int) -> None:
+    """--sm90 (no GPU, no TRITON_INTERPRET): each timed configuration compiled for sm_90 as a launch would
+    specialise it, with its registers and spills (hccompile's compile_check)."""
+    from hccompile.kernels.mhc.compile_check import compile_launch, resources
+
+    K, W = n * C, 24
+    x, w = torch.empty(T, K, dtype=torch.bfloat16), torch.empty(W, K, dtype=torch.bfloat16)
+    dproj, dsq, g = torch.empty(T, W, dtype=torch.bfloat16), torch.empty(T), torch.empty(T, K, dtype=torch.bfloat16)
+    a, hp, dy, dx = torch.empty(T, n, n), torch.empty(T, n), torch.empty(T, C, dtype=torch.bfloat16), torch.empty_like(x)
+    for splits, bt, bc, warps in CONFIGS:
+        partial = torch.empty(splits, W, K)
+        per = triton.cdiv(triton.cdiv(T, splits), bt) * bt
+        args = (x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per)
+        kw = dict(N=n, BLOCK_T=bt, BLOCK_C=bc, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=warps,
+                  num_stages=3)
+        print("stream grad", kw, resources(compile_launch(_stream_grad_kernel, args, kw)), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--check", action="store_true", help="only check against float64")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--channels", type=int, default=1024, help="C")
+    p.add_argument("--streams", type=int, default=4, help="n")
+    p.add_argument("--sm90", action="store_true", help="compile every timed configuration for sm_90 (no GPU)")
+    args = p.parse_args()
+    if args.sm90:
+        sm90(args.tokens, args.streams, args.channels)
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if INTERPRETED:  # the tests' interpreter fixes (bf16 rounding, scalar loop bounds on Triton 3.6)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+        import interpreter_compat
+
+        interpreter_compat.apply()
+    small = 16 if device == "cpu" else 128
+    for T, n, C, dtype, g_dtype in ((45, 4, 24, torch.float32, torch.float32), (37, 3, 40, torch.bfloat16, torch.bfloat16),
+                                    (50, 4, 32, torch.bfloat16, torch.float32)):
+        check(device, T, n, C, dtype, g_dtype, small)
+    if device == "cuda":
+        check(device, 1000, 4, 1024, torch.bfloat16, torch.bfloat16, 128)
+        if not args.check:
+            time_gpu(args.tokens, args.streams, args.channels)
+
+
+if __name__ == "__main__":
+    main()
