@@ -96,11 +96,17 @@ def check(device: str, T: int, K: int, W: int, dtype: torch.dtype) -> None:
     proj, sq = project_fwd(v, w, block_t=16, block_k=32 if device == "cpu" else 128)
     dv, dw = project_bwd(v, w, dproj, dsq, splits=3, block_t=16, block_k=32 if device == "cpu" else 128)
     want = reference(v, w, dproj, dsq)
-    errors = [rel(got, ref) for got, ref in zip((proj, sq, dv, dw), want)]
+    report(f"T{T} K{K} W{W} {dtype}", dict(zip(("proj", "sq", "dv", "dw"), (proj, sq, dv, dw))), want, dtype)
+
+
+def report(label: str, got: dict, want, dtype: torch.dtype) -> None:
+    """Prints each output's relative error against its float64 reference (in `want`'s order) and exits 1 past
+    the limit for `dtype` (FLA's 8e-3 for 16-bit operands) or on a NaN."""
+    errors = {name: rel(g, r) for (name, g), r in zip(got.items(), want)}
     limit = 1e-5 if dtype == torch.float32 else 8e-3
-    status = "ok" if all(e < limit and e == e for e in errors) else "FAILED"
-    print(f"check T{T} K{K} W{W} {dtype}: proj {errors[0]:.1e} sq {errors[1]:.1e} dv {errors[2]:.1e} "
-          f"dw {errors[3]:.1e} (limit {limit:.0e}) {status}", flush=True)
+    status = "ok" if all(e < limit for e in errors.values()) else "FAILED"  # NaN < limit is False
+    print(f"check {label}: " + " ".join(f"{n} {e:.1e}" for n, e in errors.items()) + f" (limit {limit:.0e}) {status}",
+          flush=True)
     if status != "ok":
         raise SystemExit(1)
 

@@ -40,11 +40,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_W = 32
 
 
-def precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mhc_project_proto import BLOCK_W, precision, report  # noqa: E402  (the op's tiles and the checks' report)
 
 
 @triton.jit
@@ -132,22 +131,11 @@ def inputs(device: str, T: int, n: int, C: int, W: int, dtype: torch.dtype, g_dt
     return x, w, dproj, dsq, g, a, hp, dy
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def check(device: str, T: int, n: int, C: int, dtype: torch.dtype, g_dtype: torch.dtype, block_c: int) -> None:
     args = inputs(device, T, n, C, 24, dtype, g_dtype)
     got = stream_grad(*args, n=n, splits=3, block_t=16, block_c=block_c)
     want = reference(*args, n=n)
-    errors = [rel(x, r) for x, r in zip(got, want)]
-    limit = 1e-5 if dtype == torch.float32 else 8e-3
-    status = "ok" if all(e < limit and e == e for e in errors) else "FAILED"
-    print(f"check T{T} n{n} C{C} {dtype} g {g_dtype}: dx {errors[0]:.1e} dphi {errors[1]:.1e} (limit {limit:.0e}) "
-          f"{status}", flush=True)
-    if status != "ok":
-        raise SystemExit(1)
+    report(f"T{T} n{n} C{C} {dtype} g {g_dtype}", dict(zip(("dx", "dphi"), got)), want, dtype)
 
 
 # (splits, BLOCK_T, BLOCK_C, warps). Compiled for sm_90 with Triton 3.6 (--sm90): BLOCK_T 64 BLOCK_C 128 at 4 warps
