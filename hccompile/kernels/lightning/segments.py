@@ -31,7 +31,7 @@ SUMMARY_CHUNK = 64
 SUMMARY_ROW_TILE = 128
 SUMMARY_COLUMN_TILE = 64
 # The prefix pass is a scan: PREFIX_SEGMENTS segments' summaries of PREFIX_TILE state elements loaded at
-# once and combined by tl.associative_scan. A loop over the segments, one dependent round trip to memory
+# once and combined in one product (_segment_prefix_kernel). A loop over the segments, one dependent round trip to memory
 # each, took 0.12 ms a launch at B1 T32768 H16 D128 (32 segments) on the H200, the scan 0.025 ms
 # (diag_lightning-scan_2026-11-30_h200x1_e78730e.txt).
 PREFIX_SEGMENTS = 32
@@ -132,11 +132,6 @@ if triton is not None:
         tl.store(x_ptrs, acc, mask=(b_cols[:, None] < DIM_B) & (c_cols[None, :] < DIM_C))
 
     @triton.jit
-    def _affine_then(d_first, x_first, d_then, x_then):
-        """Two steps X <- d X + x, first then then, as one: X <- (d_first d_then) X + (d_then x_first + x_then)."""
-        return d_first * d_then, x_first * d_then + x_then
-
-    @triton.jit
     def _segment_prefix_kernel(
         x_ptr, decay_ptr, table_ptr, first_segment_ptr, x0_ptr, xt_ptr,
         stride_xs, stride_xh, stride_xr, stride_xc,
@@ -157,8 +152,12 @@ if triton is not None:
         initial state's gradient (reverse), stored when STORE_XT.
 
         A program holds TILE state elements (flattened) of one sequence and head; SEGMENTS segments'
-        summaries are loaded together and combined by tl.associative_scan over those affine steps,
-        so the chain of dependent memory round trips is one per SEGMENTS segments, not one per segment."""
+        summaries are loaded together and combined at once, so the chain of dependent memory round
+        trips is one per SEGMENTS segments, not one per segment. The combination is the scan's closed
+        form: with C the running sum of the steps' log decays, the state leaving step s is
+        exp(C_s) X + sum_{j <= s} exp(C_s - C_j) x[j], one [SEGMENTS, SEGMENTS] x [SEGMENTS, TILE]
+        product (tl.associative_scan computes the same, but Triton's interpreter runs a scan with
+        a custom combine one element at a time in Python: 25x slower CPU tests)."""
         pid_nh = tl.program_id(0)
         seq = pid_nh // H
         head = (pid_nh % H).to(tl.int64)
@@ -194,13 +193,14 @@ if triton is not None:
                 seg_len = tl.load(table_ptr + seg * 4 + 2, mask=taken, other=0)  # not in a helper: _fixed_segment
             else:
                 _, _, seg_len = _fixed_segment(seg, time, seg_length, per_sequence)
-            d = tl.where(taken, tl.exp(gamma * seg_len.to(tl.float32)), 1.0)
+            through = tl.cumsum(tl.where(taken, gamma * seg_len.to(tl.float32), 0.0), 0)
             ptrs = x_ptr + seg.to(tl.int64)[:, None] * stride_xs + offsets[None, :]
             mask = taken[:, None] & in_state[None, :]
             summary = tl.load(ptrs, mask=mask, other=0.0)
-            d_all, x_all = tl.associative_scan((tl.broadcast_to(d[:, None], (SEGMENTS, TILE)), summary), 0,
-                                               _affine_then)
-            leaving = d_all * state[None, :] + x_all  # the state leaving each step
+            # the decay from step j's end to step s's end; exp(-inf) = 0 where j comes after s
+            gap = tl.where(steps[None, :] <= steps[:, None], through[:, None] - through[None, :], float("-inf"))
+            leaving = (tl.exp(through)[:, None] * state[None, :]  # the state leaving each step
+                       + tl.dot(tl.exp(gap), summary, input_precision="ieee"))
             last = tl.minimum(count - block_start, SEGMENTS) - 1
             # every summary of this block read (by any thread) before the first is overwritten
             tl.debug_barrier()
@@ -456,7 +456,7 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
         heads, dim_b, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
         REVERSE=reverse, CHUNK=SUMMARY_CHUNK, BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
     )
-    tile = min(PREFIX_TILE, next_power_of_2(dim_b * dim_c))
+    tile = max(16, min(PREFIX_TILE, next_power_of_2(dim_b * dim_c)))  # tl.dot's least N is 16
     wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, cdiv(dim_b * dim_c, tile))](
         states, decay, table, first,
         x0 if x0 is not None else states, xt if xt is not None else states,
