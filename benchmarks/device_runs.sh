@@ -33,6 +33,11 @@
 #               backward kernel + Inductor's sum, checked against float64, then timed       (issue 18)
 #   mhc-memory  the blocks alive at the C1024 step's memory peak, by the line that allocated them
 #               (n1-inductor, n4-hc-block with and without hc_project)                  (issue 18)
+#   mhc-static-compile  the C1024 n1-inductor and n4-hc-block rows (hc's default: our kernels through
+#               Inductor's static launcher), then n4-hc-block with static_launch_user_defined_triton_kernels=false,
+#               each on Triton's cache as this call left it (run it before any other mHC run)  (issue 18)
+#   lightning-prefix  the lightning segment prefix's launch options (segments, tile, warps) against the
+#               defaults, forward and reverse, at B1 T32768 H16 D128                      (issue 20)
 #   mhc-noproject  the C1024 n4-hc-block step without hc_project (--hc-option disable_passes=hc_project),
 #               to set beside the mhc run's row with it                                  (issue 18)
 #   mhc-kernels  each fused mHC op (post, aggregate, mapping, project) beside its plain form under
@@ -122,6 +127,13 @@ for run in ${RUNS:-delta host}; do
     mhc-before) test -f .before/COMMIT || { echo "mhc-before: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                 cut_at python3 benchmarks/before_after.py --family mhc --out "$out/diag_mhc-before_$tag.jsonl" \
                     -- --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 --variants n4-hc-block ;;
+    mhc-static-compile) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                            --variants n1-inductor,n4-hc-block --out "$out/mhc_$tag.jsonl"
+                        cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                            --variants n4-hc-block --hc-option static_launch_user_defined_triton_kernels=false \
+                            --out "$out/diag_mhc-nostatic_$tag.jsonl" ;;
+    lightning-prefix) cut_at python3 benchmarks/analysis/lightning_prefix_tune.py \
+                          > "$out/diag_lightning-prefix_$tag.txt" 2>&1 ;;
     mhc-noproject) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                        --variants n4-hc-block --hc-option disable_passes=hc_project \
                        --out "$out/diag_mhc-noproject_$tag.jsonl" > "$out/diag_mhc-noproject_$tag.txt" 2>&1 ;;

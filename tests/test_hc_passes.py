@@ -6,6 +6,7 @@ from torch import nn
 
 import hccompile.passes.hc_fuse  # noqa: F401  (registers the pass now)
 
+from hccompile import compat
 from hccompile.nn import TinyLinearTransformer
 from hccompile.nn.mhc import MHCGPT
 from hccompile.passes.recompute import default_block_length
@@ -148,6 +149,10 @@ def _gpu_bf16_plans(layout):
         (out.float() * w).sum().backward()
         runs[name] = (out.detach(), [p.grad.clone() for p in m.parameters()], be.reports[0])
     assert runs["block"][2].recompute_plan and "emulate_precision_casts" in runs["block"][2].inductor_settings
+    if compat.has_inductor_option("static_launch_user_defined_triton_kernels"):
+        # the steps compared bit for bit below ran our kernels through Inductor's static launcher
+        for _, _, report in runs.values():
+            assert report.inductor_settings["static_launch_user_defined_triton_kernels"][0] is True
     return runs
 
 

@@ -331,15 +331,16 @@ def float64_segment_states(summaries, lengths, first, decay, x0, reverse):
 
 @requires_triton
 @pytest.mark.parametrize("scan_segments, time, bounds, segment, dims, reverse", [
-    (2, 130, None, 32, (24, 20), False),  # 5 segments a row, the last ragged: three scan blocks
-    (2, 130, None, 32, (24, 20), True),
+    (16, 1100, None, 32, (24, 20), False),  # 35 segments a row, the last ragged: three blocks of 16
+    (16, 1100, None, 32, (24, 20), True),
     (32, 96, None, 64, (100, 60), True),  # a state of 6000 elements: tiles past its end
-    (2, 200, [0, 50, 50, 137, 200], 64, (24, 20), True),  # varlen: an empty sequence, one of two segments
+    (16, 700, [0, 50, 50, 137, 700], 32, (24, 20), True),  # varlen: an empty sequence, one of 18 segments
     (32, 200, [0, 50, 50, 137, 200], 64, (24, 20), False),
+    (16, 40, None, 16, (2, 3), False),  # a state of 6 elements in a tile of 16
 ])
 def test_segment_prefix_equals_its_contract(scan_segments, time, bounds, segment, dims,
                                             reverse):
-    """The prefix pass (a scan, PREFIX_SEGMENTS segments at a time with the carry between blocks)
+    """The prefix pass (a scan, SEGMENTS segments at a time with the carry between blocks)
     against its contract in float64: every segment's state and the last state (poisoned)."""
     from hccompile.kernels.lightning import segments as segments_module
 
@@ -362,7 +363,7 @@ def test_segment_prefix_equals_its_contract(scan_segments, time, bounds, segment
     states = summaries.clone()
     xt = torch.full_like(x0, float("nan"))
     table_arg, first_arg, time_arg, length, per_sequence = plan.kernel_args(decay)
-    tile = min(segments_module.PREFIX_TILE, 1 << (dim_b * dim_c - 1).bit_length())
+    tile = segments_module.prefix_tile(dim_b, dim_c)
     segments_module._segment_prefix_kernel[(plan.num_sequences * heads, -(-dim_b * dim_c // tile))](
         states, decay, table_arg, first_arg, x0, xt, *states.stride(), *x0.stride(), *xt.stride(), decay.stride(0),
         heads, dim_b, dim_c, time_arg, length, per_sequence, IS_VARLEN=plan.varlen, REVERSE=reverse, HAS_X0=True,

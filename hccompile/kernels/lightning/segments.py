@@ -34,8 +34,9 @@ SUMMARY_COLUMN_TILE = 64
 # once and combined in one product (_segment_prefix_kernel). A loop over the segments, one dependent round trip to memory
 # each, took 0.12 ms a launch at B1 T32768 H16 D128 (32 segments) on the H200, the scan 0.025 ms
 # (diag_lightning-scan_2026-11-30_h200x1_e78730e.txt).
-PREFIX_SEGMENTS = 32
+PREFIX_SEGMENTS = 32  # at least 16: tl.dot's least dimension
 PREFIX_TILE = 128
+PREFIX_WARPS = 4
 # The states may instead come from one sequential pass per (sequence, head, state tile) over the
 # whole sequence (_sequential_states_kernel: FLA's chunk-state walk, storing only the
 # segments' states): one launch instead of two and no summaries in memory, but sequences * H * tiles
@@ -158,6 +159,7 @@ if triton is not None:
         exp(C_s) X + sum_{j <= s} exp(C_s - C_j) x[j], one [SEGMENTS, SEGMENTS] x [SEGMENTS, TILE]
         product (tl.associative_scan computes the same, but Triton's interpreter runs a scan with
         a custom combine one element at a time in Python: 25x slower CPU tests)."""
+        tl.static_assert(SEGMENTS >= 16 and TILE >= 16, "tl.dot needs 16 rows and columns at least")
         pid_nh = tl.program_id(0)
         seq = pid_nh // H
         head = (pid_nh % H).to(tl.int64)
@@ -420,6 +422,12 @@ def _sequential_states_chosen(walks, time, chunk: int, device: torch.device) -> 
     return walks >= sms and cdiv(time, chunk) <= SEQUENTIAL_MAX_CHUNKS
 
 
+def prefix_tile(dim_b: int, dim_c: int) -> int:
+    """State elements per prefix program: PREFIX_TILE, or the state's size rounded up to a power of
+    two when smaller, never under 16 (tl.dot's least dimension)."""
+    return max(16, min(PREFIX_TILE, next_power_of_2(dim_b * dim_c)))
+
+
 def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay: torch.Tensor, scale: float,
                     reverse: bool, x0: torch.Tensor | None = None, xt: torch.Tensor | None = None,
                     wrap: Callable = direct, block: int = SUMMARY_CHUNK, zero_padding: bool = False) -> torch.Tensor:
@@ -456,12 +464,13 @@ def _segment_states(segments: _Segments, b: torch.Tensor, c: torch.Tensor, decay
         heads, dim_b, dim_c, float(scale), time, length, per_sequence, IS_VARLEN=segments.varlen,
         REVERSE=reverse, CHUNK=SUMMARY_CHUNK, BLOCK_B=block_b, BLOCK_C=block_c, **_dot_options(b.dtype),
     )
-    tile = max(16, min(PREFIX_TILE, next_power_of_2(dim_b * dim_c)))  # tl.dot's least N is 16
+    tile = prefix_tile(dim_b, dim_c)
     wrap(_segment_prefix_kernel)[(segments.num_sequences * heads, cdiv(dim_b * dim_c, tile))](
         states, decay, table, first,
         x0 if x0 is not None else states, xt if xt is not None else states,
         *states.stride(), *_state_strides(x0, False), *_state_strides(xt, False), decay.stride(0),
         heads, dim_b, dim_c, time, length, per_sequence, IS_VARLEN=segments.varlen,
         REVERSE=reverse, HAS_X0=x0 is not None, STORE_XT=xt is not None, SEGMENTS=PREFIX_SEGMENTS, TILE=tile,
+        num_warps=PREFIX_WARPS,
     )
     return states
