@@ -31,12 +31,14 @@ SUMMARY_CHUNK = 64
 SUMMARY_ROW_TILE = 128
 SUMMARY_COLUMN_TILE = 64
 # The prefix pass is a scan: PREFIX_SEGMENTS segments' summaries of PREFIX_TILE state elements loaded at
-# once and combined in one product (_segment_prefix_kernel). A loop over the segments, one dependent round trip to memory
-# each, took 0.12 ms a launch at B1 T32768 H16 D128 (32 segments) on the H200, the scan 0.025 ms
-# (diag_lightning-scan_2026-11-30_h200x1_e78730e.txt).
-PREFIX_SEGMENTS = 32  # at least 16: tl.dot's least dimension
+# once and combined in one product (_segment_prefix_kernel). A loop over the segments, one dependent round
+# trip to memory each, took 0.12 ms a launch at B1 T32768 H16 D128 (32 segments) on the H200, a
+# tl.associative_scan 0.025 ms (diag_lightning-scan_2026-11-30_h200x1_e78730e.txt). The closed form at
+# 32 segments, 128 elements and 4 warps took 43 us alone; at 16 segments (two dependent blocks), 128
+# elements and 2 warps 26 us (diag_lightning-prefix_2026-11-30_h200x2_6a1e516.txt: 1 warp 25 us, 8 warps 37).
+PREFIX_SEGMENTS = 16  # at least 16: tl.dot's least dimension
 PREFIX_TILE = 128
-PREFIX_WARPS = 4
+PREFIX_WARPS = 2
 # The states may instead come from one sequential pass per (sequence, head, state tile) over the
 # whole sequence (_sequential_states_kernel: FLA's chunk-state walk, storing only the
 # segments' states): one launch instead of two and no summaries in memory, but sequences * H * tiles
