@@ -36,8 +36,8 @@
 #   mhc-static-compile  the C1024 n1-inductor and n4-hc-block rows (hc's default: our kernels through
 #               Inductor's static launcher), then n4-hc-block with static_launch_user_defined_triton_kernels=false,
 #               each on Triton's cache as this call left it (run it before any other mHC run)  (issue 18)
-#   lightning-prefix  the lightning segment prefix's launch options (segments, tile, warps) against the
-#               defaults, forward and reverse, at B1 T32768 H16 D128                      (issue 20)
+#   lightning-states  the lightning segment summary's and prefix's launch options against the
+#               defaults, at B1 T32768 H16 D128 (benchmarks/analysis/lightning_states_tune.py) (issue 20)
 #   mhc-noproject  the C1024 n4-hc-block step without hc_project (--hc-option disable_passes=hc_project),
 #               to set beside the mhc run's row with it                                  (issue 18)
 #   mhc-kernels  each fused mHC op (post, aggregate, mapping, project) beside its plain form under
@@ -132,8 +132,8 @@ for run in ${RUNS:-delta host}; do
                         cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                             --variants n4-hc-block --hc-option static_launch_user_defined_triton_kernels=false \
                             --out "$out/diag_mhc-nostatic_$tag.jsonl" ;;
-    lightning-prefix) cut_at python3 benchmarks/analysis/lightning_prefix_tune.py \
-                          > "$out/diag_lightning-prefix_$tag.txt" 2>&1 ;;
+    lightning-states) cut_at python3 benchmarks/analysis/lightning_states_tune.py \
+                          > "$out/diag_lightning-states_$tag.txt" 2>&1 ;;
     mhc-noproject) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                        --variants n4-hc-block --hc-option disable_passes=hc_project \
                        --out "$out/diag_mhc-noproject_$tag.jsonl" > "$out/diag_mhc-noproject_$tag.txt" 2>&1 ;;
