@@ -218,7 +218,7 @@ class HCRecomputePass(GraphPass):
                 kept_norms = {l.norm_node for l in blk if l.norm_node is not None and l.norm_node in region}
                 # the partitioner decides at a multi-output op, not at its getitems: a kept getitem
                 # whose op is tagged MUST_RECOMPUTE is rebuilt in the backward, the stream it reads
-                # first (mhc_project at 50a79bc: +0.11 GiB peak on the H200, no faster step)
+                # first (mhc_project at 50a79bc: a second projection per sublayer in the backward)
                 kept_ops = {n.args[0] for n in kept_per_token | kept_norms
                             if M.kind(n) == "getitem" and isinstance(M.example(n.args[0]), (tuple, list))}
                 keep |= kept_per_token | kept_norms | kept_ops

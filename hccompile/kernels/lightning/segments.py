@@ -26,10 +26,13 @@ from .._triton import cdiv, direct, dot, kept_rows, load_tile, next_power_of_2, 
 # never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v.
 SWEEP_WAVES = 8
 MIN_SEGMENT = 256
-# Summary pass: rows per step and the state tile per program; prefix pass: its state tile.
+# Summary pass: rows per step and the state tile per program. A whole 128 x 128 state a program took
+# 86.5 us a launch at B1 T32768 H16 D128 on the H200 against 96.1 for two 128 x 64 halves (4 warps,
+# 3 stages: diag_lightning-states_2026-11-30_h200x2_aeb744d.txt; 32 or 128 rows a step, 8 warps or 2
+# stages no faster).
 SUMMARY_CHUNK = 64
 SUMMARY_ROW_TILE = 128
-SUMMARY_COLUMN_TILE = 64
+SUMMARY_COLUMN_TILE = 128
 # The prefix pass is a scan: PREFIX_SEGMENTS segments' summaries of PREFIX_TILE state elements loaded at
 # once and combined in one product (_segment_prefix_kernel). A loop over the segments, one dependent round
 # trip to memory each, took 0.12 ms a launch at B1 T32768 H16 D128 (32 segments) on the H200, a
