@@ -29,7 +29,7 @@
 #               (n1-inductor, n4-hc-block, n4-hc-block-cg)                             (issue 18, 24)
 #   mhc-before  the C1024 n4-hc-block step of the .before tree (make before-tree REF=<commit>, carried)
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
-#   mhc-stream-grad-proto  the stream's whole gradient from one kernel (prototype) against the op's
+#   mhc-stream-grad-proto  the stream's whole gradient from one kernel (prototype, per stream and wide) against the op's
 #               backward kernel + Inductor's sum, checked against float64, then timed       (issue 18)
 #   mhc-memory  the blocks alive at the C1024 step's memory peak, by the line that allocated them
 #               (n1-inductor, n4-hc-block with and without hc_project)                  (issue 18)
