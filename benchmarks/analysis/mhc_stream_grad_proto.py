@@ -235,7 +235,7 @@ WIDE_CONFIGS = ((16, 32, 64, 4), (16, 32, 64, 8), (16, 16, 64, 4), (16, 32, 32, 
                 (16, 16, 32, 4), (16, 64, 32, 8), (32, 32, 32, 4))
 
 
-def time_gpu(T: int, n: int, C: int) -> None:
+def time_gpu(T: int, n: int, C: int, per_stream: bool = True) -> None:
     """The prototype against what the compiled step runs today for the same terms: the op's backward kernel
     (dv, dφ) and Inductor's sum of the mix, the aggregate's term and dv, with g in float32 as the graph has it."""
     from triton.testing import do_bench
@@ -262,7 +262,7 @@ def time_gpu(T: int, n: int, C: int) -> None:
     print(f"x [{T}, {n}x{C}] bf16 clone (read + write): {do_bench(lambda: x.clone()) * 1e3:.1f} us", flush=True)
     print(f"today: the op's backward kernel alone: {do_bench(project_bwd) * 1e3:.1f} us", flush=True)
     print(f"today: the op's backward kernel + Inductor's sum (g float32): {do_bench(today) * 1e3:.1f} us", flush=True)
-    for splits, bt, bc, warps in CONFIGS:
+    for splits, bt, bc, warps in CONFIGS if per_stream else ():
         ms = do_bench(lambda: stream_grad(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps))
         print(f"fused splits {splits:2d} BT {bt:3d} BC {bc} warps {warps}: {ms * 1e3:.1f} us", flush=True)
     for splits, bt, bc, warps in WIDE_CONFIGS:
@@ -302,6 +302,7 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=1024, help="C")
     p.add_argument("--streams", type=int, default=4, help="n")
     p.add_argument("--sm90", action="store_true", help="compile every timed configuration for sm_90 (no GPU)")
+    p.add_argument("--wide-only", action="store_true", help="time the wide kernel's configurations only")
     args = p.parse_args()
     if args.sm90:
         sm90(args.tokens, args.streams, args.channels)
@@ -319,7 +320,7 @@ def main() -> None:
     if device == "cuda":
         check(device, 1000, 4, 1024, torch.bfloat16, torch.bfloat16, 128)
         if not args.check:
-            time_gpu(args.tokens, args.streams, args.channels)
+            time_gpu(args.tokens, args.streams, args.channels, per_stream=not args.wide_only)
 
 
 if __name__ == "__main__":
