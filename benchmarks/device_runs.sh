@@ -53,6 +53,8 @@
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
 #               B1 T32768 (ours and FLA's), into diag_ rows                              (issue 20)
+#   lightning-order  the B1 T32768 rows beside FLA with the no-decay setting first (it ran second and slower in
+#               two runs of three, with the same kernels and GPU time)                    (issue 20)
 #   lightning-caller  lightning-quick's B4 T4096 rows with every backward on the calling thread
 #               (--backward-on-caller), ours and FLA's, into diag_ rows                 (issue 20)
 #   lightning-profile  per-kernel GPU time of our lightning at B4 T4096 H16 D128, fwd+bwd and forward
@@ -166,6 +168,8 @@ for run in ${RUNS:-delta host}; do
                       > "$out/diag_lightning-b1_$tag.txt" 2>&1
                   cut_at python3 benchmarks/lightning.py --shapes B1-T32768-H16-D128,B4-T4096-H16-D128 --skip-plain \
                       --no-switches --out "$out/lightning_$tag.jsonl" ;;
+    lightning-order) cut_at python3 benchmarks/lightning.py --shapes B1-T32768-H16-D128 --skip-plain --no-switches \
+                         --decays none,decay --out "$out/lightning_$tag.jsonl" ;;
     lightning-caller) cut_at python3 benchmarks/lightning.py --shapes B4-T4096-H16-D128 --skip-plain --no-switches \
                           --backward-on-caller --out "$out/diag_lightning-caller_$tag.jsonl" ;;
     lightning-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning --shape B4T4096H16D128 \

@@ -231,6 +231,9 @@ def main(argv=None):
     p.add_argument("--skip-plain", action="store_true", help="skip the plain form under Inductor/hc")
     p.add_argument("--plain-limit-gb", type=float, default=8.0, help="skip plain forms whose score matrix is larger")
     p.add_argument("--no-switches", action="store_true", help="only the defaults: no rows with a switch flipped")
+    p.add_argument("--decays", default="decay,none",
+                   help="the decay settings in the order they run (the no-decay rows ran second and slower in two "
+                        "runs of three with the same kernels: 'none,decay' tells whether the order does it)")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--backward-on-caller", action="store_true",
                    help="every impl's backward on the calling thread (torch.autograd.set_multithreading_enabled"
@@ -255,7 +258,7 @@ def main(argv=None):
         meta["fla"] = None
     print(f"# {meta}")
     for name in args.shapes.split(","):
-        for decayed in (True, False):
+        for decayed in [{"decay": True, "none": False}[d] for d in args.decays.split(",")]:
             rows = run_shape(name, SHAPES[name], decayed, args, bandwidth)
             if args.out:  # as measured: a run cut short keeps its finished shapes
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
