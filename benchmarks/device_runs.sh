@@ -29,7 +29,7 @@
 #               (n1-inductor, n4-hc-block, n4-hc-block-cg)                             (issue 18, 24)
 #   mhc-before  the C1024 n4-hc-block step of the .before tree (make before-tree REF=<commit>, carried)
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
-#   mhc-stream-grad-proto  the stream's whole gradient from one kernel (the wide prototype; the per-stream one timed at fa17690) against the op's
+#   mhc-stream-grad-proto  the stream's whole gradient from one kernel (prototype) against the op's
 #               backward kernel + Inductor's sum, checked against float64, then timed       (issue 18)
 #   mhc-memory  the blocks alive at the C1024 step's memory peak, by the line that allocated them
 #               (n1-inductor, n4-hc-block with and without hc_project)                  (issue 18)
@@ -153,7 +153,7 @@ for run in ${RUNS:-delta host}; do
     mhc-static) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                     --variants n4-hc-block --host-profile 25 --hc-option static_launch_user_defined_triton_kernels=true \
                     --out "$out/diag_mhc-static_$tag.jsonl" > "$out/diag_mhc-static_$tag.txt" 2>&1 ;;
-    mhc-stream-grad-proto) cut_at python3 benchmarks/analysis/mhc_stream_grad_proto.py --wide-only \
+    mhc-stream-grad-proto) cut_at python3 benchmarks/analysis/mhc_stream_grad_proto.py \
                                > "$out/diag_mhc-stream-grad-proto_$tag.txt" 2>&1 ;;
     mhc-project-proto) cut_at python3 benchmarks/analysis/mhc_project_proto.py \
                            > "$out/diag_mhc-project-proto_$tag.txt" 2>&1 ;;

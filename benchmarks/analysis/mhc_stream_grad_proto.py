@@ -16,11 +16,12 @@ each of the 8 sublayers' kernels `_8`, `_13`, `_14` (`diag_mhc-profile_…73e592
 reads x and g once and writes dx once: 3.
 
 Layout of this prototype: x, g, dx [T, n·C] contiguous; A [T, n, n], h_pre [T, n] float32; dy [T, C];
-φ [W, n·C]; dproj [T, W]; dsq [T] float32. A program holds C-columns [BLOCK_C] of one stream i for one
-share of the tokens (the op's backward kernel's split), so that dφ's partial stays in registers; the n
-programs of one column block are neighbours in launch order, so g, read by each of them, comes from HBM
-once. `_stream_grad_wide_kernel` holds every stream's columns of one channel block instead, so g, x and dy
-are read from HBM once by one program. If it pays, it becomes `mhc_project_backward`'s kernel with a post_grad pass that hands it g, A,
+φ [W, n·C]; dproj [T, W]; dsq [T] float32. A program holds BLOCK_C channels of every stream for one
+share of the tokens (the op's backward kernel's split), so that dφ's partial stays in registers and g, x
+and dy are read from HBM once. A first version held one stream per program (n programs reading the same g
+and dy): 189 us a sublayer at C1024 B4 S2048 n4 on the H200 against ~150 in the compiled step
+(`diag_mhc-stream-grad-proto_…fa17690.txt`, BENCHMARKS.md session 40), so it was dropped. If this one
+pays, it becomes `mhc_project_backward`'s kernel with a post_grad pass that hands it g, A,
 h_pre and dy (the graph's add of the three terms), as mhc_project_proto.py became project.py.
 
     TRITON_INTERPRET=1 python benchmarks/analysis/mhc_stream_grad_proto.py --check   # CPU: against float64
@@ -48,52 +49,6 @@ from mhc_project_proto import BLOCK_W, precision, report  # noqa: E402  (the op'
 
 
 @triton.jit
-def _stream_grad_kernel(
-    x_ptr, w_ptr, dproj_ptr, dsq_ptr, g_ptr, a_ptr, hp_ptr, dy_ptr, dx_ptr, dw_ptr,
-    T, C, W, tokens_per_split,
-    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """dx for BLOCK_C columns of stream i over one share of the tokens, and that share's dφ partial."""
-    i = tl.program_id(0) % N
-    cs = (tl.program_id(0) // N) * BLOCK_C + tl.arange(0, BLOCK_C)
-    share = tl.program_id(1)
-    K = N * C
-    outs = tl.arange(0, BLOCK_W)
-    c_ok = cs < C
-    out_ok = outs < W
-    ks = (i * C + cs).to(tl.int64)
-    w = tl.load(w_ptr + outs[:, None] * K + ks[None, :], mask=out_ok[:, None] & c_ok[None, :], other=0.0)
-    if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers
-        w = w.to(tl.float32)
-    dw = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
-    start = share * tokens_per_split
-    for t0 in range(start, start + tokens_per_split, BLOCK_T):
-        tok = t0 + tl.arange(0, BLOCK_T)
-        tok_ok = (tok < T) & (tok < start + tokens_per_split)
-        tok64 = tok.to(tl.int64)
-        tc = tok_ok[:, None] & c_ok[None, :]
-        x = tl.load(x_ptr + tok64[:, None] * K + ks[None, :], mask=tc, other=0.0)
-        gp = tl.load(dproj_ptr + tok64[:, None] * W + outs[None, :], mask=tok_ok[:, None] & out_ok[None, :],
-                     other=0.0)
-        dsq = tl.load(dsq_ptr + tok64, mask=tok_ok, other=0.0).to(tl.float32)
-        hp = tl.load(hp_ptr + tok64 * N + i, mask=tok_ok, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + tok64[:, None] * C + cs[None, :], mask=tc, other=0.0).to(tl.float32)
-        if UPCAST:
-            gp = gp.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(gp, w, input_precision=PRECISION) + (2.0 * dsq)[:, None] * x.to(tl.float32) + hp[:, None] * dy
-        for j in tl.static_range(N):
-            a_ij = tl.load(a_ptr + tok64 * (N * N) + i * N + j, mask=tok_ok, other=0.0).to(tl.float32)
-            g_j = tl.load(g_ptr + tok64[:, None] * K + (j * C + cs).to(tl.int64)[None, :], mask=tc,
-                          other=0.0).to(tl.float32)
-            acc += a_ij[:, None] * g_j
-        tl.store(dx_ptr + tok64[:, None] * K + ks[None, :], acc.to(dx_ptr.dtype.element_ty), mask=tc)
-        dw = tl.dot(tl.trans(gp), x, dw, input_precision=PRECISION)
-    tl.store(dw_ptr + share * W * K + outs[:, None] * K + ks[None, :], dw, mask=out_ok[:, None] & c_ok[None, :])
-
-
-@triton.jit
 def _spread(t, BLOCK_T: tl.constexpr, N_POW2: tl.constexpr, BLOCK_C: tl.constexpr, PER_STREAM: tl.constexpr):
     """[BLOCK_T, N_POW2] (PER_STREAM) or [BLOCK_T, BLOCK_C] to the tile's [BLOCK_T, N_POW2 * BLOCK_C] columns
     (column = stream * BLOCK_C + channel), without loading the value again per column."""
@@ -105,7 +60,7 @@ def _spread(t, BLOCK_T: tl.constexpr, N_POW2: tl.constexpr, BLOCK_C: tl.constexp
 
 
 @triton.jit
-def _stream_grad_wide_kernel(
+def _stream_grad_kernel(
     x_ptr, w_ptr, dproj_ptr, dsq_ptr, g_ptr, a_ptr, hp_ptr, dy_ptr, dx_ptr, dw_ptr,
     T, C, W, tokens_per_split,
     N: tl.constexpr, N_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -113,9 +68,8 @@ def _stream_grad_wide_kernel(
 ):
     """dx for BLOCK_C columns of every stream at once over one share of the tokens, and the share's dφ
     partial. A tile's N_POW2 * BLOCK_C columns are stream i = col // BLOCK_C, channel c = cs[col % BLOCK_C]:
-    each stream's dx mixes every stream's g at the same channel, so g, x and dy are read from HBM once (the
-    per-stream kernel above has n programs read the same g and dy), and the projection's two products are
-    one dot each over all the streams."""
+    each stream's dx mixes every stream's g at the same channel, so g, x and dy are read from HBM once, and
+    the projection's two products are one dot each over all the streams."""
     cols = tl.arange(0, N_POW2 * BLOCK_C)
     stream = cols // BLOCK_C
     cs = tl.program_id(0) * BLOCK_C + cols % BLOCK_C
@@ -161,33 +115,18 @@ def _stream_grad_wide_kernel(
     tl.store(dw_ptr + share * W * K + outs[:, None] * K + ks[None, :], dw, mask=out_ok[:, None] & col_ok[None, :])
 
 
-def stream_grad_wide(x, w, dproj, dsq, g, a, hp, dy, n: int, splits: int = 16, block_t: int = 32,
+def stream_grad(x, w, dproj, dsq, g, a, hp, dy, n: int, splits: int = 16, block_t: int = 32,
                      block_c: int = 64, warps: int = 4, stages: int = 3):
-    """_stream_grad_wide_kernel: (dx [T, n·C] in x's dtype, dφ [W, n·C] float32)."""
+    """_stream_grad_kernel: (dx [T, n·C] in x's dtype, dφ [W, n·C] float32)."""
     T, K = x.shape
     C, W = K // n, w.shape[0]
     dx = torch.empty_like(x)
     partial = torch.empty(splits, W, K, dtype=torch.float32, device=x.device)
     per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
-    _stream_grad_wide_kernel[(triton.cdiv(C, block_c), splits)](
+    _stream_grad_kernel[(triton.cdiv(C, block_c), splits)](
         x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per_split,
         N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=BLOCK_W,
         PRECISION=precision(x.dtype), UPCAST=INTERPRETED, num_warps=warps, num_stages=stages)
-    return dx, partial.sum(0)
-
-
-def stream_grad(x, w, dproj, dsq, g, a, hp, dy, n: int, splits: int = 8, block_t: int = 64, block_c: int = 128,
-                warps: int = 4, stages: int = 3):
-    """(dx [T, n·C] in x's dtype, dφ [W, n·C] float32)."""
-    T, K = x.shape
-    C, W = K // n, w.shape[0]
-    dx = torch.empty_like(x)
-    partial = torch.empty(splits, W, K, dtype=torch.float32, device=x.device)
-    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
-    _stream_grad_kernel[(n * triton.cdiv(C, block_c), splits)](
-        x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per_split,
-        N=n, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=BLOCK_W, PRECISION=precision(x.dtype), UPCAST=INTERPRETED,
-        num_warps=warps, num_stages=stages)
     return dx, partial.sum(0)
 
 
@@ -220,22 +159,17 @@ def check(device: str, T: int, n: int, C: int, dtype: torch.dtype, g_dtype: torc
     want = reference(*args, n=n)
     got = stream_grad(*args, n=n, splits=3, block_t=16, block_c=block_c)
     report(f"T{T} n{n} C{C} {dtype} g {g_dtype}", dict(zip(("dx", "dphi"), got)), want, dtype)
-    got = stream_grad_wide(*args, n=n, splits=3, block_t=16, block_c=block_c)
-    report(f"wide T{T} n{n} C{C} {dtype} g {g_dtype}", dict(zip(("dx", "dphi"), got)), want, dtype)
 
 
-# (splits, BLOCK_T, BLOCK_C, warps). Compiled for sm_90 with Triton 3.6 (--sm90): BLOCK_T 64 BLOCK_C 128 at 4 warps
-# spills 696 bytes a thread (255 registers), at 8 warps none; BLOCK_C 64 at 4 warps none (248 registers)
-CONFIGS = ((8, 64, 64, 4), (16, 64, 64, 4), (8, 64, 128, 8), (16, 64, 128, 8), (8, 32, 64, 4), (8, 64, 128, 4))
-# The wide kernel's (splits, BLOCK_T, BLOCK_C, warps): a tile is n_pow2 * BLOCK_C columns wide. Compiled for
-# sm_90 (Triton 3.6, n 4): none spills (h_pre, dy and A loaded once per token and spread over the columns;
-# loaded per column, BLOCK_T 32 BLOCK_C 64 at 4 warps spilled 1424 bytes a thread); 255 registers but at
-# BLOCK_T 16 BLOCK_C 32 (166) and BLOCK_T 32 BLOCK_C 32 at 8 warps (230).
-WIDE_CONFIGS = ((16, 32, 64, 4), (16, 32, 64, 8), (16, 16, 64, 4), (16, 32, 32, 4), (16, 32, 32, 8),
-                (16, 16, 32, 4), (16, 64, 32, 8), (32, 32, 32, 4))
+# (splits, BLOCK_T, BLOCK_C, warps): a tile is n_pow2 * BLOCK_C columns wide. Compiled for
+# sm_90 (Triton 3.6, n 4): only BLOCK_T 32 BLOCK_C 64 at 4 warps spills (264 bytes a thread; 1424 when h_pre,
+# dy and A were loaded per column rather than once per token and spread over the columns); 255 registers but
+# at BLOCK_T 16 BLOCK_C 32 (166) and BLOCK_T 32 BLOCK_C 32 at 8 warps (230).
+CONFIGS = ((16, 32, 64, 4), (16, 32, 64, 8), (16, 16, 64, 4), (16, 32, 32, 4), (16, 32, 32, 8),
+           (16, 16, 32, 4), (16, 64, 32, 8), (32, 32, 32, 4))
 
 
-def time_gpu(T: int, n: int, C: int, per_stream: bool = True) -> None:
+def time_gpu(T: int, n: int, C: int) -> None:
     """The prototype against what the compiled step runs today for the same terms: the op's backward kernel
     (dv, dφ) and Inductor's sum of the mix, the aggregate's term and dv, with g in float32 as the graph has it."""
     from triton.testing import do_bench
@@ -262,12 +196,9 @@ def time_gpu(T: int, n: int, C: int, per_stream: bool = True) -> None:
     print(f"x [{T}, {n}x{C}] bf16 clone (read + write): {do_bench(lambda: x.clone()) * 1e3:.1f} us", flush=True)
     print(f"today: the op's backward kernel alone: {do_bench(project_bwd) * 1e3:.1f} us", flush=True)
     print(f"today: the op's backward kernel + Inductor's sum (g float32): {do_bench(today) * 1e3:.1f} us", flush=True)
-    for splits, bt, bc, warps in CONFIGS if per_stream else ():
+    for splits, bt, bc, warps in CONFIGS:
         ms = do_bench(lambda: stream_grad(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps))
         print(f"fused splits {splits:2d} BT {bt:3d} BC {bc} warps {warps}: {ms * 1e3:.1f} us", flush=True)
-    for splits, bt, bc, warps in WIDE_CONFIGS:
-        ms = do_bench(lambda: stream_grad_wide(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps))
-        print(f"wide  splits {splits:2d} BT {bt:3d} BC {bc} warps {warps}: {ms * 1e3:.1f} us", flush=True)
 
 
 def sm90(T: int, n: int, C: int) -> None:
@@ -283,16 +214,9 @@ def sm90(T: int, n: int, C: int) -> None:
         partial = torch.empty(splits, W, K)
         per = triton.cdiv(triton.cdiv(T, splits), bt) * bt
         args = (x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per)
-        kw = dict(N=n, BLOCK_T=bt, BLOCK_C=bc, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=warps,
-                  num_stages=3)
-        print("stream grad", kw, resources(compile_launch(_stream_grad_kernel, args, kw)), flush=True)
-    for splits, bt, bc, warps in WIDE_CONFIGS:
-        partial = torch.empty(splits, W, K)
-        per = triton.cdiv(triton.cdiv(T, splits), bt) * bt
-        args = (x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per)
         kw = dict(N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_C=bc, BLOCK_W=BLOCK_W, PRECISION="tf32",
                   UPCAST=False, num_warps=warps, num_stages=3)
-        print("wide", kw, resources(compile_launch(_stream_grad_wide_kernel, args, kw)), flush=True)
+        print("stream grad", kw, resources(compile_launch(_stream_grad_kernel, args, kw)), flush=True)
 
 
 def main() -> None:
@@ -302,7 +226,6 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=1024, help="C")
     p.add_argument("--streams", type=int, default=4, help="n")
     p.add_argument("--sm90", action="store_true", help="compile every timed configuration for sm_90 (no GPU)")
-    p.add_argument("--wide-only", action="store_true", help="time the wide kernel's configurations only")
     args = p.parse_args()
     if args.sm90:
         sm90(args.tokens, args.streams, args.channels)
@@ -320,7 +243,7 @@ def main() -> None:
     if device == "cuda":
         check(device, 1000, 4, 1024, torch.bfloat16, torch.bfloat16, 128)
         if not args.check:
-            time_gpu(args.tokens, args.streams, args.channels, per_stream=not args.wide_only)
+            time_gpu(args.tokens, args.streams, args.channels)
 
 
 if __name__ == "__main__":
