@@ -64,6 +64,8 @@
 #               and the backward from the forward's saved states, into diag_ rows         (issue 20)
 #   delta-tune  GDN's launch options one kernel at a time (l2norm rows and warps, dqkw, wy_bwd) against
 #               the defaults in one process, fwd+bwd at B4 T4096, into diag_ rows          (issue 20)
+#   delta-profile  per-kernel GPU time of our GDN and KDA at B4 T4096 and B1 T32768 H16 D128 (no FLA: its
+#               first call autotunes for minutes)                                        (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -183,6 +185,10 @@ for run in ${RUNS:-delta host}; do
     delta-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B4T4096H16D128 \
                     --kernels L2NORM_BLOCK_ROWS,L2NORM_WARPS,_dqkw_kernel,DQKW_BLOCK_K,_wy_bwd_kernel \
                     --out "$out/diag_delta-tune_$tag.jsonl" ;;
+    delta-profile) for shape in B4T4096H16D128 B1T32768H16D128; do
+                       cut_at python3 benchmarks/profile_ops.py --ops gdn,kda --shape "$shape" \
+                           >> "$out/diag_delta-profile_$tag.txt" 2>&1
+                   done ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
