@@ -66,6 +66,8 @@
 #               the defaults in one process, fwd+bwd at B4 T4096, into diag_ rows          (issue 20)
 #   delta-profile  per-kernel GPU time of our GDN and KDA at B4 T4096 and B1 T32768 H16 D128 (no FLA: its
 #               first call autotunes for minutes)                                        (issue 20)
+#   kda-tune  KDA's launch options one kernel at a time against the defaults (tuned on the H100), fwd+bwd at
+#               B4 T4096 (every KDA kernel) and B1 T32768 (the sweeps), into diag_ rows     (issue 20)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -189,6 +191,12 @@ for run in ${RUNS:-delta host}; do
                        cut_at python3 benchmarks/profile_ops.py --ops gdn,kda --shape "$shape" \
                            >> "$out/diag_delta-profile_$tag.txt" 2>&1
                    done ;;
+    kda-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape B4T4096H16D128 \
+                  --kernels _wy_backward_kernel,_decayed_scores_backward_kernel,_decayed_scores_kernel,_state_backward_kernel,_state_forward_kernel,_wy_solve_kernel,_output_kernel,SWEEP_MIN_PROGRAMS \
+                  --out "$out/diag_kda-tune_$tag.jsonl"
+              cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape B1T32768H16D128 \
+                  --kernels SWEEP_MIN_PROGRAMS,_state_backward_kernel,_state_forward_kernel,_decayed_scores_backward_kernel \
+                  --out "$out/diag_kda-tune_$tag.jsonl" ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \

@@ -31,13 +31,13 @@ from profile_ops import parse_shape  # noqa: E402
 VARIANTS = {
     "_wy_solve_kernel": (chunk, [dict(num_warps=1), dict(num_warps=2), dict(num_warps=8), dict(num_stages=1),
                                  dict(num_stages=3)]),
-    "_wy_backward_kernel": (chunk, [dict(num_warps=4), dict(num_stages=1)]),
+    "_wy_backward_kernel": (chunk, [dict(num_warps=4), dict(num_warps=16)]),
     # GDN's split wy_backward (plan.SPLIT_WY_BACKWARD)
     "_dqkw_kernel": (dqkw, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=3)]),
     "_wy_bwd_kernel": (wy_bwd, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=3)]),
     "_decayed_scores_kernel": (scores, [dict(num_warps=4), dict(num_warps=8)]),
-    "_decayed_scores_backward_kernel": (scores, [dict(num_warps=4), dict(num_warps=8), dict(num_stages=1),
-                                                dict(num_stages=3)]),
+    "_decayed_scores_backward_kernel": (scores, [dict(num_warps=2), dict(num_warps=4), dict(num_warps=8),
+                                                dict(num_stages=1), dict(num_stages=3)]),
     "_state_forward_kernel": (chunk, [dict(num_warps=4), dict(num_warps=8), dict(num_stages=1), dict(num_stages=3),
                                       dict(num_stages=4)]),
     "_state_backward_kernel": (chunk, [dict(num_warps=4), dict(num_warps=8), dict(num_stages=1), dict(num_stages=3)]),
@@ -51,6 +51,9 @@ VARIANTS = {
     "SPLIT_WY_BACKWARD": (kernel_plan, [False]),
     # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel
     "FUSED_SCORES_FORWARD": (kernel_plan, [False]),
+    # the sweeps' value tiles: narrowed while the grid fills at most half of this many programs (None: the
+    # SM count; 0: never narrowed)
+    "SWEEP_MIN_PROGRAMS": (kernel_plan, [0, 264, 528]),
     # the split's key tiles (64 spills at 4 warps: combine with num_warps=8 by hand)
     "DQKW_BLOCK_K": (dqkw, [16, 64]),
     "WY_BWD_BLOCK_K": (wy_bwd, [16, 64]),
