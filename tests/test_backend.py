@@ -245,3 +245,38 @@ def test_compile_inside_a_users_saved_tensor_hooks(family):
     assert pattern in [m["pattern"] for m in report.matches], report.refusals
     assert packed  # the hook still saw the real tensors of the runs
     assert rel_err(out.detach(), model(x).detach()) < 1e-4
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+@pytest.mark.parametrize("user_static", [None, False, True])
+def test_inductor_settings_hc_chooses_for_hyper_connections(on_cuda, user_static):
+    """Graphs with hyper-connections get emulate_precision_casts everywhere and the static launcher
+    for user-defined Triton kernels on CUDA only, each reported with its reason; an option the user
+    passed wins and is not reported as hc's; a graph without hyper-connections gets neither."""
+    from hccompile.compat import has_inductor_option
+    from hccompile.config import resolve
+    from hccompile.debug.report import GraphReport
+
+    static = "static_launch_user_defined_triton_kernels"
+    options = {} if user_static is None else {static: user_static}
+    for layers in ([], [object()]):
+        gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        gm.meta["hc_layers"] = layers
+        cfg = resolve(options=dict(options))
+        report, patches = GraphReport(graph_id=0), dict(cfg.inductor_patches)
+        hc._choose_inductor_settings(gm, cfg, report, patches, on_cuda)
+        chosen = {name for name in report.inductor_settings}
+        if not layers:
+            assert chosen == set() and patches == cfg.inductor_patches
+            continue
+        if has_inductor_option("emulate_precision_casts"):
+            assert patches["emulate_precision_casts"] is True
+            assert report.inductor_settings["emulate_precision_casts"] == (True, hc.EXACT_RECOMPUTE_REASON)
+        if not has_inductor_option(static):
+            assert static not in chosen
+        elif user_static is not None:
+            assert patches[static] is user_static and static not in chosen
+        elif on_cuda:
+            assert patches[static] is True and report.inductor_settings[static] == (True, hc.STATIC_LAUNCH_REASON)
+        else:
+            assert static not in patches and static not in chosen
