@@ -68,6 +68,9 @@
 #               first call autotunes for minutes)                                        (issue 20)
 #   kda-tune  KDA's launch options one kernel at a time against the defaults (tuned on the H100), fwd+bwd at
 #               B4 T4096 (every KDA kernel) and B1 T32768 (the sweeps), into diag_ rows     (issue 20)
+#   mhc-dx-form  stream-sized float32 buffers in the compiled mHC step's code (analysis/mhc_stream_grad_buffers.py)
+#               for this tree and the .before tree (make before-tree REF=<commit>, carried), the post's dx
+#               test on the GPU, then the C1024 n4-hc-block step before / after, twice      (issue 18)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -221,6 +224,17 @@ for run in ${RUNS:-delta host}; do
               cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape B1T32768H16D128 \
                   --kernels SWEEP_MIN_PROGRAMS,_state_backward_kernel,_state_forward_kernel,_decayed_scores_backward_kernel \
                   --out "$out/diag_kda-tune_$tag.jsonl" ;;
+    mhc-dx-form) test -f .before/COMMIT || { echo "mhc-dx-form: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
+                 log="$out/diag_mhc-dx-form_$tag.txt"
+                 echo "== this tree ($commit)" >> "$log"
+                 cut_at python3 benchmarks/analysis/mhc_stream_grad_buffers.py >> "$log" 2>&1
+                 echo "== .before ($(cat .before/COMMIT))" >> "$log"
+                 PYTHONPATH=.before${PYTHONPATH:+:$PYTHONPATH} cut_at python3 benchmarks/analysis/mhc_stream_grad_buffers.py >> "$log" 2>&1
+                 cut_at python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mhc_kernels.py -k half_gradient >> "$log" 2>&1
+                 for round in 1 2; do
+                     cut_at python3 benchmarks/before_after.py --family mhc --out "$out/diag_mhc-before_$tag.jsonl" \
+                         -- --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 --variants n4-hc-block >> "$log" 2>&1
+                 done ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
