@@ -229,7 +229,7 @@ for run in ${RUNS:-delta host}; do
                  echo "== this tree ($commit)" >> "$log"
                  cut_at python3 benchmarks/analysis/mhc_stream_grad_buffers.py >> "$log" 2>&1
                  echo "== .before ($(cat .before/COMMIT))" >> "$log"
-                 PYTHONPATH=.before${PYTHONPATH:+:$PYTHONPATH} cut_at python3 benchmarks/analysis/mhc_stream_grad_buffers.py >> "$log" 2>&1
+                 cut_at env PYTHONPATH=.before${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/analysis/mhc_stream_grad_buffers.py >> "$log" 2>&1
                  cut_at python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mhc_kernels.py -k half_gradient >> "$log" 2>&1
                  for round in 1 2; do
                      cut_at python3 benchmarks/before_after.py --family mhc --out "$out/diag_mhc-before_$tag.jsonl" \
