@@ -196,21 +196,9 @@ def _post_backward(ctx, dout: Tensor):
                                       ctx.out_order, with_dx)
     if not with_dx:
         a = h_res.transpose(-1, -2) if ctx.transpose_res else h_res
-        dx = _mixed_back(a, dout).to(x.dtype)
+        # float32 products summed, rounded once, as the kernel does
+        dx = (a.float().unsqueeze(-1) * dout.float().unsqueeze(-2)).sum(-3).to(x.dtype)
     return dx, dh_res, dh_post, df, None, None
-
-
-def _mixed_back(a: Tensor, dout: Tensor) -> Tensor:
-    """Σ_i A[i, j]·dout_i in float32, the n terms added one after another as the kernel adds them.
-    Unrolled rather than `(A[..., None] * dout[..., None, :]).sum(-3)`: Inductor realizes the float32
-    input of that n-long reduction, writing a float32 copy of the stream's gradient beside the
-    half-precision one the post kernel reads (128 MiB a sublayer at C1024 B4 S2048 n4,
-    `diag_mhc-dump_…30b2b4b.tgz`, buf84); these products read the half-precision one."""
-    a = a.float()
-    dx = a[..., 0, :].unsqueeze(-1) * dout[..., 0:1, :].float()
-    for i in range(1, dout.shape[-2]):  # n is fixed (fix_sizes): unrolled when traced
-        dx = dx + a[..., i, :].unsqueeze(-1) * dout[..., i:i + 1, :].float()
-    return dx
 
 
 register_autograd(mhc_post_op, _post_backward, _post_setup)
