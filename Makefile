@@ -140,6 +140,7 @@ test-gpu:
 	@test -n "$(COMMIT)" || { echo "make test-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
 	@$(GIT_TREE_CHECK)
 	@ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1 || { echo "make test-gpu: no wheels in $(GPU_WHEELS): carry it"; exit 2; }
+	rm -rf $(GPU_WHEEL_SITE)
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
@@ -182,14 +183,22 @@ GPU_WAIT_S ?= 540
 # `make gpu-wheels` downloads both here.
 GPU_BENCH_WHEELS ?= .whl-fla
 GPU_BENCH_PACKAGES = flash-linear-attention==0.6.0 fla-core==0.6.0
+# FLA goes into a directory of its own: in the suite's, it made transformers run FLA's kernels in the
+# layers the HF tests compile as plain PyTorch (six failures at f082924, a suite run after a benchmark
+# call on the same machine). test-gpu also recreates its directory, and tests/conftest.py refuses to run
+# with FLA importable.
+GPU_BENCH_WHEEL_SITE ?= /tmp/hccompile-gpu-bench-wheels
 RUNS ?= delta host
 .PHONY: bench-gpu
 bench-gpu:
 	@test -n "$(COMMIT)" || { echo "make bench-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl $(GPU_BENCH_WHEELS)/*.whl
+		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_BENCH_WHEEL_SITE) $(GPU_BENCH_WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
-	PYTHONPATH=$(GPU_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} RUNS="$(RUNS)" COMMIT=$(COMMIT) sh benchmarks/device_runs.sh
+	PYTHONPATH=$(GPU_WHEEL_SITE):$(GPU_BENCH_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} RUNS="$(RUNS)" COMMIT=$(COMMIT) \
+		sh benchmarks/device_runs.sh
 
 .PHONY: test-gpu-start test-gpu-wait before-tree
 # hccompile of an earlier commit under .before/ (gitignored: pass carry [".before"] to the device), for
