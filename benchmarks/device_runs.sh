@@ -71,6 +71,9 @@
 #   mhc-dx-form  stream-sized float32 buffers in the compiled mHC step's code (analysis/mhc_stream_grad_buffers.py)
 #               for this tree and the .before tree (make before-tree REF=<commit>, carried), the post's dx
 #               test on the GPU, then the C1024 n4-hc-block step before / after, twice      (issue 18)
+#   delta-segments  whether GDN's and KDA's sweeps pay to run segment-parallel on one GPU at B1 T32768: the op over
+#               the sequence cut in 2-16 pieces plus CP's summary walks over them, against the whole
+#               sequence, per kernel (analysis/delta_segment_parallel_proto.py)           (issue 20, 22)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -235,6 +238,8 @@ for run in ${RUNS:-delta host}; do
                      cut_at python3 benchmarks/before_after.py --family mhc --out "$out/diag_mhc-before_$tag.jsonl" \
                          -- --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 --variants n4-hc-block >> "$log" 2>&1
                  done ;;
+    delta-segments) cut_at python3 benchmarks/analysis/delta_segment_parallel_proto.py \
+                        > "$out/diag_delta-segments_$tag.txt" 2>&1 ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
