@@ -98,15 +98,15 @@ limit=${RUN_LIMIT_S:-240}
 cut_at() { timeout "$limit" "$@" || echo "=== exit $? (124: cut at $limit s): $*" | cut -c1-200; }
 # FLA's first calls autotune for minutes on a fresh machine (KDA, and its CP path), every device call
 # again: Triton's autotune results are kept on disk (TRITON_CACHE_AUTOTUNING), seeded from
-# benchmarks/autotune/<device>_<versions>.tgz when one is committed, and all of them written back to
-# $out/autotune_<device>_<versions>.tgz at the end (commit it under benchmarks/autotune/ to keep the new
+# benchmarks/autotune/autotune_<device>_<versions>.tgz when one is committed, and all of them written back to
+# $out under the same name at the end (copy it into benchmarks/autotune/ and commit it to keep the new
 # ones). The timings are Triton's own from an earlier call on the same GPU model, torch, Triton and FLA
 # (its cache key holds the kernel's source, the target and the tuning key); an FLA first_call_s after a
 # seeded cache is its compile, not its autotuning. Our kernels do not autotune.
 export TRITON_CACHE_AUTOTUNING=1
 triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 versions=$(python3 -c "import torch, triton; print('torch%s_triton%s' % (torch.__version__.split('+')[0], triton.__version__))")
-autotune_seed="benchmarks/autotune/${device}_$versions.tgz"
+autotune_seed="benchmarks/autotune/autotune_${device}_$versions.tgz"
 mkdir -p "$triton_cache"
 if test -f "$autotune_seed"; then
     tar xzf "$autotune_seed" -C "$triton_cache" && echo "autotune results seeded from $autotune_seed"
