@@ -74,6 +74,9 @@
 #   delta-segments  whether GDN's and KDA's sweeps pay to run segment-parallel on one GPU at B1 T32768: the op over
 #               the sequence cut in 2-16 pieces plus CP's summary walks over them, against the whole
 #               sequence, per kernel (analysis/delta_segment_parallel_proto.py)           (issue 20, 22)
+#   step-timeline  one eager lightning fwd+bwd at B1 T32768 (decay, no decay, FLA's) kernel by kernel: when the
+#               host launched it, when the GPU started it, the GPU's gaps spent waiting on the host
+#               (analysis/step_timeline.py; the B1 rows' host share)                  (issue 20, 24)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -240,6 +243,8 @@ for run in ${RUNS:-delta host}; do
                  done ;;
     delta-segments) cut_at python3 benchmarks/analysis/delta_segment_parallel_proto.py \
                         > "$out/diag_delta-segments_$tag.txt" 2>&1 ;;
+    step-timeline) cut_at python3 benchmarks/analysis/step_timeline.py --ops lightning,lightning-nodecay,fla-lightning \
+                       --shape B1T32768H16D128 > "$out/diag_step-timeline_$tag.txt" 2>&1 ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
