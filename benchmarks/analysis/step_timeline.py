@@ -3,7 +3,8 @@ step timed as benchmarks/lightning.py times it (triton's do_bench: the L2 flushe
 the GPU queue is empty when the step starts), under torch.profiler. For the last step it prints every GPU
 kernel with the time the host launched it, the time the GPU started it and the GPU's idle gap before it.
 Where the GPU starts a kernel right after the host launched it and after a gap, the GPU was waiting for
-the host: those gaps are the host's share of the step's wall time.
+the host: those gaps are the host's share of the step's wall time (an upper bound: the profiler's own
+recording lengthens the host's side a little).
 
     python benchmarks/analysis/step_timeline.py --ops lightning,lightning-nodecay,fla-lightning \
         --shape B1T32768H16D128 [--trace-dir DIR]
