@@ -77,6 +77,8 @@
 #   step-timeline  one eager lightning fwd+bwd at B1 T32768 (decay, no decay, FLA's) kernel by kernel: when the
 #               host launched it, when the GPU started it, the GPU's gaps spent waiting on the host
 #               (analysis/step_timeline.py; the B1 rows' host share)                  (issue 20, 24)
+#   sync-check  host synchronisations in warm eager fwd+bwd steps of lightning, GDN and KDA, fixed-length and
+#               varlen (torch.cuda.set_sync_debug_mode, analysis/sync_check.py)          (issue 22, 24)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -245,6 +247,7 @@ for run in ${RUNS:-delta host}; do
                         > "$out/diag_delta-segments_$tag.txt" 2>&1 ;;
     step-timeline) cut_at python3 benchmarks/analysis/step_timeline.py --ops lightning,lightning-nodecay,fla-lightning \
                        --shape B1T32768H16D128 > "$out/diag_step-timeline_$tag.txt" 2>&1 ;;
+    sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
