@@ -79,6 +79,9 @@
 #               (analysis/step_timeline.py; the B1 rows' host share)                  (issue 20, 24)
 #   sync-check  host synchronisations in warm eager fwd+bwd steps of lightning, GDN and KDA, fixed-length and
 #               varlen (torch.cuda.set_sync_debug_mode, analysis/sync_check.py)          (issue 22, 24)
+#   mhc-dump-pair  hc's dumps of the C1024 n4-hc-block step for this tree and the .before tree (make before-tree
+#               REF=<commit>, carried), and in each backward's code the float32 stream-sized buffers
+#               ([4, 2048, 4, 1024]) with the kernels that write and read them            (issue 18)
 #   kernel-profile  per-kernel GPU time of lightning, GDN and KDA beside FLA's at B4 T4096 H16 D128   (issue 20)
 #   htree   htree (the defaults, and the atomics backward) against SDPA, T 32K and 128K; the public
 #           regime (--config seed) at 128K                                               (issue 19)
@@ -248,6 +251,21 @@ for run in ${RUNS:-delta host}; do
     step-timeline) cut_at python3 benchmarks/analysis/step_timeline.py --ops lightning,lightning-nodecay,fla-lightning \
                        --shape B1T32768H16D128 > "$out/diag_step-timeline_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
+    mhc-dump-pair) test -f .before/COMMIT || { echo "mhc-dump-pair: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
+                   log="$out/diag_mhc-dump-pair_$tag.txt"
+                   for tree in this before; do
+                       path=; test $tree = before && path=.before
+                       cut_at env PYTHONPATH=$path${path:+:}${PYTHONPATH:-} python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 \
+                           --batch 4 --seq 2048 --variants n4-hc-block --dump-dir "$out/mhc_dump_$tree" \
+                           --out "$out/diag_mhc-dump-pair_$tag.jsonl" >> "$log" 2>&1
+                       for code in "$out"/mhc_dump_$tree/*/graph_*/inductor_backward_code.py; do
+                           echo "== $tree ($(test $tree = before && cat .before/COMMIT || echo "$commit")): $code" >> "$log"
+                           for buf in $(grep -o "buf[0-9]* = empty_strided_cuda((4, 2048, 4, 1024), ([^)]*), torch.float32)" "$code" | cut -d' ' -f1); do
+                               grep -n "\b$buf\b" "$code" | cut -c1-260 >> "$log"
+                           done
+                       done
+                   done
+                   tar czf "$out/diag_mhc-dump-pair_$tag.tgz" -C "$out" mhc_dump_this mhc_dump_before && rm -rf "$out"/mhc_dump_this "$out"/mhc_dump_before ;;
     kernel-profile) cut_at python3 benchmarks/profile_ops.py --ops lightning,fla-lightning,gdn,fla-gdn,kda,fla-kda \
                         --shape B4T4096H16D128 > "$out/diag_kernel-profile_$tag.txt" 2>&1 ;;
     htree) cut_at python3 benchmarks/htree.py --seq 32768,131072 --impls htree,htree-atomics,sdpa --rep 100 \
