@@ -19,7 +19,10 @@ line) and from the text profiles `profiles/host_*.txt` (see "host" below). A tar
 from rows of ONE run: rows with a `run` field are grouped by it, otherwise by a per-script run
 marker where the rows have one (lightning: `copy_gbs`, measured once per process; htree: `time`,
 one stamp per process), otherwise the whole file is one run. Inside a run the last matching row of
-each role wins (a file may hold several appended runs). Rows with an `error` field never count.
+each role wins (a file may hold several appended runs); where a run repeats its rows in rounds (a
+`round` field, as benchmarks/delta_rule.py --rounds writes), a ratio is taken within each round and the
+least favourable round's counts (the largest value for a ≤ goal, the smallest for a ≥ goal): a target is
+met only when every round meets it, so a peer's noisy round cannot meet it alone. Rows with an `error` field never count.
 Of all runs that yield a value, the newest wins: by date (the rows' `date`, else `time`[:10], else
 the date in the file name), then by file name (natural order: `_run10` after `_run9`), then by
 line. Targets that name a device (H100; H100/H200 for CP) ignore rows of other devices; rows
@@ -221,6 +224,7 @@ class Measured:
     rows: list[Row]
     text: str | None = None  # shown instead of the formatted value
     detail: str | None = None  # shown after it, in parentheses (e.g. which length was the largest)
+    rounds: list["Measured"] | None = None  # one value per round of the run; the least favourable counts
 
 
 Compute = Callable[[list[Row]], "Measured | None"]
@@ -230,11 +234,21 @@ def ratio(num: dict, den: dict, field_num: str, field_den: str | None = None) ->
     """num[field_num] / den[field_den], one row each from the same run."""
     field_den = field_den or field_num
 
-    def compute(rows):
+    def one(rows):
         a, b = pick(rows, num, [field_num]), pick(rows, den, [field_den])
         if a is None or b is None or b.get(field_den) == 0:
             return None
         return Measured(a.get(field_num) / b.get(field_den), [a, b])
+
+    def compute(rows):
+        rounds = sorted({row.get("round") for row in rows if row.get("round") is not None and matches(row, num)},
+                        key=str)
+        if len(rounds) < 2:
+            return one(rows)
+        each = [found for found in (one([row for row in rows if row.get("round") == r]) for r in rounds) if found]
+        if not each:
+            return None
+        return Measured(each[-1].value, each[-1].rows, rounds=each)
     return compute
 
 
@@ -580,6 +594,11 @@ def evaluate(targets: list[Target], files: dict[str, list[Row]]) -> list[dict]:
             line.update(measured=None, measured_text="—", status="no result", date="", device="", commit="",
                         sources=[])
         else:
+            if found.rounds:
+                worst = (max if target.op in ("<=", "<") else min)(found.rounds, key=lambda m: m.value)
+                found = Measured(worst.value, worst.rows, found.text,
+                                 f"least favourable of {len(found.rounds)} rounds: "
+                                 + ", ".join(fmt(m.value, target.unit) for m in found.rounds))
             date, device, commit = describe_rows(found.rows)
             value = found.value
             line.update(measured=value if math.isfinite(value) else None,

@@ -273,3 +273,29 @@ def test_the_newest_run_wins_within_a_date_whatever_the_files_are_named(tmp_path
     kimi = lines_of("--family", "compile", results=tmp_path)[
         ("compile", "HF Kimi-Linear KDA under hc, compile at any T", "21")]
     assert kimi["measured"] == pytest.approx(12.0), kimi
+
+
+def test_rounds_count_by_the_least_favourable(tmp_path):
+    """A run that repeats its rows in rounds (delta_rule.py --rounds) gives one ratio per round, and the
+    least favourable one counts: FLA's host-bound B4 step swings between rounds, and a target met in
+    one round only is not met."""
+    def delta(impl, ms, round_):
+        return {"date": "2026-12-01", "device": H100, "run": "r1", "bench": "kernel", "op": "GDN", "impl": impl,
+                "shape": "B4 T4096 H16 D128", "fwd_bwd_ms": ms, "round": round_}
+    write(tmp_path / "delta_rule_2026-12-01_h100.jsonl",
+          [delta("ours", 2.0, 0), delta("FLA", 3.5, 0), delta("ours", 2.0, 1), delta("FLA", 2.5, 1)])
+    lines = lines_of("--family", "delta_rule", results=tmp_path)
+    strict = lines[("delta_rule", "GDN fwd+bwd ours / FLA, B4 T4096 H16 D128", "20")]
+    loose = lines[("delta_rule", "GDN fwd+bwd ours / FLA, B4 T4096 H16 D128", "5")]
+    assert strict["measured"] == pytest.approx(0.8) and strict["status"] == "not met"   # 0.571 in round 0 alone
+    assert loose["measured"] == pytest.approx(0.8) and loose["status"] == "met"
+    assert "least favourable of 2 rounds" in strict["measured_text"]
+    assert sorted(strict["sources"]) == ["delta_rule_2026-12-01_h100.jsonl:3", "delta_rule_2026-12-01_h100.jsonl:4"]
+
+    # for a goal from below (≥), the smallest round counts
+    mod = module()
+    rows = [mod.Row({"round": r, "role": role, "ms": ms, "date": "2026-12-01"}, "x.jsonl", i)
+            for i, (r, role, ms) in enumerate([(0, "a", 4.0), (0, "b", 1.0), (1, "a", 2.0), (1, "b", 1.0)])]
+    target = mod.Target("t", "a / b", "0", mod.ratio({"role": "a"}, {"role": "b"}, "ms"), ">=", 3.0)
+    (line,) = mod.evaluate([target], {"x.jsonl": rows})
+    assert line["measured"] == pytest.approx(2.0) and line["status"] == "not met"
