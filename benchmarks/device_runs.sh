@@ -77,6 +77,9 @@
 #   step-timeline  one eager lightning fwd+bwd at B1 T32768 (decay, no decay, FLA's) kernel by kernel: when the
 #               host launched it, when the GPU started it, the GPU's gaps spent waiting on the host
 #               (analysis/step_timeline.py; the B1 rows' host share)                  (issue 20, 24)
+#   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
+#               MIN_BACKWARD_SWEEP_TILE): the kernel tests' cases per variant (options, dh0's store), and the
+#               B1 T32768 GDN/KDA fwd+bwd with state_backward's time for those that pass (issue 20)
 #   sync-check  host synchronisations in warm eager fwd+bwd steps of lightning, GDN and KDA, fixed-length and
 #               varlen (torch.cuda.set_sync_debug_mode, analysis/sync_check.py)          (issue 22, 24)
 #   mhc-dump-pair  hc's dumps of the C1024 n4-hc-block step for this tree and the .before tree (make before-tree
@@ -250,6 +253,8 @@ for run in ${RUNS:-delta host}; do
                         > "$out/diag_delta-segments_$tag.txt" 2>&1 ;;
     step-timeline) cut_at python3 benchmarks/analysis/step_timeline.py --ops lightning,lightning-nodecay,fla-lightning \
                        --shape B1T32768H16D128 > "$out/diag_step-timeline_$tag.txt" 2>&1 ;;
+    narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
+                     > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
     mhc-dump-pair) test -f .before/COMMIT || { echo "mhc-dump-pair: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                    log="$out/diag_mhc-dump-pair_$tag.txt"

@@ -64,7 +64,9 @@ def launches_by_correlation(events: list[dict]) -> dict[int, float]:
     """Host launch time (us) of each kernel, by its correlation id (cudaLaunchKernel and its kin)."""
     out = {}
     for e in events:
-        if e.get("cat") == "cuda_runtime" and re.search(r"Launch|cuLaunch", e.get("name", "")):
+        # Triton launches through the driver API (cuLaunchKernelEx: category cuda_driver), torch's own
+        # kernels through the runtime's (cudaLaunchKernel)
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and re.search(r"Launch|cuLaunch", e.get("name", "")):
             correlation = (e.get("args") or {}).get("correlation")
             if correlation is not None:
                 out[correlation] = e["ts"]

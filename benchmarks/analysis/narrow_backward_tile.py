@@ -1,0 +1,186 @@
+"""Whether the delta rule's backward state sweep can run 16-wide value tiles on the GPU (issue 20, B1 rows).
+
+At B1 T32768 H16 D128 the sequential state_backward runs one program per (head, 32-wide value tile): 64
+programs on 132 SMs, 1.00 ms of GDN's 4.67 ms busy and 2.60 of KDA's 10.02 (H200, session 41). 16-wide
+tiles would double the programs, but state.MIN_BACKWARD_SWEEP_TILE keeps them at 32 since 16-wide tiles
+returned a wrong initial-state gradient on the H100 (Triton 3.6, K = 100/128, bf16; every other output
+right). This run checks each variant below on the kernel tests' cases, narrowed to the floor (twice, to
+see a race), and times the B1 fwd+bwd of those that pass, with the state_backward kernel's own time:
+
+    floor32            today's floor and launch options (the baseline)
+    floor16            16-wide tiles, today's options
+    floor16-s2/-s1/-w8 16-wide tiles with two or one software-pipelining stages, or eight warps
+    floor16-inloop     16-wide tiles, dh0 stored inside the loop at its last step (the kernel's text
+                       changed here, in a module written next to state.py for this process only)
+    floor16-barrier    16-wide tiles, a tl.debug_barrier() before dh0's store after the loop
+
+    python benchmarks/analysis/narrow_backward_tile.py [--variants a,b] [--repeats 2] [--time-shape B1T32768H16D128]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # bf16 casts round as on the GPU (tests/conftest.py does this)
+    import interpreter_compat
+
+    interpreter_compat.apply()
+
+from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
+from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
+from hccompile.kernels.delta_rule import state as state_kernels  # noqa: E402
+
+STORE_AFTER_LOOP = """        if STORE_INITIAL_STATE_GRAD:
+            _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
+                        kc < K, V)
+"""
+LAST_UPDATE = "            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)\n"
+
+
+def variant_kernel(kind: str):
+    """state_backward with its dh0 store changed (`kind`: inloop or barrier), from state.py's text."""
+    source = open(state_kernels.__file__).read()
+    assert source.count(STORE_AFTER_LOOP) == 1 and source.count(LAST_UPDATE) == 1, "state.py changed: update the edit"
+    if kind == "inloop":
+        in_loop = LAST_UPDATE + (
+            "            if STORE_INITIAL_STATE_GRAD:\n"
+            "                if step == num_chunks - 1:\n"
+            "                    _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc,\n"
+            "                                stride_dh0k, stride_dh0v, kc < K, V)\n")
+        # a sequence without chunks keeps the after-loop store (dh0 = dht)
+        source = source.replace(LAST_UPDATE, in_loop).replace(
+            STORE_AFTER_LOOP, STORE_AFTER_LOOP.replace("if STORE_INITIAL_STATE_GRAD:",
+                                                       "if STORE_INITIAL_STATE_GRAD and num_chunks == 0:"))
+    elif kind == "barrier":
+        source = source.replace(STORE_AFTER_LOOP, "        tl.debug_barrier()\n" + STORE_AFTER_LOOP)
+    else:
+        raise ValueError(kind)
+    name = f"_state_variant_{kind}"
+    path = os.path.join(os.path.dirname(state_kernels.__file__), name + ".py")
+    with open(path, "w") as f:
+        f.write(source)
+    try:  # Triton read the kernel's source when the module defined it: the file can go
+        return importlib.import_module(f"hccompile.kernels.delta_rule.{name}")._state_backward_kernel
+    finally:
+        os.remove(path)
+
+
+ORIGINAL_KERNEL = chunk_kernels._state_backward_kernel
+ORIGINAL_OPTIONS = chunk_kernels.state_launch_options
+
+
+def apply(variant: str) -> None:
+    """Sets the floor, the backward sweep's options and its kernel for `variant`."""
+    state_kernels.MIN_BACKWARD_SWEEP_TILE = 32 if variant == "floor32" else 16
+    override = {"floor16-s2": {"num_stages": 2}, "floor16-s1": {"num_stages": 1},
+                "floor16-w8": {"num_warps": 8}}.get(variant, {})
+
+    def options(block_k_full, dtype, *, timed_sweep=None, intermediates=None):
+        chosen = ORIGINAL_OPTIONS(block_k_full, dtype, timed_sweep=timed_sweep, intermediates=intermediates)
+        if timed_sweep is not None and timed_sweep[1] == "backward":
+            chosen = {**chosen, **override}
+        return chosen
+
+    chunk_kernels.state_launch_options = options
+    kind = variant.split("-", 1)[1] if variant in ("floor16-inloop", "floor16-barrier") else None
+    chunk_kernels._state_backward_kernel = variant_kernel(kind) if kind else ORIGINAL_KERNEL
+
+
+def check(variant: str, repeats: int) -> list[str]:
+    import test_delta_rule_chunk as t
+
+    failures = []
+    kernel_plan.SWEEP_MIN_PROGRAMS = 10**6  # the narrowest tiles: the floor in the backward sweep
+    try:
+        for name, sizes, gate, options, dtype, chunk in t.KERNEL_CASES + t.NARROW_SWEEP_CASES:
+            for r in range(repeats):
+                inputs, kwargs = t.build_case(sizes, gate, options, seed=sizes[1] + r)
+                try:
+                    t.check_forward_and_backward(t.kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+                except AssertionError as error:
+                    failures.append(f"{name} (seed {sizes[1] + r}): {str(error).splitlines()[0][:100]}")
+                except Exception as error:  # noqa: BLE001 -- a compile failure is a result here
+                    failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                    break
+    finally:
+        kernel_plan.SWEEP_MIN_PROGRAMS = None
+    return failures
+
+
+def time_variant(shape: str) -> str:
+    import re
+
+    import hccompile
+    from triton.testing import do_bench
+
+    B, T, H, D = (int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", shape).groups())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for op in ("gdn", "kda"):
+        q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+        beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
+                                                       device="cuda")).requires_grad_()
+        do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
+        f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+        leaves = [q, k, v, g, beta]
+
+        def step():
+            f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
+
+        step()
+        ms = do_bench(step, grad_to_none=leaves)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        kernel_us = sum(e.device_time_total for e in prof.key_averages() if "state_backward" in e.key) / 3
+        out.append(f"{op} fwd+bwd {ms:.3f} ms, state_backward {kernel_us / 1e3:.3f} ms")
+    return "; ".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="floor32,floor16,floor16-s2,floor16-s1,floor16-w8,floor16-inloop,"
+                                         "floor16-barrier")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--time-shape", default="B1T32768H16D128")
+    a = p.parse_args()
+    passed = []
+    for variant in a.variants.split(","):
+        try:
+            apply(variant)
+            failures = check(variant, a.repeats)
+        except Exception:  # noqa: BLE001
+            print(f"{variant}: could not run\n{traceback.format_exc()}", flush=True)
+            continue
+        print(f"{variant}: {'all cases right' if not failures else f'{len(failures)} wrong'}", flush=True)
+        for line in failures[:12]:
+            print(f"    {line}", flush=True)
+        if not failures:
+            passed.append(variant)
+    for variant in a.variants.split(","):
+        if variant not in passed and variant not in ("floor32", "floor16"):
+            continue
+        apply(variant)
+        try:
+            print(f"{variant} {a.time_shape}{'' if variant in passed else ' (wrong, timed anyway)'}: "
+                  f"{time_variant(a.time_shape)}", flush=True)
+        except Exception:  # noqa: BLE001
+            print(f"{variant}: timing failed\n{traceback.format_exc()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
