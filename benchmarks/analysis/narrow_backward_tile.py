@@ -2,17 +2,21 @@
 
 At B1 T32768 H16 D128 the sequential state_backward runs one program per (head, 32-wide value tile): 64
 programs on 132 SMs, 1.00 ms of GDN's 4.67 ms busy and 2.60 of KDA's 10.02 (H200, session 41). 16-wide
-tiles would double the programs, but state.MIN_BACKWARD_SWEEP_TILE keeps them at 32 since 16-wide tiles
-returned a wrong initial-state gradient on the H100 (Triton 3.6, K = 100/128, bf16; every other output
+tiles double the programs; state.MIN_BACKWARD_SWEEP_TILE kept them at 32 until session 42, since 16-wide tiles
+had returned a wrong initial-state gradient on the H100 (Triton 3.6, K = 100/128, bf16; every other output
 right). This run checks each variant below on the kernel tests' cases, narrowed to the floor (twice, to
 see a race), and times the B1 fwd+bwd of those that pass, with the state_backward kernel's own time:
 
-    floor32            today's floor and launch options (the baseline)
-    floor16            16-wide tiles, today's options
-    floor16-s2/-s1/-w8 16-wide tiles with two or one software-pipelining stages, or eight warps
+    floor32            the floor until session 42 (32) with today's launch options
+    floor16            16-wide tiles, today's options (GDN 4 warps 3 stages, KDA 8 warps 2 stages)
+    floor16-w4-s3 ...  16-wide tiles with those warps (wN) and software-pipelining stages (sN), both gates
     floor16-inloop     16-wide tiles, dh0 stored inside the loop at its last step (the kernel's text
                        changed here, in a module written next to state.py for this process only)
     floor16-barrier    16-wide tiles, a tl.debug_barrier() before dh0's store after the loop
+
+On one H200 at 146d178 floor32, floor16, floor16-s2, floor16-s1, floor16-inloop and floor16-barrier were
+all right, and 16-wide tiles with the options of then timed best (GDN s2 and s1 slower; inloop and barrier
+equal): the floor became 16. The default list now tunes the options at 16 wide.
 
     python benchmarks/analysis/narrow_backward_tile.py [--variants a,b] [--repeats 2] [--time-shape B1T32768H16D128]
 """
@@ -81,9 +85,12 @@ ORIGINAL_OPTIONS = chunk_kernels.state_launch_options
 
 def apply(variant: str) -> None:
     """Sets the floor, the backward sweep's options and its kernel for `variant`."""
-    state_kernels.MIN_BACKWARD_SWEEP_TILE = 32 if variant == "floor32" else 16
-    override = {"floor16-s2": {"num_stages": 2}, "floor16-s1": {"num_stages": 1},
-                "floor16-w8": {"num_warps": 8}}.get(variant, {})
+    parts = variant.split("-")
+    state_kernels.MIN_BACKWARD_SWEEP_TILE = int(parts[0][len("floor"):])
+    override = {}
+    for part in parts[1:]:
+        if part[0] in "ws" and part[1:].isdigit():
+            override["num_warps" if part[0] == "w" else "num_stages"] = int(part[1:])
 
     def options(block_k_full, dtype, *, timed_sweep=None, intermediates=None):
         chosen = ORIGINAL_OPTIONS(block_k_full, dtype, timed_sweep=timed_sweep, intermediates=intermediates)
@@ -92,7 +99,7 @@ def apply(variant: str) -> None:
         return chosen
 
     chunk_kernels.state_launch_options = options
-    kind = variant.split("-", 1)[1] if variant in ("floor16-inloop", "floor16-barrier") else None
+    kind = next((p for p in parts[1:] if p in ("inloop", "barrier")), None)
     chunk_kernels._state_backward_kernel = variant_kernel(kind) if kind else ORIGINAL_KERNEL
 
 
@@ -153,8 +160,7 @@ def time_variant(shape: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="floor32,floor16,floor16-s2,floor16-s1,floor16-w8,floor16-inloop,"
-                                         "floor16-barrier")
+    p.add_argument("--variants", default="floor32,floor16,floor16-w4,floor16-s3,floor16-w4-s3,floor16-w8-s3")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--time-shape", default="B1T32768H16D128")
     a = p.parse_args()
@@ -172,7 +178,7 @@ def main() -> None:
         if not failures:
             passed.append(variant)
     for variant in a.variants.split(","):
-        if variant not in passed and variant not in ("floor32", "floor16"):
+        if variant not in passed and variant not in ("floor32", "floor16"):  # the two references, right or not
             continue
         apply(variant)
         try:

@@ -509,12 +509,16 @@ def test_cp_summaries_with_half_intermediates_match_fp32(gate):
 def test_sweep_tiles_narrow_only_while_the_grid_fills_half_the_target(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", 132)
-    # B1 H16, V128, fp32 intermediates' widest tile 32: 64 programs fill at most half of 132 -> the
-    # forward sweep narrows to 16 (128 programs); the backward sweep stops at its floor, 32.
+    # B1 H16, V128, fp32 intermediates' widest tile 32: 64 programs fill at most half of 132 -> both
+    # sweeps narrow to 16 (128 programs), the backward's floor.
     assert state_kernels.state_forward_block_v(128, 128, torch.float32, 16, cpu) == 16
-    assert state_kernels.state_backward_block_v(128, 128, 16, cpu) == state_kernels.MIN_BACKWARD_SWEEP_TILE == 32
-    # K = 64: the backward's widest tile is 64, so it may halve once.
-    assert state_kernels.state_backward_block_v(64, 128, 16, cpu) == 32
+    assert state_kernels.state_backward_block_v(128, 128, 16, cpu) == state_kernels.MIN_BACKWARD_SWEEP_TILE == 16
+    # K = 64: the backward's widest tile is 64; it halves twice, to the floor.
+    assert state_kernels.state_backward_block_v(64, 128, 16, cpu) == 16
+    # A floor above the smallest tile holds: with 32, the B1 H16 backward tile stays 32.
+    monkeypatch.setattr(state_kernels, "MIN_BACKWARD_SWEEP_TILE", 32)
+    assert state_kernels.state_backward_block_v(128, 128, 16, cpu) == 32
+    monkeypatch.setattr(state_kernels, "MIN_BACKWARD_SWEEP_TILE", kernel_plan.MIN_DOT_DIM)
     # B4 H16: 256 programs already -> unchanged; half intermediates' 64-wide tile: 128 programs -> unchanged.
     assert state_kernels.state_backward_block_v(128, 128, 64, cpu) == 32
     assert state_kernels.state_forward_block_v(128, 128, torch.float16, 64, cpu) == 64

@@ -59,7 +59,7 @@ from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, Plan, block_size, chec
 from .qk_l2norm import l2norm_backward
 from .reference import DeltaRuleProblem, check_delta_rule_inputs
 from .scores import launch_scores_backward
-from .state import (MIN_BACKWARD_SWEEP_TILE, STATE_TILE_ELEMENTS, state_backward_block_v, state_forward_block_v,
+from .state import (STATE_TILE_ELEMENTS, state_backward_block_v, state_forward_block_v,
                     state_launch_options)
 from .wy import WY_BACKWARD_OPTIONS
 
@@ -495,14 +495,20 @@ def merge_chains(plan, direction: str, summaries_out: torch.Tensor, summaries_in
     )
 
 
+# The narrowest column tile of the summary sweeps: the backward sweeps' floor before state_backward's
+# 16-wide tiles were checked on one H200 (state.MIN_BACKWARD_SWEEP_TILE); the summary kernels' 16-wide
+# tiles wait for a check on two GPUs (their backward shares these blocks).
+SUMMARY_MIN_TILE = 32
+
+
 def _summary_blocks(problem, segments: int, with_transition: bool, device) -> tuple[int, int]:
     """(BKF, BC) of the summary sweeps; BC narrowed for occupancy like state.py's sweeps, not
-    below MIN_BACKWARD_SWEEP_TILE (the summaries' backward shares these blocks)."""
+    below SUMMARY_MIN_TILE."""
     block_k_full = block_size(problem.key_dim, MAX_HEAD_DIM)
     widest = max(MIN_DOT_DIM, min(64, STATE_TILE_ELEMENTS // block_k_full))
     columns = problem.value_dim + (problem.key_dim if with_transition else 0)
     return block_k_full, narrow_for_occupancy(widest, segments * problem.value_heads, columns, device,
-                                              floor=MIN_BACKWARD_SWEEP_TILE)
+                                              floor=SUMMARY_MIN_TILE)
 
 
 def _launch_summary_forward(kplan, intra, geometry, segments, slots, out, with_transition: bool,

@@ -27,12 +27,15 @@ STATE_TILE_ELEMENTS = 64 * 64
 # (scalar, channel) where BV = 32 spilled none, so it keeps STATE_TILE_ELEMENTS. At K = 256,
 # BV = 32: state_forward 162-252 registers, no spills, 52 KiB.
 HALF_STATE_FORWARD_TILE_ELEMENTS = 128 * 64
-# The narrowest value tile of the backward sweeps (state_backward, CP's summary sweeps). On the
-# H100 (Triton 3.6), state_backward with 16-wide tiles, K = 128 and bf16 inputs returned a wrong
-# initial-state gradient (relative RMS 0.27-0.33 against fp64; every other output right, and fp32
-# inputs right), at T = 70 (two chunks); 32-wide tiles were right in every GPU test. The
-# interpreter cannot show it (tests/kernels/test_delta_rule_chunk.py has the case).
-MIN_BACKWARD_SWEEP_TILE = 32
+# The narrowest value tile of the backward sweeps (state_backward, CP's summary sweeps). It was 32
+# from f86152b: on the H100 (Triton 3.6) 16-wide state_backward tiles at K = 100/128 with bf16 inputs
+# returned a wrong initial-state gradient (relative RMS 0.27-0.33, T = 70, two chunks). On one H200
+# (Triton 3.6, 146d178, benchmarks/analysis/narrow_backward_tile.py) 16-wide tiles were right in every
+# kernel-test case narrowed to the floor, twice each, that one included, and at B1 T32768 H16 D128 (128
+# programs instead of 64) state_backward took 0.855 ms against 0.998 (GDN fwd+bwd 4.514 against 4.656
+# ms) and 2.176 against 2.551 (KDA 9.534 against 9.889). The narrowed-tile tests in
+# tests/kernels/test_delta_rule_chunk.py (that case among them, and its repeat test) run at this floor.
+MIN_BACKWARD_SWEEP_TILE = MIN_DOT_DIM
 
 
 if triton is not None:
