@@ -3,14 +3,16 @@
 # checkout has none of the last session's gitignored files). Run on the device machine from the repo
 # root, through `make bench-gpu RUNS="..." COMMIT=<sha>` (which installs the carried wheels first):
 #
-#   delta   GDN and KDA, ours against FLA 0.6.0, B4 T4096 and B1 T32768, two rounds  (issue 20)
+#   delta   GDN and KDA, ours against FLA 0.6.0, B4 T4096 and B1 T32768, two rounds  (issue 20); DELTA_OPS
+#           (kda-gate: the gate in the kernel), DELTA_SHAPES (B2T2048H8D128: issue 5's third shape) and
+#           DELTA_IMPLS replace the defaults
 #   host    host time per compiled fwd+bwd, with and without the static launcher      (issue 24)
 #   cp      context parallel GDN and KDA on every GPU of the machine, ours and FLA's    (issue 22)
 #   cp-quick  GDN at 64K and 256K tokens and KDA at 64K (or CP_CASES="gdn:65536 ..."), one sequence (or
 #           CP_LAYOUTS="one,several"), one op a step (or CP_LAYERS=4 chained), ours
 #           (all_gather) and FLA's, one GPU and CP, with every rank's kernel profile and chrome trace (a .tgz
 #           beside the rows)                                                          (issue 22)
-#   lightning  lightning attention, ours against FLA                                    (issue 20)
+#   lightning  lightning attention, ours against FLA; LIGHTNING_SHAPES (say B8-T2048-H32-D64) picks shapes (issue 20)
 #   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
 #           (step, peak memory, compile time with hc's stages, floor), and n4-hc-block-cg at C1024
 #           (the host target: without / with CUDA graphs)                            (issue 18, 24)
@@ -134,8 +136,9 @@ save_autotune() {
 for run in ${RUNS:-delta host}; do
     echo "=== $run ($(date +%T), at most $limit s)"
     case $run in
-    delta) cut_at python3 benchmarks/delta_rule.py --what kernels --ops gdn,kda --impls ours,half-keys,fla --rounds 2 \
-               --shapes B4T4096H16D128,B1T32768H16D128 --out "$out/delta_rule_$tag.jsonl" ;;
+    delta) cut_at python3 benchmarks/delta_rule.py --what kernels --ops "${DELTA_OPS:-gdn,kda}" \
+               --impls "${DELTA_IMPLS:-ours,half-keys,fla}" --rounds 2 \
+               --shapes "${DELTA_SHAPES:-B4T4096H16D128,B1T32768H16D128}" --out "$out/delta_rule_$tag.jsonl" ;;
     host) cut_at python3 benchmarks/host_overhead.py --ops floor,gdn,kda --compiled --static-launch --top 12 \
               --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
     cp) test "$gpus" -ge 2 || { echo "cp: needs two GPUs, this machine has $gpus"; continue; }
@@ -223,7 +226,8 @@ for run in ${RUNS:-delta host}; do
                            >> "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
     lightning-stages) cut_at python3 benchmarks/lightning_tune.py --around-defaults --defaults-only \
                           --stage-budgets 98304,131072 --saved-states --out "$out/diag_lightning-tune_$tag.jsonl" ;;
-    lightning) cut_at python3 benchmarks/lightning.py --out "$out/lightning_$tag.jsonl" ;;
+    lightning) cut_at python3 benchmarks/lightning.py ${LIGHTNING_SHAPES:+--shapes $LIGHTNING_SHAPES} \
+                   --out "$out/lightning_$tag.jsonl" ;;
     lightning-tune) cut_at python3 benchmarks/lightning_tune.py --around-defaults --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     delta-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B4T4096H16D128 \
                     --kernels L2NORM_BLOCK_ROWS,L2NORM_WARPS,_dqkw_kernel,DQKW_BLOCK_K,_wy_bwd_kernel \
