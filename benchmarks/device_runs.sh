@@ -79,6 +79,8 @@
 #   step-timeline  one eager lightning fwd+bwd at B1 T32768 (decay, no decay, FLA's) kernel by kernel: when the
 #               host launched it, when the GPU started it, the GPU's gaps spent waiting on the host
 #               (analysis/step_timeline.py; the B1 rows' host share)                  (issue 20, 24)
+#   l2norm-bw   the delta rule's l2norm kernel alone against the copy bandwidth and Inductor's l2norm, over
+#               rows per program and warps (analysis/l2norm_bandwidth.py; 1.1 TB/s in the step)   (issue 20)
 #   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
 #               MIN_BACKWARD_SWEEP_TILE): the kernel tests' cases per variant (options, dh0's store), and the
 #               B1 T32768 GDN/KDA fwd+bwd with state_backward's time for those that pass (issue 20)
@@ -257,6 +259,7 @@ for run in ${RUNS:-delta host}; do
                         > "$out/diag_delta-segments_$tag.txt" 2>&1 ;;
     step-timeline) cut_at python3 benchmarks/analysis/step_timeline.py --ops lightning,lightning-nodecay,fla-lightning \
                        --shape B1T32768H16D128 > "$out/diag_step-timeline_$tag.txt" 2>&1 ;;
+    l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
