@@ -13,12 +13,14 @@ see a race), and times the B1 fwd+bwd of those that pass, with the state_backwar
     floor16-inloop     16-wide tiles, dh0 stored inside the loop at its last step (the kernel's text
                        changed here, in a module written next to state.py for this process only)
     floor16-barrier    16-wide tiles, a tl.debug_barrier() before dh0's store after the loop
+    floor16-reload     16-wide tiles, KDA's G tile loaded a second time for e^G (the kernel until session 42;
+                       now loaded once a step, tiles._channel_decays)
 
 On one H200 at 146d178 floor32, floor16, floor16-s2, floor16-s1, floor16-inloop and floor16-barrier were
 all right, and 16-wide tiles with the options of then timed best (GDN s2 and s1 slower; inloop and barrier
 equal): the floor became 16. The default list now tunes the options at 16 wide.
 
-    python benchmarks/analysis/narrow_backward_tile.py [--variants a,b] [--repeats 2] [--time-shape B1T32768H16D128]
+    python benchmarks/analysis/narrow_backward_tile.py [--variants a,b] [--repeats 2] [--time-shapes B1T32768H16D128,B4T4096H16D128]
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ STORE_AFTER_LOOP = """        if STORE_INITIAL_STATE_GRAD:
                         kc < K, V)
 """
 LAST_UPDATE = "            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)\n"
+DECAYED_QUERIES = "                q_tile *= tl.exp(g)\n"
 
 
 def variant_kernel(kind: str):
@@ -67,6 +70,9 @@ def variant_kernel(kind: str):
                                                        "if STORE_INITIAL_STATE_GRAD and num_chunks == 0:"))
     elif kind == "barrier":
         source = source.replace(STORE_AFTER_LOOP, "        tl.debug_barrier()\n" + STORE_AFTER_LOOP)
+    elif kind == "reload":  # the channel gate's G tile read a second time for e^G, as until session 42
+        assert source.count(DECAYED_QUERIES) == 1, "state.py changed: update the edit"
+        source = source.replace(DECAYED_QUERIES, "                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))\n")
     else:
         raise ValueError(kind)
     name = f"_state_variant_{kind}"
@@ -99,7 +105,7 @@ def apply(variant: str) -> None:
         return chosen
 
     chunk_kernels.state_launch_options = options
-    kind = next((p for p in parts[1:] if p in ("inloop", "barrier")), None)
+    kind = next((p for p in parts[1:] if p in ("inloop", "barrier", "reload")), None)
     chunk_kernels._state_backward_kernel = variant_kernel(kind) if kind else ORIGINAL_KERNEL
 
 
@@ -160,9 +166,10 @@ def time_variant(shape: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="floor32,floor16,floor16-w4,floor16-s3,floor16-w4-s3,floor16-w8-s3")
+    p.add_argument("--variants", default="floor32,floor16,floor16-reload,floor16-w4,floor16-s3,floor16-w4-s3")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--time-shape", default="B1T32768H16D128")
+    p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128",
+                   help="comma-separated; at B4 H16 the tiles are not narrowed (the options still apply)")
     a = p.parse_args()
     passed = []
     for variant in a.variants.split(","):
@@ -181,11 +188,12 @@ def main() -> None:
         if variant not in passed and variant not in ("floor32", "floor16"):  # the two references, right or not
             continue
         apply(variant)
-        try:
-            print(f"{variant} {a.time_shape}{'' if variant in passed else ' (wrong, timed anyway)'}: "
-                  f"{time_variant(a.time_shape)}", flush=True)
-        except Exception:  # noqa: BLE001
-            print(f"{variant}: timing failed\n{traceback.format_exc()}", flush=True)
+        for shape in a.time_shapes.split(","):
+            try:
+                print(f"{variant} {shape}{'' if variant in passed else ' (wrong, timed anyway)'}: "
+                      f"{time_variant(shape)}", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"{variant} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ from .wy import WY_BACKWARD_OPTIONS
 if triton is not None:
     from .output import _output_kernel, launch_output
     from .state import _state_backward_kernel, _state_forward_kernel
-    from .tiles import _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows, _varlen_chunk_coords
+    from .tiles import (_channel_decays, _chunk_end_decays, _dot, _load_rows, _load_stored_rows, _store_rows,
+                        _varlen_chunk_coords)
     from .wy import _wy_backward_kernel
 
 __all__ = [
@@ -243,11 +244,13 @@ if triton is not None:
             if GATE != 0:
                 k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
-                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
-                k_tile *= to_end
                 if GATE == 2:
-                    q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+                    g, to_end, whole = _channel_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K)
+                    k_tile *= to_end
+                    q_tile *= tl.exp(g)
                 else:
+                    to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
+                    k_tile *= to_end
                     q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
             else:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)

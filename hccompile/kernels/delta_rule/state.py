@@ -39,8 +39,8 @@ MIN_BACKWARD_SWEEP_TILE = MIN_DOT_DIM
 
 
 if triton is not None:
-    from .tiles import (_chunk_end_decay, _chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows,
-                        _row_bounds, _store_rows, _varlen_bounds)
+    from .tiles import (_channel_decays, _chunk_end_decay, _chunk_end_decays, _dot, _gate_offset, _load_rows,
+                        _load_stored_rows, _row_bounds, _store_rows, _varlen_bounds)
 
     @triton.jit
     def _state_forward_kernel(
@@ -204,11 +204,12 @@ if triton is not None:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
             q_do = do_tile
-            if GATE != 0:
-                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
             if GATE == 2:
+                g, to_end, whole = _channel_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K)
                 k_tile *= to_end
-                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))
+                q_tile *= tl.exp(g)
+            elif GATE == 1:
+                to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K, GATE)
             k_dstate = _dot(k_tile, dstate, dot_dtype, DOT_PRECISION)
             if GATE == 1:
                 # A scalar gate's row factors move to the [BT, BV] side, as in state_forward:

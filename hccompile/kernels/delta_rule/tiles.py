@@ -125,13 +125,19 @@ if triton is not None:
         return tl.exp(_load_vector(cum_ptr, last_token, kc, HV * K, 1, last_token >= 0, K))
 
     @triton.jit
+    def _channel_decays(cum_ptr, tokens, valid, last_token, kc, HV, K):
+        """(G [BT, BK], e^(G_last - G) [BT, BK], e^G_last [BK]) of a channel gate's chunk: G as
+        loaded, for a caller that also needs e^G (the backward sweeps' decayed queries), so that the
+        [BT, BK] fp32 tile is read once a step, not twice."""
+        g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+        g_last = _load_vector(cum_ptr, last_token, kc, HV * K, 1, last_token >= 0, K)
+        return g, tl.exp(tl.where(valid[:, None], g_last[None, :] - g, 0.0)), tl.exp(g_last)
+
+    @triton.jit
     def _chunk_end_decays(cum_ptr, tokens, valid, last_token, kc, HV, K, GATE: tl.constexpr):
         """(e^(G_last - G_t) per row [BT, BK] or [BT, 1], e^G_last [BK] or [1]) of one chunk."""
         if GATE == 2:
-            g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
-            g_last = _load_vector(cum_ptr, last_token, kc, HV * K, 1, last_token >= 0, K)
-            to_end = tl.exp(tl.where(valid[:, None], g_last[None, :] - g, 0.0))
-            whole = tl.exp(g_last)
+            _, to_end, whole = _channel_decays(cum_ptr, tokens, valid, last_token, kc, HV, K)
         else:
             g = tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0)
             g_last = tl.load(cum_ptr + tl.maximum(last_token, 0) * HV)  # in bounds in speculated iterations too
