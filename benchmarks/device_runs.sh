@@ -79,6 +79,8 @@
 #   step-timeline  one eager lightning fwd+bwd at B1 T32768 (decay, no decay, FLA's) kernel by kernel: when the
 #               host launched it, when the GPU started it, the GPU's gaps spent waiting on the host
 #               (analysis/step_timeline.py; the B1 rows' host share)                  (issue 20, 24)
+#   lightning-segments  lightning's segment length (segments.SWEEP_WAVES, MIN_SEGMENT; never tuned) at B1
+#               T32768 and B4 T4096: fwd, fwd+bwd and per-kernel time (analysis/lightning_segments_tune.py) (issue 20)
 #   l2norm-bw   the delta rule's l2norm kernel alone against the copy bandwidth and Inductor's l2norm, over
 #               rows per program and warps (analysis/l2norm_bandwidth.py; 1.1 TB/s in the step)   (issue 20)
 #   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
@@ -259,6 +261,8 @@ for run in ${RUNS:-delta host}; do
                         > "$out/diag_delta-segments_$tag.txt" 2>&1 ;;
     step-timeline) cut_at python3 benchmarks/analysis/step_timeline.py --ops lightning,lightning-nodecay,fla-lightning \
                        --shape B1T32768H16D128 > "$out/diag_step-timeline_$tag.txt" 2>&1 ;;
+    lightning-segments) cut_at python3 benchmarks/analysis/lightning_segments_tune.py \
+                            > "$out/diag_lightning-segments_$tag.txt" 2>&1 ;;
     l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
