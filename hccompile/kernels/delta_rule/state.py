@@ -27,7 +27,7 @@ STATE_TILE_ELEMENTS = 64 * 64
 # (scalar, channel) where BV = 32 spilled none, so it keeps STATE_TILE_ELEMENTS. At K = 256,
 # BV = 32: state_forward 162-252 registers, no spills, 52 KiB.
 HALF_STATE_FORWARD_TILE_ELEMENTS = 128 * 64
-# The narrowest value tile of the backward sweeps (state_backward, CP's summary sweeps). It was 32
+# The narrowest value tile of state_backward (CP's summary sweeps keep cp.SUMMARY_MIN_TILE). It was 32
 # from f86152b: on the H100 (Triton 3.6) 16-wide state_backward tiles at K = 100/128 with bf16 inputs
 # returned a wrong initial-state gradient (relative RMS 0.27-0.33, T = 70, two chunks). On one H200
 # (Triton 3.6, 146d178, benchmarks/analysis/narrow_backward_tile.py) 16-wide tiles were right in every
