@@ -14,6 +14,10 @@ rank boundary), side by side:
                  the same with middle segments (CP4 and more) walked again after the merge
                  instead of from their summary walk's stored chunks (cp.MIDDLE_WALK_STORES_CHUNKS),
                  for --strategies entries spelled `<s>:walk-again`
+  cp2-hc-<s>-summary16
+                 the same with the summary sweeps' value tiles narrowed down to 16 columns
+                 (cp.SUMMARY_MIN_TILE is 32), for entries spelled `<s>:summary16`; targets.py
+                 reads only cp2-hc-all_gather
   1gpu-fla       FLA's op on all tokens on rank 0 alone             (if `fla` imports)
   cp2-fla        FLA's CP (fla.ops.cp.build_cp_context) on both ranks (if `fla` imports)
 
@@ -58,7 +62,7 @@ def parse_args():
     parser.add_argument("--layouts", default="one,several")
     parser.add_argument("--strategies", default="all_gather,scan,ring",
                         help="exchange strategies; `<s>:walk-again` times strategy s with middle segments walked "
-                             "again after the merge")
+                             "again after the merge, `<s>:summary16` with the summary sweeps' tiles down to 16")
     parser.add_argument("--layers", type=int, default=1,
                         help="a step runs this many ops in a chain (each layer's v is the previous layer's o), as "
                              "a model's layers do: rank 1 then trails rank 0 by one sweep once, not per layer "
@@ -344,10 +348,13 @@ def main() -> None:
                         if name == "hc":
                             import hccompile.kernels.delta_rule.cp as cp_kernels
 
-                            if mode not in ("", "walk-again"):
+                            if mode not in ("", "walk-again", "summary16"):
                                 raise ValueError(f"--strategies: unknown mode {mode!r} in {entry!r}")
                             # A failed variant must not leave the next one in its mode.
                             cp_kernels.MIDDLE_WALK_STORES_CHUNKS = mode != "walk-again"
+                            summary_tile = cp_kernels.SUMMARY_MIN_TILE
+                            if mode == "summary16":  # the summary sweeps' value tiles narrowed to 16 (see there)
+                                cp_kernels.SUMMARY_MIN_TILE = 16
                             try:
                                 ctx = build_cp_context(cu, strategy=strategy, device=device)
                                 local = {n: ctx.shard(t) for n, t in tensors.items()}
@@ -359,6 +366,7 @@ def main() -> None:
                                                   f"cp{world}_{op}_{args.tokens}_{layout}_rank{rank}.txt")
                             finally:
                                 cp_kernels.MIDDLE_WALK_STORES_CHUNKS = True
+                                cp_kernels.SUMMARY_MIN_TILE = summary_tile
                             o, dq = ctx.unshard(o), ctx.unshard(dq)
                         else:
                             from fla.ops.cp import build_cp_context as fla_context

@@ -152,11 +152,12 @@ for run in ${RUNS:-delta host}; do
     cp-quick) test "$gpus" -ge 2 || { echo "cp-quick: needs two GPUs, this machine has $gpus"; continue; }
         # FLA's autotuning results kept in the Triton cache: its 256K run and its CP path reuse the 64K's.
         # CP_CASES (op:tokens ...) picks the cases: FLA's first CP call autotunes for minutes, so a short
-        # call may give one case all of RUN_LIMIT_S; CP_IMPLS=hc leaves FLA out.
+        # call may give one case all of RUN_LIMIT_S; CP_IMPLS=hc leaves FLA out; CP_STRATEGIES adds variants
+        # (all_gather,all_gather:summary16: the summary sweeps at 16-wide tiles, with their errors against one GPU).
         for case in ${CP_CASES:-gdn:65536 gdn:262144 kda:65536}; do
             cut_at env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
                 TRITON_CACHE_AUTOTUNING=1 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp.py \
-                --ops "${case%%:*}" --tokens "${case##*:}" --layouts "${CP_LAYOUTS:-one}" --layers "${CP_LAYERS:-1}" --impls "${CP_IMPLS:-hc,fla}" --strategies all_gather --iters 10 \
+                --ops "${case%%:*}" --tokens "${case##*:}" --layouts "${CP_LAYOUTS:-one}" --layers "${CP_LAYERS:-1}" --impls "${CP_IMPLS:-hc,fla}" --strategies "${CP_STRATEGIES:-all_gather}" --iters 10 \
                 --warmup 3 --profile "$out/cp_profiles" --out "$out/cp_$tag.jsonl"
         done
         tar czf "$out/cp_profiles_$tag.tgz" -C "$out" cp_profiles && rm -rf "$out/cp_profiles" ;;
