@@ -4,7 +4,8 @@ delta-profile), about 1.1 TB/s of the bytes each moves, 0.186 of GDN's 1.96 ms b
 launch options changed the step by under 1 % on the H100 (BENCHMARKS.md, run 12): this times the kernel alone.
 
 For each shape: a clone of the same bytes (the copy floor), our forward and backward at the defaults and at
-other rows per program and warps, and Inductor's compiled l2norm of q and k (x / sqrt(sum x^2 + 1e-6), fp32
+other rows per program and warps, a plain flat-row forward kernel defined here (the comparison), and Inductor's
+compiled l2norm of q and k (x / sqrt(sum x^2 + 1e-6), fp32
 math) forward and backward, as GB/s of the bytes each reads and writes once. bf16 inputs; the normed rows in
 the plan's dtype, their gradients as the backward receives them (dq_sum, dk_sum).
 
@@ -24,6 +25,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hccompile.kernels.delta_rule import qk_l2norm  # noqa: E402
 from hccompile.kernels.delta_rule.plan import normed_qk_dtype_for  # noqa: E402
+from hccompile.kernels._triton import tl, triton  # noqa: E402
+
+
+# A plain comparison kernel (not hccompile's): contiguous rows of one tensor, flat offsets (no batch / token /
+# head arithmetic), the head dim a compile-time constant, one tensor per launch. If it runs much nearer the copy
+# than ours, the difference is in those choices.
+@triton.jit
+def _flat_l2norm_forward(x_ptr, y_ptr, n_rows, D: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, D)
+    offsets = rows[:, None].to(tl.int64) * D + cols[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def flat_forward(q, k, qn, kn, rows: int, warps: int):
+    n_rows = q.numel() // q.shape[-1]
+    for x, y in ((q, qn), (k, kn)):
+        _flat_l2norm_forward[(triton.cdiv(n_rows, rows),)](x, y, n_rows, D=q.shape[-1], BR=rows, num_warps=warps)
 
 
 def gbps(nbytes: int, ms: float) -> str:
@@ -65,6 +87,11 @@ def main() -> None:
             print(f"ours rows {rows:3d} warps {warps}: fwd {gbps(fwd_bytes, f)}   bwd {gbps(bwd_bytes, b)}{mark}",
                   flush=True)
         qk_l2norm.L2NORM_BLOCK_ROWS, qk_l2norm.L2NORM_WARPS = defaults
+        qn, kn = torch.empty_like(q, dtype=normed), torch.empty_like(k, dtype=normed)
+        for rows, warps in ((16, 4), (64, 4), (64, 8), (128, 8)):
+            f = do_bench(lambda: flat_forward(q, k, qn, kn, rows, warps))
+            print(f"flat comparison kernel, rows {rows:3d} warps {warps}: fwd {gbps(fwd_bytes, f)} (two launches)",
+                  flush=True)
 
         def l2norm(x):
             x32 = x.float()
