@@ -8,6 +8,7 @@ plans with middle parts. Simulation: the all-gather is a concatenation, so these
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,12 +88,17 @@ def test_summary_backward_matches_autograd(name, with_final_grad, poison):
 
 
 @requires_kernels
+@pytest.mark.parametrize("floor", [32, 16], ids=["floor32", "floor16"])
 @pytest.mark.parametrize("name", ["gdn", "kda"])
-def test_summaries_with_narrowed_tiles_match_the_references(name, poison, monkeypatch):
-    # A huge occupancy target narrows the summary sweeps' column tiles to 16 (two value tiles here).
+def test_summaries_with_narrowed_tiles_match_the_references(name, floor, poison, monkeypatch):
+    # A huge occupancy target narrows the summary sweeps' column tiles (48 here: V 32 beside K 16) to the floor:
+    # cp.SUMMARY_MIN_TILE's 32 (two tiles), and 16 (three; benchmarks/cp.py's summary16 mode, not yet the default).
     from hccompile.kernels.delta_rule import plan as kernel_plan
 
     monkeypatch.setattr(kernel_plan, "SWEEP_MIN_PROGRAMS", 10**6)
+    monkeypatch.setattr(cp, "SUMMARY_MIN_TILE", floor)
+    shape = SimpleNamespace(key_dim=16, value_dim=32, value_heads=2)  # the summaries' sizes below
+    assert cp._summary_blocks(shape, 3, True, torch.device(DEVICE))[1] == floor
     test_summary_forward_matches_token_recurrence(name, poison)
     test_summary_backward_matches_autograd(name, True, poison)
 
