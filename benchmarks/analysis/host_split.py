@@ -25,6 +25,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import bthd  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
@@ -224,7 +227,6 @@ def main() -> None:
     p.add_argument("--stub", action="store_true",
                    help="CPU tensors, launches stubbed out (needs TRITON_INTERPRET=1): the host work left")
     args = p.parse_args()
-    import re
 
     global DEVICE
     if args.stub:
@@ -238,7 +240,7 @@ def main() -> None:
         DEVICE = "cpu"
     from hccompile.kernels import launcher
 
-    shape = tuple(int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", args.shape).groups())
+    shape = bthd(args.shape)
     clock = LaunchClock(stub=args.stub)
     widest = 0
     for op in args.ops.split(","):

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import bthd  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -61,7 +63,7 @@ def main() -> None:
     p.add_argument("--warps", default="2,4,8")
     a = p.parse_args()
     for shape in a.shapes.split(","):
-        B, T, H, D = (int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", shape).groups())
+        B, T, H, D = bthd(shape)
         q, k = (torch.randn(B, T, H, D, device="cuda").bfloat16() for _ in range(2))
         normed = normed_qk_dtype_for(q.dtype)
         # the backward's incoming gradients: fp32 sums of the key heads, or half (plan.half_key_gradients)

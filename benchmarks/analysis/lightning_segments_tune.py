@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import sys
 from collections import defaultdict
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import bthd  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -41,7 +43,7 @@ def main() -> None:
     a = p.parse_args()
     defaults = (segments.SWEEP_WAVES, segments.MIN_SEGMENT)
     for shape in a.shapes.split(","):
-        B, T, H, D = (int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", shape).groups())
+        B, T, H, D = bthd(shape)
         q, k, v, do = (torch.randn(B, T, H, D, device="cuda").bfloat16() for _ in range(4))
         decay = alibi_decay(H, device="cuda")
         leaves = [t.requires_grad_() for t in (q, k, v)]

@@ -22,13 +22,7 @@ from triton.testing import do_bench
 
 from hccompile.kernels.lightning import chunk, segments as seg
 from hccompile.kernels.lightning.tiles import _dot_options
-
-
-def parse_shape(text: str) -> tuple[int, int, int, int]:
-    b, rest = text[1:].split("T")
-    t, rest = rest.split("H")
-    h, d = rest.split("D")
-    return int(b), int(t), int(h), int(d)
+from shapes import bthd
 
 
 def prefix_ms(summaries: torch.Tensor, plan, decay: torch.Tensor, reverse: bool) -> tuple[float, torch.Tensor]:
@@ -120,7 +114,7 @@ def main() -> None:
     parser.add_argument("--tiles", default="64,128,256", help="prefix: state elements a program")
     parser.add_argument("--warps", default="1,2,4", help="prefix: warps")
     args = parser.parse_args()
-    batch, time, heads, dim = parse_shape(args.shape)
+    batch, time, heads, dim = bthd(args.shape)
     torch.manual_seed(0)
     k = torch.randn(batch, time, heads, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, time, heads, dim, device="cuda", dtype=torch.bfloat16)

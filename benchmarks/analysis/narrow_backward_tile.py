@@ -32,6 +32,9 @@ import traceback
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import bthd  # noqa: E402
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -131,12 +134,11 @@ def check(variant: str, repeats: int) -> list[str]:
 
 
 def time_variant(shape: str) -> str:
-    import re
 
     import hccompile
     from triton.testing import do_bench
 
-    B, T, H, D = (int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", shape).groups())
+    B, T, H, D = bthd(shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for op in ("gdn", "kda"):

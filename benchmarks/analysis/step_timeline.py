@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import bthd  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,7 +120,7 @@ def main() -> None:
     p.add_argument("--shape", default="B1T32768H16D128")
     p.add_argument("--trace-dir", default=None)
     a = p.parse_args()
-    B, T, H, D = (int(x) for x in re.fullmatch(r"B(\d+)T(\d+)H(\d+)D(\d+)", a.shape).groups())
+    B, T, H, D = bthd(a.shape)
     directory = Path(a.trace_dir or tempfile.mkdtemp())
     directory.mkdir(parents=True, exist_ok=True)
     from torch.profiler import ProfilerActivity, profile
