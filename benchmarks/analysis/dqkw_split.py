@@ -1,0 +1,221 @@
+"""Whether GDN's dqkw kernel runs faster with its key tiles spread over programs (issue 20, GDN B1 rows).
+
+dqkw (kernels/delta_rule/dqkw.py) is the largest kernel of GDN's fwd+bwd at B1 T32768 H16 D128: 1.29 of 4.67 ms
+busy on one H200 (session 41's delta-profile), about 3x what its bytes cost at the copy bandwidth (~1.9 GB,
+0.45 ms). One program per (chunk, value head) walks both 64-wide key tiles in turn at 8 warps, one stage,
+242 registers: one program per SM, and no load overlapped with the products. FLA's chunk_bwd_kernel_dqkwg
+runs one program per (key tile, chunk, head) and forms dS in each. GDN B1 at 0.884x FLA (2bb0177) needs
+about 0.42 ms off to meet <= 0.8x.
+
+Each variant below is checked on the kernel tests' cases that take dqkw (no gate and scalar gates, fixed and
+variable length, float64 reference; twice, to see a race) and, if right, timed: GDN fwd+bwd at the shapes
+given (do_bench, bf16, l2norm in kernel) with dqkw's own GPU time (profiler), beside `base` in one process.
+
+    base         today's kernel and options (DQKW_OPTIONS, BK = BV = 64)
+    split        one program per (chunk, value head, key tile): dS formed in each (one more [BT, V] x [V, BT]
+                 product and the dO, U tiles read again, from L2 mostly); dG's rows of the key tiles summed by
+                 tl.atomic_add into a zeroed buffer (two tiles at K <= 128: x + y either way, so bitwise
+                 deterministic; four at K = 256 are not)
+    -kN -vN      BK, BV; -wN -sN warps and software-pipelining stages; -mem dS through memory
+                 (DQKW_SCORES_VIA_MEMORY)
+
+The split kernel is dqkw.py's text with the key loop's two lines and dG's store changed, in a module written
+next to dqkw.py for this process only, so it follows dqkw.py as it is.
+
+    python benchmarks/analysis/dqkw_split.py [--variants base,split,split-s2] [--repeats 2]
+        [--time-shapes B1T32768H16D128,B4T4096H16D128]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import bthd  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # bf16 casts round as on the GPU (tests/conftest.py does this)
+    import interpreter_compat
+
+    interpreter_compat.apply()
+
+from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
+from hccompile.kernels.delta_rule import dqkw  # noqa: E402
+from hccompile.kernels.delta_rule.plan import block_size  # noqa: E402
+from hccompile.kernels._triton import scratch_rows, triton  # noqa: E402
+
+KEY_LOOP = ("        for k0 in range(0, K, BK):\n"
+            "            kc = k0 + tl.arange(0, BK)\n")
+SPLIT_KEY = ("        for _ in tl.static_range(1):\n"
+             "            kc = tl.program_id(2) * BK + tl.arange(0, BK)\n")
+GATE_STORE = "            tl.store(dg_ptr + tokens * HV, dg, mask=valid)\n"
+GATE_ADD = "            tl.atomic_add(dg_ptr + tokens * HV, dg, mask=valid)\n"
+
+
+def split_kernel():
+    """_dqkw_kernel with one key tile per program (program_id(2)) and dG's rows added, from dqkw.py's text."""
+    source = open(dqkw.__file__).read()
+    assert source.count(KEY_LOOP) == 1 and source.count(GATE_STORE) == 1, "dqkw.py changed: update the edit"
+    source = source.replace(KEY_LOOP, SPLIT_KEY).replace(GATE_STORE, GATE_ADD)
+    name = "_dqkw_variant_split"
+    path = os.path.join(os.path.dirname(dqkw.__file__), name + ".py")
+    with open(path, "w") as f:
+        f.write(source)
+    try:  # Triton read the kernel's source when the module defined it: the file can go
+        return importlib.import_module(f"hccompile.kernels.delta_rule.{name}")._dqkw_kernel
+    finally:
+        os.remove(path)
+
+
+def parse(variant: str) -> dict:
+    parts = variant.split("-")
+    assert parts[0] in ("base", "split"), variant
+    chosen = {"split": parts[0] == "split", "BK": dqkw.DQKW_BLOCK_K, "BV": dqkw.DQKW_BLOCK_V,
+              "options": dict(dqkw.DQKW_OPTIONS), "via_memory": dqkw.DQKW_SCORES_VIA_MEMORY}
+    for part in parts[1:]:
+        if part == "mem":
+            chosen["via_memory"] = True
+        elif part[0] in "kv" and part[1:].isdigit():
+            chosen["BK" if part[0] == "k" else "BV"] = int(part[1:])
+        elif part[0] in "ws" and part[1:].isdigit():
+            chosen["options"]["num_warps" if part[0] == "w" else "num_stages"] = int(part[1:])
+        else:
+            raise ValueError(f"{variant}: unknown part {part!r}")
+    return chosen
+
+
+def launcher(variant: str):
+    """A launch_dqkw for `variant` (launch_dqkw's arguments and contract)."""
+    chosen = parse(variant)
+    kernel = split_kernel() if chosen["split"] else dqkw._dqkw_kernel
+
+    def launch(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens,
+               scale):
+        problem = plan.problem
+        block_k = block_size(problem.key_dim, chosen["BK"])
+        key_tiles = triton.cdiv(problem.key_dim, block_k) if chosen["split"] else 1
+        if chosen["split"] and plan.gate_code == 1:
+            dcum.zero_()  # the key tiles' programs add their rows of dG
+        scratch = (torch.empty(scratch_rows(num_chunks), problem.value_heads, plan.chunk_size, plan.chunk_size,
+                               dtype=plan.intermediate_dtype, device=q.device) if chosen["via_memory"] else plan.dummy)
+        plan.launch(kernel)[(num_chunks, problem.value_heads, key_tiles)](
+            q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, scratch,
+            *q.stride(), *k.stride(), *do.stride(), table, seqlens,
+            problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
+            problem.value_dim, scale,
+            GATE=plan.gate_code, BT=plan.chunk_size, BK=block_k,
+            BV=block_size(problem.value_dim, chosen["BV"]), IS_VARLEN=plan.varlen,
+            DOT_PRECISION=plan.dot_precision, SCORES_VIA_MEMORY=chosen["via_memory"], **chosen["options"],
+        )
+
+    return launch
+
+
+ORIGINAL_LAUNCH = chunk_kernels.launch_dqkw
+
+
+def apply(variant: str) -> None:
+    chunk_kernels.launch_dqkw = ORIGINAL_LAUNCH if variant == "base" else launcher(variant)
+
+
+def cases():
+    """The kernel tests' cases that reach dqkw (no gate or a scalar one), and varlen ones of each."""
+    import test_delta_rule_chunk as t
+
+    picked = [c for c in t.KERNEL_CASES if c[2] != "channel"]
+    for gate in ("none", "scalar"):
+        picked.append((f"{gate}-varlen", t.THREE_SEQUENCES, gate, t.THREE_SEQUENCE_OPTIONS, torch.bfloat16, 32))
+    return picked
+
+
+def check(repeats: int) -> list[str]:
+    import test_delta_rule_chunk as t
+
+    failures = []
+    for name, sizes, gate, options, dtype, chunk in cases():
+        for r in range(repeats):
+            inputs, kwargs = t.build_case(sizes, gate, options, seed=sizes[1] + r)
+            try:
+                t.check_forward_and_backward(t.kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+            except AssertionError as error:
+                failures.append(f"{name} (seed {sizes[1] + r}): {str(error).splitlines()[0][:100]}")
+            except Exception as error:  # noqa: BLE001 -- a compile failure is a result here
+                failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                break
+    return failures
+
+
+def time_gdn(shape: str) -> str:
+    import hccompile
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+
+    B, T, H, D = bthd(shape)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+    beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=gen, device="cuda")).requires_grad_()
+    do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
+    leaves = [q, k, v, g, beta]
+
+    def step():
+        hccompile.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
+
+    step()
+    ms = do_bench(step, grad_to_none=leaves)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+            for leaf in leaves:
+                leaf.grad = None
+        torch.cuda.synchronize()
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 3 / 1e3
+    kernel = sum(e.device_time_total for e in prof.key_averages() if "dqkw" in e.key) / 3 / 1e3
+    return f"GDN fwd+bwd {ms:.3f} ms, GPU busy {busy:.3f} ms, dqkw {kernel:.3f} ms"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="base,split,split-s2,split-w4-s2,split-v32-s3,split-w4-v32-s3,base-s2")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
+    p.add_argument("--no-time", action="store_true", help="check only (the CPU's interpreter)")
+    a = p.parse_args()
+    variants = a.variants.split(",")
+    passed = []
+    for variant in variants:
+        try:
+            apply(variant)
+            failures = check(a.repeats)
+        except Exception:  # noqa: BLE001
+            print(f"{variant}: could not run\n{traceback.format_exc()}", flush=True)
+            continue
+        print(f"{variant}: {'all cases right' if not failures else f'{len(failures)} wrong'}", flush=True)
+        for line in failures[:12]:
+            print(f"    {line}", flush=True)
+        if not failures:
+            passed.append(variant)
+    if a.no_time:
+        return
+    # base twice, first and last, so a drift of the machine shows
+    for variant in ["base"] + [v for v in variants if v in passed and v != "base"] + ["base"]:
+        apply(variant)
+        for shape in a.time_shapes.split(","):
+            try:
+                print(f"{variant} {shape}: {time_gdn(shape)}", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"{variant} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
+    apply("base")
+
+
+if __name__ == "__main__":
+    main()
