@@ -19,11 +19,18 @@ given (do_bench, bf16, l2norm in kernel) with dqkw's own GPU time (profiler), be
     -kN -vN      BK, BV; -wN -sN warps and software-pipelining stages; -mem dS through memory
                  (DQKW_SCORES_VIA_MEMORY)
 
+Compiled for sm_90 on the CPU (--sm90, Triton 3.6, K = V = 128 bf16): base 231 registers at 8 warps, 56 KiB of
+shared memory, one program per SM; the split at 8 warps 166 registers, still one per SM (two need <= 128); at
+4 warps two per SM without spills: split-k32-w4-s2 (248 registers, 56 KiB), split-k32-w4-s3 (246, 88),
+split-w4-v32-s2 / -s3 (254; 32 / 52 KiB), split-k32-v32-w4-s3 (209, 44); split-w4-s2 spills 40 bytes. BK 32 at
+4 warps gave wrong dq and dk in the unsplit kernel on the H100 (dqkw.py's launch options): the check decides.
+
 The split kernel is dqkw.py's text with the key loop's two lines and dG's store changed, in a module written
 next to dqkw.py for this process only, so it follows dqkw.py as it is.
 
     python benchmarks/analysis/dqkw_split.py [--variants base,split,split-s2] [--repeats 2]
         [--time-shapes B1T32768H16D128,B4T4096H16D128]
+    python benchmarks/analysis/dqkw_split.py --sm90    # no GPU: each variant compiled for sm_90
 """
 from __future__ import annotations
 
@@ -183,14 +190,51 @@ def time_gdn(shape: str) -> str:
     return f"GDN fwd+bwd {ms:.3f} ms, GPU busy {busy:.3f} ms, dqkw {kernel:.3f} ms"
 
 
+def sm90(variants: list[str]) -> None:
+    """--sm90 (no GPU, no TRITON_INTERPRET): each variant's dqkw launch in a GDN backward at K = V = 128, bf16,
+    l2norm (compile_check's case: HV 16, the benchmark's strides) compiled for sm_90, with its registers,
+    spills and shared memory (ptxas through hccompile's compile_check)."""
+    from hccompile.kernels.delta_rule.compile_check import _case
+    from hccompile.kernels.launch_recorder import recording_launches
+    from hccompile.kernels.mhc.compile_check import ARCH, compile_launch, resources
+
+    inputs, do, dht = _case("scalar", 128, torch.bfloat16, False)
+    for variant in variants:
+        apply(variant)
+        with recording_launches() as calls:
+            chunk_kernels.chunk_delta_rule_bwd(**inputs, do=do, dht=dht)
+        for kernel, grid, args, kwargs in calls:
+            if "dqkw" not in kernel.__name__:
+                continue
+            try:
+                compiled = compile_launch(kernel, args, kwargs, ARCH)
+                usage = resources(compiled)
+            except Exception as error:  # noqa: BLE001 -- a failed compile is a result here
+                print(f"{variant:20s} compile failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                continue
+            tiles = {k: v for k, v in kwargs.items() if k in ("BK", "BV", "num_warps", "num_stages")}
+            warps, shared = kwargs.get("num_warps", 4), compiled.metadata.shared
+            # programs an SM holds at once: 64K registers (allocated per warp, 8 a thread at a time) and
+            # 228 KiB of shared memory (cuobjdump's SHARED is only the static part; Triton's is dynamic)
+            resident = min(65536 // (-(-usage["REG"] // 8) * 8 * 32 * warps), 228 * 1024 // max(shared + 1024, 1))
+            print(f"{variant:20s} grid {tuple(grid)} {tiles} REG {usage['REG']} STACK {usage.get('STACK', 0)} "
+                  f"shared {shared // 1024} KiB, {resident} program(s) per SM", flush=True)
+    apply("base")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="base,split,split-s2,split-w4-s2,split-v32-s3,split-w4-v32-s3,base-s2")
+    p.add_argument("--variants", default="base,split,split-s2,split-k32-w4-s2,split-k32-w4-s3,split-w4-v32-s2,"
+                   "split-w4-v32-s3,split-k32-v32-w4-s3,split-v32-s3,base-s2")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
     p.add_argument("--no-time", action="store_true", help="check only (the CPU's interpreter)")
+    p.add_argument("--sm90", action="store_true", help="compile each variant for sm_90 only (no GPU)")
     a = p.parse_args()
     variants = a.variants.split(",")
+    if a.sm90:
+        sm90(variants)
+        return
     passed = []
     for variant in variants:
         try:
