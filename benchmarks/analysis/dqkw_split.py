@@ -8,7 +8,8 @@ runs one program per (key tile, chunk, head) and forms dS in each. GDN B1 at 0.8
 about 0.42 ms off to meet <= 0.8x.
 
 Each variant below is checked on the kernel tests' cases that take dqkw (no gate and scalar gates, fixed and
-variable length, float64 reference; twice, to see a race) and, if right, timed: GDN fwd+bwd at the shapes
+variable length, float64 reference; twice, to see a race) and on the test file's repeat check (eight backwards,
+every gradient bitwise equal), and, if right, timed: GDN fwd+bwd at the shapes
 given (do_bench, bf16, l2norm in kernel) with dqkw's own GPU time (profiler), beside `base` in one process.
 
     base         today's kernel and options (DQKW_OPTIONS, BK = BV = 64)
@@ -158,6 +159,15 @@ def check(repeats: int) -> list[str]:
             except Exception as error:  # noqa: BLE001 -- a compile failure is a result here
                 failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
                 break
+    # the test file's repeat check (8 backwards on the GPU, every gradient bitwise equal): dG's rows are
+    # added by atomics, deterministic for two key tiles only (K 128 at BK 64), and the port must keep it so
+    for name, (_, sizes, gate, options, dtype, chunk), narrow in t.REPEAT_CASES:
+        if gate == "channel":
+            continue
+        try:
+            t.check_repeated_backward(sizes, gate, options, dtype, chunk, checked=("k", "g"))
+        except AssertionError as error:
+            failures.append(f"{name} repeated: {str(error).splitlines()[0][:100]}")
     return failures
 
 
