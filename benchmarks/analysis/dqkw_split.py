@@ -36,7 +36,6 @@ next to dqkw.py for this process only, so it follows dqkw.py as it is.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import traceback
@@ -44,17 +43,10 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_variants import edited_module, use_kernel_tests  # noqa: E402
 from shapes import bthd  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
-
-if os.environ.get("TRITON_INTERPRET") == "1":  # bf16 casts round as on the GPU (tests/conftest.py does this)
-    import interpreter_compat
-
-    interpreter_compat.apply()
+use_kernel_tests()
 
 from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
 from hccompile.kernels.delta_rule import dqkw  # noqa: E402
@@ -71,17 +63,7 @@ GATE_ADD = "            tl.atomic_add(dg_ptr + tokens * HV, dg, mask=valid)\n"
 
 def split_kernel():
     """_dqkw_kernel with one key tile per program (program_id(2)) and dG's rows added, from dqkw.py's text."""
-    source = open(dqkw.__file__).read()
-    assert source.count(KEY_LOOP) == 1 and source.count(GATE_STORE) == 1, "dqkw.py changed: update the edit"
-    source = source.replace(KEY_LOOP, SPLIT_KEY).replace(GATE_STORE, GATE_ADD)
-    name = "_dqkw_variant_split"
-    path = os.path.join(os.path.dirname(dqkw.__file__), name + ".py")
-    with open(path, "w") as f:
-        f.write(source)
-    try:  # Triton read the kernel's source when the module defined it: the file can go
-        return importlib.import_module(f"hccompile.kernels.delta_rule.{name}")._dqkw_kernel
-    finally:
-        os.remove(path)
+    return edited_module(dqkw, [(KEY_LOOP, SPLIT_KEY), (GATE_STORE, GATE_ADD)], "_dqkw_variant_split")._dqkw_kernel
 
 
 def parse(variant: str) -> dict:

@@ -25,7 +25,6 @@ equal): the floor became 16. The default list now times the second G load (reloa
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import traceback
@@ -33,17 +32,10 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_variants import edited_module, use_kernel_tests  # noqa: E402
 from shapes import bthd  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
-
-if os.environ.get("TRITON_INTERPRET") == "1":  # bf16 casts round as on the GPU (tests/conftest.py does this)
-    import interpreter_compat
-
-    interpreter_compat.apply()
+use_kernel_tests()
 
 from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
@@ -58,9 +50,8 @@ DECAYED_QUERIES = "                q_tile *= tl.exp(g)\n"
 
 
 def variant_kernel(kind: str):
-    """state_backward with its dh0 store changed (`kind`: inloop or barrier), from state.py's text."""
-    source = open(state_kernels.__file__).read()
-    assert source.count(STORE_AFTER_LOOP) == 1 and source.count(LAST_UPDATE) == 1, "state.py changed: update the edit"
+    """state_backward with its dh0 store changed (`kind`: inloop or barrier) or its gate tile loaded twice
+    (reload), from state.py's text."""
     if kind == "inloop":
         in_loop = LAST_UPDATE + (
             "            if STORE_INITIAL_STATE_GRAD:\n"
@@ -68,24 +59,17 @@ def variant_kernel(kind: str):
             "                    _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc,\n"
             "                                stride_dh0k, stride_dh0v, kc < K, V)\n")
         # a sequence without chunks keeps the after-loop store (dh0 = dht)
-        source = source.replace(LAST_UPDATE, in_loop).replace(
-            STORE_AFTER_LOOP, STORE_AFTER_LOOP.replace("if STORE_INITIAL_STATE_GRAD:",
-                                                       "if STORE_INITIAL_STATE_GRAD and num_chunks == 0:"))
+        edits = [(LAST_UPDATE, in_loop),
+                 (STORE_AFTER_LOOP, STORE_AFTER_LOOP.replace("if STORE_INITIAL_STATE_GRAD:",
+                                                             "if STORE_INITIAL_STATE_GRAD and num_chunks == 0:"))]
     elif kind == "barrier":
-        source = source.replace(STORE_AFTER_LOOP, "        tl.debug_barrier()\n" + STORE_AFTER_LOOP)
+        edits = [(STORE_AFTER_LOOP, "        tl.debug_barrier()\n" + STORE_AFTER_LOOP)]
     elif kind == "reload":  # the channel gate's G tile read a second time for e^G, as until session 42
-        assert source.count(DECAYED_QUERIES) == 1, "state.py changed: update the edit"
-        source = source.replace(DECAYED_QUERIES, "                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))\n")
+        edits = [(DECAYED_QUERIES,
+                  "                q_tile *= tl.exp(_load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K))\n")]
     else:
         raise ValueError(kind)
-    name = f"_state_variant_{kind}"
-    path = os.path.join(os.path.dirname(state_kernels.__file__), name + ".py")
-    with open(path, "w") as f:
-        f.write(source)
-    try:  # Triton read the kernel's source when the module defined it: the file can go
-        return importlib.import_module(f"hccompile.kernels.delta_rule.{name}")._state_backward_kernel
-    finally:
-        os.remove(path)
+    return edited_module(state_kernels, edits, f"_state_variant_{kind}")._state_backward_kernel
 
 
 ORIGINAL_KERNEL = chunk_kernels._state_backward_kernel

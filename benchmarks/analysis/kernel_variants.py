@@ -1,0 +1,39 @@
+"""What the kernel-variant experiments share (narrow_backward_tile.py, dqkw_split.py): the kernel tests' helpers
+importable, with the interpreter's rounding as tests/conftest.py sets it, and a kernel module rebuilt from its own
+source with text edits, so that a variant follows the kernel as it is in the tree.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def use_kernel_tests() -> None:
+    """hccompile, tests/ and tests/kernels/ importable; under TRITON_INTERPRET bf16 casts round as on the GPU."""
+    for path in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "kernels")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import interpreter_compat
+
+        interpreter_compat.apply()
+
+
+def edited_module(module: ModuleType, edits: list[tuple[str, str]], name: str) -> ModuleType:
+    """`module` defined again from its source with each (old, new) edit applied in turn (each `old` must occur
+    exactly once when its turn comes), as `<package>.<name>`, so its relative imports resolve."""
+    source = open(module.__file__).read()
+    for old, new in edits:
+        assert source.count(old) == 1, f"{os.path.basename(module.__file__)} changed: update the edit of {old!r}"
+        source = source.replace(old, new)
+    path = os.path.join(os.path.dirname(module.__file__), name + ".py")
+    with open(path, "w") as f:
+        f.write(source)
+    try:  # Triton read the kernels' source when the module defined them: the file can go
+        return importlib.import_module(f"{module.__package__}.{name}")
+    finally:
+        os.remove(path)
