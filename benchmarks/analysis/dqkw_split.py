@@ -3,7 +3,7 @@
 dqkw (kernels/delta_rule/dqkw.py) is the largest kernel of GDN's fwd+bwd at B1 T32768 H16 D128: 1.29 of 4.67 ms
 busy on one H200 (session 41's delta-profile), about 3x what its bytes cost at the copy bandwidth (~1.9 GB,
 0.45 ms). One program per (chunk, value head) walks both 64-wide key tiles in turn at 8 warps, one stage,
-242 registers: one program per SM, and no load overlapped with the products. FLA's chunk_bwd_kernel_dqkwg
+231 registers (Triton 3.6): one program per SM, and no load overlapped with the products. FLA's chunk_bwd_kernel_dqkwg
 runs one program per (key tile, chunk, head) and forms dS in each. GDN B1 at 0.884x FLA (2bb0177) needs
 about 0.42 ms off to meet <= 0.8x.
 
