@@ -70,6 +70,8 @@
 #               first call autotunes for minutes)                                        (issue 20)
 #   gdn-tune  GDN's launch options one kernel at a time against the defaults (timed on the H100, never on the
 #               H200), fwd+bwd at B1 T32768 H16 D128 (wy_bwd spills 104 bytes at its 4 warps on Triton 3.6)  (issue 20)
+#   kda-solve KDA's wy_solve options alone at B4 and B1 (4 warps never timed on the H200: the default 2 spill
+#               240 bytes per thread on Triton 3.6, 4 none)                                  (issue 20)
 #   kda-tune  KDA's launch options one kernel at a time against the defaults (tuned on the H100), fwd+bwd at
 #               B4 T4096 (every KDA kernel) and B1 T32768 (the sweeps), into diag_ rows     (issue 20)
 #   mhc-dx-form  stream-sized float32 buffers in the compiled mHC step's code (analysis/mhc_stream_grad_buffers.py)
@@ -254,6 +256,10 @@ for run in ${RUNS:-delta host}; do
     gdn-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B1T32768H16D128 \
                   --kernels _wy_bwd_kernel,_dqkw_kernel,DQKW_BLOCK_K,_state_backward_kernel,_state_forward_kernel,_output_kernel,_wy_solve_kernel,L2NORM_BLOCK_ROWS \
                   --out "$out/diag_gdn-tune_$tag.jsonl" ;;
+    kda-solve) for shape in B4T4096H16D128 B1T32768H16D128; do
+                   cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape "$shape" \
+                       --kernels _wy_solve_kernel --out "$out/diag_kda-solve_$tag.jsonl"
+               done ;;
     mhc-dx-form) test -f .before/COMMIT || { echo "mhc-dx-form: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                  log="$out/diag_mhc-dx-form_$tag.txt"
                  echo "== this tree ($commit)" >> "$log"

@@ -29,8 +29,9 @@ from profile_ops import parse_shape  # noqa: E402
 # options are the baseline. An upper-case name is a module constant the launchers read, set to each
 # value in turn.
 VARIANTS = {
-    "_wy_solve_kernel": (chunk, [dict(num_warps=1), dict(num_warps=2), dict(num_warps=8), dict(num_stages=1),
-                                 dict(num_stages=3)]),
+    # 4 warps: KDA's default 2 spill 240 bytes per thread on Triton 3.6 (sm_90, K 128 bf16), 4 none (240 registers)
+    "_wy_solve_kernel": (chunk, [dict(num_warps=1), dict(num_warps=2), dict(num_warps=4), dict(num_warps=8),
+                                 dict(num_stages=1), dict(num_stages=3)]),
     "_wy_backward_kernel": (chunk, [dict(num_warps=4), dict(num_warps=16)]),
     # GDN's split wy_backward (plan.SPLIT_WY_BACKWARD)
     "_dqkw_kernel": (dqkw, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=3)]),
