@@ -43,7 +43,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_variants import edited_module, use_kernel_tests  # noqa: E402
+from kernel_variants import check_cases, edited_module, use_kernel_tests  # noqa: E402
 from shapes import bthd  # noqa: E402
 
 use_kernel_tests()
@@ -130,17 +130,7 @@ def cases():
 def check(repeats: int) -> list[str]:
     import test_delta_rule_chunk as t
 
-    failures = []
-    for name, sizes, gate, options, dtype, chunk in cases():
-        for r in range(repeats):
-            inputs, kwargs = t.build_case(sizes, gate, options, seed=sizes[1] + r)
-            try:
-                t.check_forward_and_backward(t.kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
-            except AssertionError as error:
-                failures.append(f"{name} (seed {sizes[1] + r}): {str(error).splitlines()[0][:100]}")
-            except Exception as error:  # noqa: BLE001 -- a compile failure is a result here
-                failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
-                break
+    failures = check_cases(cases(), repeats)
     # the test file's repeat check (8 backwards on the GPU, every gradient bitwise equal): dG's rows are
     # added by atomics, deterministic for two key tiles only (K 128 at BK 64), and the port must keep it so
     for name, (_, sizes, gate, options, dtype, chunk), narrow in t.REPEAT_CASES:

@@ -37,3 +37,22 @@ def edited_module(module: ModuleType, edits: list[tuple[str, str]], name: str) -
         return importlib.import_module(f"{module.__package__}.{name}")
     finally:
         os.remove(path)
+
+
+def check_cases(cases, repeats: int) -> list[str]:
+    """The kernel tests' forward+backward check against float64 (tests/kernels/test_delta_rule_chunk.py) on each
+    (name, sizes, gate, options, dtype, chunk) case, `repeats` seeds each: one line per wrong or failed case."""
+    import test_delta_rule_chunk as t
+
+    failures = []
+    for name, sizes, gate, options, dtype, chunk in cases:
+        for r in range(repeats):
+            inputs, kwargs = t.build_case(sizes, gate, options, seed=sizes[1] + r)
+            try:
+                t.check_forward_and_backward(t.kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
+            except AssertionError as error:
+                failures.append(f"{name} (seed {sizes[1] + r}): {str(error).splitlines()[0][:100]}")
+            except Exception as error:  # noqa: BLE001 -- a compile failure is a result here
+                failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                break
+    return failures

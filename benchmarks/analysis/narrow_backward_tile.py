@@ -32,7 +32,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_variants import edited_module, use_kernel_tests  # noqa: E402
+from kernel_variants import check_cases, edited_module, use_kernel_tests  # noqa: E402
 from shapes import bthd  # noqa: E402
 
 use_kernel_tests()
@@ -99,22 +99,11 @@ def apply(variant: str) -> None:
 def check(variant: str, repeats: int) -> list[str]:
     import test_delta_rule_chunk as t
 
-    failures = []
     kernel_plan.SWEEP_MIN_PROGRAMS = 10**6  # the narrowest tiles: the floor in the backward sweep
     try:
-        for name, sizes, gate, options, dtype, chunk in t.KERNEL_CASES + t.NARROW_SWEEP_CASES:
-            for r in range(repeats):
-                inputs, kwargs = t.build_case(sizes, gate, options, seed=sizes[1] + r)
-                try:
-                    t.check_forward_and_backward(t.kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
-                except AssertionError as error:
-                    failures.append(f"{name} (seed {sizes[1] + r}): {str(error).splitlines()[0][:100]}")
-                except Exception as error:  # noqa: BLE001 -- a compile failure is a result here
-                    failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
-                    break
+        return check_cases(t.KERNEL_CASES + t.NARROW_SWEEP_CASES, repeats)
     finally:
         kernel_plan.SWEEP_MIN_PROGRAMS = None
-    return failures
 
 
 def time_variant(shape: str) -> str:
