@@ -43,7 +43,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_variants import check_cases, edited_module, use_kernel_tests  # noqa: E402
+from kernel_variants import check_cases, edited_module, right_variants, use_kernel_tests  # noqa: E402
 from shapes import bthd  # noqa: E402
 
 use_kernel_tests()
@@ -217,19 +217,11 @@ def main() -> None:
     if a.sm90:
         sm90(variants)
         return
-    passed = []
-    for variant in variants:
-        try:
-            apply(variant)
-            failures = check(a.repeats)
-        except Exception:  # noqa: BLE001
-            print(f"{variant}: could not run\n{traceback.format_exc()}", flush=True)
-            continue
-        print(f"{variant}: {'all cases right' if not failures else f'{len(failures)} wrong'}", flush=True)
-        for line in failures[:12]:
-            print(f"    {line}", flush=True)
-        if not failures:
-            passed.append(variant)
+    def check_variant(variant: str) -> list[str]:
+        apply(variant)
+        return check(a.repeats)
+
+    passed = right_variants(variants, check_variant)
     if a.no_time:
         return
     # base twice, first and last, so a drift of the machine shows

@@ -56,3 +56,23 @@ def check_cases(cases, repeats: int) -> list[str]:
                 failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
                 break
     return failures
+
+
+def right_variants(variants: list[str], check) -> list[str]:
+    """The variants for which `check(variant)` (which applies the variant and returns its failure lines) finds
+    nothing wrong, printing each verdict and up to 12 of its failures."""
+    import traceback
+
+    passed = []
+    for variant in variants:
+        try:
+            failures = check(variant)
+        except Exception:  # noqa: BLE001 -- a variant that cannot run is a result here
+            print(f"{variant}: could not run\n{traceback.format_exc()}", flush=True)
+            continue
+        print(f"{variant}: {'all cases right' if not failures else f'{len(failures)} wrong'}", flush=True)
+        for line in failures[:12]:
+            print(f"    {line}", flush=True)
+        if not failures:
+            passed.append(variant)
+    return passed

@@ -32,7 +32,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_variants import check_cases, edited_module, use_kernel_tests  # noqa: E402
+from kernel_variants import check_cases, edited_module, right_variants, use_kernel_tests  # noqa: E402
 from shapes import bthd  # noqa: E402
 
 use_kernel_tests()
@@ -146,19 +146,11 @@ def main() -> None:
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128",
                    help="comma-separated; at B4 H16 the tiles are not narrowed (the options still apply)")
     a = p.parse_args()
-    passed = []
-    for variant in a.variants.split(","):
-        try:
-            apply(variant)
-            failures = check(variant, a.repeats)
-        except Exception:  # noqa: BLE001
-            print(f"{variant}: could not run\n{traceback.format_exc()}", flush=True)
-            continue
-        print(f"{variant}: {'all cases right' if not failures else f'{len(failures)} wrong'}", flush=True)
-        for line in failures[:12]:
-            print(f"    {line}", flush=True)
-        if not failures:
-            passed.append(variant)
+    def check_variant(variant: str) -> list[str]:
+        apply(variant)
+        return check(variant, a.repeats)
+
+    passed = right_variants(a.variants.split(","), check_variant)
     for variant in a.variants.split(","):
         if variant not in passed and variant not in ("floor32", "floor16"):  # the two references, right or not
             continue
