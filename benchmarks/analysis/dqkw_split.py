@@ -1,4 +1,5 @@
-"""Whether GDN's dqkw kernel runs faster with its key tiles spread over programs (issue 20, GDN B1 rows).
+"""Whether GDN's dqkw kernel runs faster with its key tiles spread over programs, and with one pass over the
+value tiles (issue 20, GDN B1 rows).
 
 dqkw (kernels/delta_rule/dqkw.py) is the largest kernel of GDN's fwd+bwd at B1 T32768 H16 D128: 1.29 of 4.67 ms
 busy on one H200 (session 41's delta-profile), about 3x what its bytes cost at the copy bandwidth (~1.9 GB,
@@ -17,14 +18,22 @@ given (do_bench, bf16, l2norm in kernel) with dqkw's own GPU time (profiler), be
                  product and the dO, U tiles read again, from L2 mostly); dG's rows of the key tiles summed by
                  tl.atomic_add into a zeroed buffer (two tiles at K <= 128: x + y either way, so bitwise
                  deterministic; four at K = 256 are not)
+    onepass      one program per (chunk, value head, key tile) and one pass over the value tiles, dS accumulated
+                 beside the three products (FLA's dqkwg order): the dO, U tiles read once; dG's rows added as in
+                 split (at BK 128 and K <= 128 one tile: one add onto zero)
     -kN -vN      BK, BV; -wN -sN warps and software-pipelining stages; -mem dS through memory
-                 (DQKW_SCORES_VIA_MEMORY)
+                 (DQKW_SCORES_VIA_MEMORY; base and split only)
+
+FLA's own autotuner timed its dqkwg on one H200 at B1 T32768 H16 K128 (its cache, committed in
+benchmarks/autotune/): 0.914 ms at BK = BV = 128 and 4 warps, against our dqkw's 1.285 in session 41's profile.
 
 Compiled for sm_90 on the CPU (--sm90, Triton 3.6, K = V = 128 bf16): base 231 registers at 8 warps, 56 KiB of
 shared memory, one program per SM; the split at 8 warps 166 registers, still one per SM (two need <= 128); at
 4 warps two per SM without spills: split-k32-w4-s2 (248 registers, 56 KiB), split-k32-w4-s3 (246, 88),
 split-w4-v32-s2 / -s3 (254; 32 / 52 KiB), split-k32-v32-w4-s3 (209, 44); split-w4-s2 spills 40 bytes. BK 32 at
 4 warps gave wrong dq and dk in the unsplit kernel on the H100 (dqkw.py's launch options): the check decides.
+The one-pass kernel: onepass-w4-v32-s3 255 registers, no spills, two per SM; onepass-k128-v64-w8-s2 16 bytes of
+spills, one per SM; onepass-k128-v128-w4-s2 (FLA's tiles) 1944 bytes of spills; onepass-w8-s2 157 registers.
 
 The split kernel is dqkw.py's text with the key loop's two lines and dG's store changed, in a module written
 next to dqkw.py for this process only, so it follows dqkw.py as it is.
@@ -61,15 +70,60 @@ GATE_STORE = "            tl.store(dg_ptr + tokens * HV, dg, mask=valid)\n"
 GATE_ADD = "            tl.atomic_add(dg_ptr + tokens * HV, dg, mask=valid)\n"
 
 
+# The one-pass body: from the dS pass's comment to dG's store, replaced by one pass over the value tiles that
+# accumulates dS beside the key tile's three products (FLA's dqkwg order; their autotuner's H200 timing of it at
+# B1 T32768 H16 K128, BK = BV = 128, 4 warps: 0.914 ms, against our dqkw's 1.285).
+ONEPASS_START = "        # dS first, in a pass of its own"
+ONEPASS_BODY = """        # one pass over the value tiles: dS beside the key tile's three accumulators
+        kc = tl.program_id(2) * BK + tl.arange(0, BK)
+        key_valid = kc < K
+        d_scores = tl.zeros([BT, BT], dtype=tl.float32)
+        dq_state = tl.zeros([BT, BK], dtype=tl.float32)
+        dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
+        dw = tl.zeros([BT, BK], dtype=tl.float32)
+        dg_whole = tl.zeros([BK], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            vc = v0 + tl.arange(0, BV)
+            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+            u = _load_stored_rows(u_ptr, tokens, vc, HV * V, 1, valid, V)
+            du = _load_stored_rows(du_ptr, tokens, vc, HV * V, 1, valid, V)
+            state = _load_stored_rows(h_ptr, kc, vc, V, 1, key_valid, V)
+            dstate = _load_stored_rows(dh_ptr, kc, vc, V, 1, key_valid, V)
+            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)
+            dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)
+            dk_to_end += _dot(u, tl.trans(dstate), dot_dtype, DOT_PRECISION)
+            dw -= _dot(du, tl.trans(state), dot_dtype, DOT_PRECISION)
+            if GATE != 0:
+                dg_whole += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=1)
+        d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
+        if GATE == 1:
+            d_scores *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
+        d_scores = d_scores.to(dot_dtype)
+        dg = _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, d_scores, dq_state,
+                               dk_to_end, dw, dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk,
+                               stride_kt, stride_kk, HV, K, scale, dot_dtype, BT, GATE, DOT_PRECISION, False)
+        if GATE == 1:
+            tl.atomic_add(dg_ptr + tokens * HV, dg, mask=valid)
+"""
+
+
 def split_kernel():
     """_dqkw_kernel with one key tile per program (program_id(2)) and dG's rows added, from dqkw.py's text."""
     return edited_module(dqkw, [(KEY_LOOP, SPLIT_KEY), (GATE_STORE, GATE_ADD)], "_dqkw_variant_split")._dqkw_kernel
 
 
+def onepass_kernel():
+    """_dqkw_kernel with one key tile per program and one pass over the value tiles (ONEPASS_BODY), from
+    dqkw.py's text: its coordinates and pointers as they are, its body from the dS pass to dG's store replaced."""
+    source = open(dqkw.__file__).read()
+    start, end = source.index(ONEPASS_START), source.index(GATE_STORE) + len(GATE_STORE)
+    return edited_module(dqkw, [(source[start:end], ONEPASS_BODY)], "_dqkw_variant_onepass")._dqkw_kernel
+
+
 def parse(variant: str) -> dict:
     parts = variant.split("-")
-    assert parts[0] in ("base", "split"), variant
-    chosen = {"split": parts[0] == "split", "BK": dqkw.DQKW_BLOCK_K, "BV": dqkw.DQKW_BLOCK_V,
+    assert parts[0] in ("base", "split", "onepass"), variant
+    chosen = {"kernel": parts[0], "split": parts[0] != "base", "BK": dqkw.DQKW_BLOCK_K, "BV": dqkw.DQKW_BLOCK_V,
               "options": dict(dqkw.DQKW_OPTIONS), "via_memory": dqkw.DQKW_SCORES_VIA_MEMORY}
     for part in parts[1:]:
         if part == "mem":
@@ -86,7 +140,7 @@ def parse(variant: str) -> dict:
 def launcher(variant: str):
     """A launch_dqkw for `variant` (launch_dqkw's arguments and contract)."""
     chosen = parse(variant)
-    kernel = split_kernel() if chosen["split"] else dqkw._dqkw_kernel
+    kernel = {"base": lambda: dqkw._dqkw_kernel, "split": split_kernel, "onepass": onepass_kernel}[chosen["kernel"]]()
 
     def launch(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens,
                scale):
@@ -206,8 +260,8 @@ def sm90(variants: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="split-k32-w4-s2,split-w4-v32-s2,split-k32-v32-w4-s3,split-w4-v32-s3,"
-                   "split-k32-w4-s3,split,split-s2,split-v32-s3,base-s2",
+    p.add_argument("--variants", default="onepass-w4-v32-s3,onepass-k128-v64-w8-s2,onepass-k128-v128-w4-s2,"
+                   "onepass-w4-s2,onepass-w8-s2,split-k32-w4-s2,split-w4-v32-s2,split-k32-v32-w4-s3,split-w4-v32-s3",
                    help="in the order run; base is timed first and last whatever the list")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
