@@ -254,7 +254,7 @@ for run in ${RUNS:-delta host}; do
                   --kernels SWEEP_MIN_PROGRAMS,_state_backward_kernel,_state_forward_kernel,_decayed_scores_backward_kernel \
                   --out "$out/diag_kda-tune_$tag.jsonl" ;;
     gdn-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B1T32768H16D128 \
-                  --kernels _wy_bwd_kernel,_dqkw_kernel,DQKW_BLOCK_K,_state_backward_kernel,_state_forward_kernel,_output_kernel,_wy_solve_kernel,L2NORM_BLOCK_ROWS \
+                  --kernels _wy_bwd_kernel,WY_BWD_BLOCK_K,WY_BWD_BLOCK_V,_dqkw_kernel,DQKW_BLOCK_K,_state_backward_kernel,_state_forward_kernel,_output_kernel,_wy_solve_kernel,L2NORM_BLOCK_ROWS \
                   --out "$out/diag_gdn-tune_$tag.jsonl" ;;
     kda-solve) for shape in B4T4096H16D128 B1T32768H16D128; do
                    cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape "$shape" \
