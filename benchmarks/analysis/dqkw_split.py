@@ -76,25 +76,9 @@ GATE_ADD = "            tl.atomic_add(dg_ptr + tokens * HV, dg, mask=valid)\n"
 ONEPASS_START = "        # dS first, in a pass of its own"
 ONEPASS_BODY = """        # one pass over the value tiles: dS beside the key tile's three accumulators
         kc = tl.program_id(2) * BK + tl.arange(0, BK)
-        key_valid = kc < K
-        d_scores = tl.zeros([BT, BT], dtype=tl.float32)
-        dq_state = tl.zeros([BT, BK], dtype=tl.float32)
-        dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
-        dw = tl.zeros([BT, BK], dtype=tl.float32)
-        dg_whole = tl.zeros([BK], dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            vc = v0 + tl.arange(0, BV)
-            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
-            u = _load_stored_rows(u_ptr, tokens, vc, HV * V, 1, valid, V)
-            du = _load_stored_rows(du_ptr, tokens, vc, HV * V, 1, valid, V)
-            state = _load_stored_rows(h_ptr, kc, vc, V, 1, key_valid, V)
-            dstate = _load_stored_rows(dh_ptr, kc, vc, V, 1, key_valid, V)
-            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)
-            dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)
-            dk_to_end += _dot(u, tl.trans(dstate), dot_dtype, DOT_PRECISION)
-            dw -= _dot(du, tl.trans(state), dot_dtype, DOT_PRECISION)
-            if GATE != 0:
-                dg_whole += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=1)
+        d_scores, dq_state, dk_to_end, dw, dg_whole = _dqkw_value_pass(
+            do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
+            dot_dtype, BT, BK, BV, GATE, DOT_PRECISION)
         d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
         if GATE == 1:
             d_scores *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
@@ -105,6 +89,16 @@ ONEPASS_BODY = """        # one pass over the value tiles: dS beside the key til
         if GATE == 1:
             tl.atomic_add(dg_ptr + tokens * HV, dg, mask=valid)
 """
+# ... with dqkw.py's value pass accumulating dS too (in the variant module only: its body above is the one caller)
+VALUE_PASS_EDITS = [
+    ("        dg_whole = tl.zeros([BK], dtype=tl.float32)\n        key_valid = kc < K\n",
+     "        dg_whole = tl.zeros([BK], dtype=tl.float32)\n        key_valid = kc < K\n"
+     "        d_scores = tl.zeros([BT, BT], dtype=tl.float32)\n"),
+    ("            dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)\n",
+     "            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)\n"
+     "            dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)\n"),
+    ("        return dq_state, dk_to_end, dw, dg_whole\n", "        return d_scores, dq_state, dk_to_end, dw, dg_whole\n"),
+]
 
 
 def split_kernel():
@@ -117,7 +111,8 @@ def onepass_kernel():
     dqkw.py's text: its coordinates and pointers as they are, its body from the dS pass to dG's store replaced."""
     source = open(dqkw.__file__).read()
     start, end = source.index(ONEPASS_START), source.index(GATE_STORE) + len(GATE_STORE)
-    return edited_module(dqkw, [(source[start:end], ONEPASS_BODY)], "_dqkw_variant_onepass")._dqkw_kernel
+    return edited_module(dqkw, VALUE_PASS_EDITS + [(source[start:end], ONEPASS_BODY)],
+                         "_dqkw_variant_onepass")._dqkw_kernel
 
 
 def parse(variant: str) -> dict:
