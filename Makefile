@@ -207,6 +207,28 @@ bench-gpu:
 	PYTHONPATH=$(GPU_WHEEL_SITE):$(GPU_BENCH_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} RUNS="$(RUNS)" COMMIT=$(COMMIT) \
 		sh benchmarks/device_runs.sh
 
+# Two run lists at once, one per card of a two-GPU machine (single-GPU runs only): `make bench-gpu-split
+# RUNS_GPU0="dqkw-split" RUNS_GPU1="gdn-tune kda-solve" COMMIT=<sha>`; each card's rows and logs go to
+# $$OUT/gpu0 and $$OUT/gpu1 (device_runs.sh names them x1).
+RUNS_GPU0 ?=
+RUNS_GPU1 ?=
+.PHONY: bench-gpu-split
+bench-gpu-split:
+	@test -n "$(COMMIT)" || { echo "make bench-gpu-split: no .git here; pass COMMIT=<sha>"; exit 2; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_BENCH_WHEEL_SITE) $(GPU_BENCH_WHEELS)/*.whl
+	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	out=$${OUT:-benchmarks/results}; mkdir -p $$out/gpu0 $$out/gpu1; \
+	for g in 0 1; do \
+		if test $$g = 0; then runs="$(RUNS_GPU0)"; else runs="$(RUNS_GPU1)"; fi; \
+		test -n "$$runs" || continue; \
+		( CUDA_VISIBLE_DEVICES=$$g OUT=$$out/gpu$$g RUNS="$$runs" COMMIT=$(COMMIT) \
+		  PYTHONPATH=$(GPU_WHEEL_SITE):$(GPU_BENCH_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
+		  sh benchmarks/device_runs.sh > $$out/gpu$$g/log.txt 2>&1; echo "gpu$$g: exit $$?" ) & \
+	done; wait; tail -n 5 $$out/gpu0/log.txt $$out/gpu1/log.txt
+
 .PHONY: test-gpu-start test-gpu-wait before-tree
 # hccompile of an earlier commit under .before/ (gitignored: pass carry [".before"] to the device), for
 # benchmarks/before_after.py: `make before-tree REF=<commit>`.

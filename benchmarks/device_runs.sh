@@ -113,7 +113,12 @@ set -eu
 commit=${COMMIT:?pass COMMIT=<the sha of this tree>}
 out=${OUT:-benchmarks/results}
 day=$(date +%F)
-gpus=$(nvidia-smi -L | grep -c '^GPU')
+# CUDA_VISIBLE_DEVICES (make bench-gpu-split: one run list per card) limits the GPUs a run sees and names.
+if test -n "${CUDA_VISIBLE_DEVICES:-}"; then
+    gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+else
+    gpus=$(nvidia-smi -L | grep -c '^GPU')
+fi
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ .*//' | tr 'A-Z' 'a-z')
 tag="${day}_${device}x${gpus}_$(echo "$commit" | cut -c1-7)"
 export HCCOMPILE_COMMIT="$commit"
