@@ -209,7 +209,8 @@ bench-gpu:
 
 # Two run lists at once, one per card of a two-GPU machine (single-GPU runs only): `make bench-gpu-split
 # RUNS_GPU0="dqkw-split" RUNS_GPU1="gdn-tune kda-solve" COMMIT=<sha>`; each card's rows and logs go to
-# $$OUT/gpu0 and $$OUT/gpu1 (device_runs.sh names them x1).
+# $$OUT/gpu0.tgz and $$OUT/gpu1.tgz (device_runs.sh names them x1; packed because a call returns only
+# so many files: session 44 lost gdn-tune's rows so).
 RUNS_GPU0 ?=
 RUNS_GPU1 ?=
 .PHONY: bench-gpu-split
@@ -227,7 +228,8 @@ bench-gpu-split:
 		( CUDA_VISIBLE_DEVICES=$$g OUT=$$out/gpu$$g RUNS="$$runs" COMMIT=$(COMMIT) \
 		  PYTHONPATH=$(GPU_WHEEL_SITE):$(GPU_BENCH_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
 		  sh benchmarks/device_runs.sh > $$out/gpu$$g/log.txt 2>&1; echo "gpu$$g: exit $$?" ) & \
-	done; wait; tail -n 5 $$out/gpu0/log.txt $$out/gpu1/log.txt
+	done; wait; tail -n 5 $$out/gpu0/log.txt $$out/gpu1/log.txt; \
+	for g in 0 1; do test -d $$out/gpu$$g && tar czf $$out/gpu$$g.tgz -C $$out gpu$$g && rm -rf $$out/gpu$$g; done; true
 
 .PHONY: test-gpu-start test-gpu-wait before-tree
 # hccompile of an earlier commit under .before/ (gitignored: pass carry [".before"] to the device), for
