@@ -90,8 +90,6 @@
 #   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
 #               MIN_BACKWARD_SWEEP_TILE): the kernel tests' cases per variant (options, dh0's store), and the
 #               B1 T32768 GDN/KDA fwd+bwd with state_backward's time for those that pass (issue 20)
-#   dqkw-split  GDN's dqkw with one program per key tile (analysis/dqkw_split.py): each variant checked on the
-#               kernel tests' dqkw cases, then GDN fwd+bwd at B1 T32768 / B4 T4096 with dqkw's time (issue 20)
 #   sync-check  host synchronisations in warm eager fwd+bwd steps of lightning, GDN and KDA, fixed-length and
 #               varlen (torch.cuda.set_sync_debug_mode, analysis/sync_check.py)          (issue 22, 24)
 #   mhc-dump-pair  hc's dumps of the C1024 n4-hc-block step for this tree and the .before tree (make before-tree
@@ -285,8 +283,6 @@ for run in ${RUNS:-delta host}; do
     l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
-    dqkw-split) cut_at python3 benchmarks/analysis/dqkw_split.py ${DQKW_VARIANTS:+--variants $DQKW_VARIANTS} \
-                    > "$out/diag_dqkw-split_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
     mhc-dump-pair) test -f .before/COMMIT || { echo "mhc-dump-pair: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                    log="$out/diag_mhc-dump-pair_$tag.txt"

@@ -161,12 +161,13 @@ def run_dqkw(x, mode, device):
     dw = nan(batch, time_, value_heads, key_dim, dtype=plan.intermediate_dtype)
     dcum = nan(batch, time_, value_heads, 1) if cum is not None else plan.dummy
     table, seqlens = plan.chunk_args()
-    dqkw.launch_dqkw(plan, q, k, do, cum if cum is not None else plan.dummy, u, du, h, dh, dq, dk, dw, dcum,
-                     plan.num_chunks, table, seqlens, x["scale"])
+    second = dqkw.launch_dqkw(plan, q, k, do, cum if cum is not None else plan.dummy, u, du, h, dh, dq, dk, dw,
+                              dcum, plan.num_chunks, table, seqlens, x["scale"])
     if device == "cuda":
         torch.cuda.synchronize()
     refs = dqkw_ref(q, k, do, cum, u, du, h, dh, x["chunks"], x["scale"])
-    return (dq, dk, dw, dcum[..., 0] if cum is not None else None), refs
+    dg = None if cum is None else dcum[..., 0] + (second[..., 0] if second is not None else 0)
+    return (dq, dk, dw, dg), refs
 
 
 def run_wy_bwd(x, device):

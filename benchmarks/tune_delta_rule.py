@@ -55,8 +55,9 @@ VARIANTS = {
     # the sweeps' value tiles: narrowed while the grid fills at most half of this many programs (None: the
     # SM count; 0: never narrowed)
     "SWEEP_MIN_PROGRAMS": (kernel_plan, [0, 264, 528]),
-    # the split's key tiles (64 spills at 4 warps: combine with num_warps=8 by hand)
-    "DQKW_BLOCK_K": (dqkw, [16, 64]),
+    # dqkw's key tile: 128 puts K 128 in one program per chunk and head (at DQKW_OTHER_WARPS); narrower tiles
+    # are widened until K takes at most two (dqkw.dqkw_key_block)
+    "DQKW_BLOCK_K": (dqkw, [128]),
     # wy_bwd's tiles (4 warps, 2 stages): BK 32 compiles without the 104 bytes of spills BK 64 has on Triton 3.6
     # (it gave wrong dbeta and dk on the H100: wy_bwd.py's note; this times it, the kernel tests judge it)
     "WY_BWD_BLOCK_K": (wy_bwd, [16, 32]),

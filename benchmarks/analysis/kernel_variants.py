@@ -1,4 +1,4 @@
-"""What the kernel-variant experiments share (narrow_backward_tile.py, dqkw_split.py): the kernel tests' helpers
+"""What the kernel-variant experiments share (narrow_backward_tile.py; dqkw_split.py until its one-pass kernel became dqkw.py, session 44): the kernel tests' helpers
 importable, with the interpreter's rounding as tests/conftest.py sets it, and a kernel module rebuilt from its own
 source with text edits, so that a variant follows the kernel as it is in the tree.
 """

@@ -94,8 +94,10 @@ def test_dqkw_matches_float64(monkeypatch, name, sizes, gate, options, dtype, ch
     dcum = _nan(batch, time, value_heads, 1) if gate != "none" else plan.dummy
     table, seqlens = plan.chunk_args()
     cum = x["cum"] if x["cum"] is not None else plan.dummy
-    launch_dqkw(plan, x["q"], x["k"], x["do"], cum, x["u"], x["du"], x["h"], x["dh"], dq, dk, dw, dcum,
-                plan.num_chunks, table, seqlens, x["scale"])
+    second = launch_dqkw(plan, x["q"], x["k"], x["do"], cum, x["u"], x["du"], x["h"], x["dh"], dq, dk, dw, dcum,
+                         plan.num_chunks, table, seqlens, x["scale"])
+    key_tiles = -(-key_dim // dqkw.dqkw_key_block(key_dim))
+    assert (second is not None) == (gate != "none" and key_tiles == 2)
     dq_ref, dk_ref, dw_ref, dg_ref = dqkw_ref(x["q"], x["k"], x["do"], x["cum"], x["u"], x["du"], x["h"], x["dh"],
                                               x["chunks"], x["scale"])
     grad_tol, gate_grad_tol = _limits(dtype)
@@ -103,13 +105,27 @@ def test_dqkw_matches_float64(monkeypatch, name, sizes, gate, options, dtype, ch
         error = relative_rms_error(out, ref)
         assert error < grad_tol, f"{label}: relative RMS error {error:.2e}"
     if gate != "none":
-        error = relative_rms_error(dcum[..., 0], dg_ref)
+        # the first key tile's rows in dcum, the second's in `second`: wy_bwd adds them in that order
+        dg = dcum[..., 0] + (second[..., 0] if second is not None else 0)
+        error = relative_rms_error(dg, dg_ref)
         assert error < gate_grad_tol, f"dG partial: relative RMS error {error:.2e}"
 
 
+def test_dqkw_key_tiles_are_at_most_two():
+    """dG's rows are stored per key tile, and wy_bwd adds two at most: every K takes one or two tiles."""
+    for key_dim in (16, 32, 60, 64, 100, 128, 200, 256):
+        block = dqkw.dqkw_key_block(key_dim)
+        assert -(-key_dim // block) <= 2, (key_dim, block)
+    assert dqkw.dqkw_key_block(128) == 64 and dqkw.dqkw_key_block(256) == 128
+
+
 @requires_triton
+@pytest.mark.parametrize("parts", [1, 2], ids=["dg-one-part", "dg-two-parts"])
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", SPLIT_CASES, ids=CASE_IDS)
-def test_wy_bwd_matches_float64(name, sizes, gate, options, dtype, chunk):
+def test_wy_bwd_matches_float64(name, sizes, gate, options, dtype, chunk, parts):
+    """wy_bwd alone; with two parts, dqkw's partial dG handed over as two key tiles' rows (dcum_second)."""
+    if parts == 2 and gate == "none":
+        pytest.skip("no gate: no dG")
     x = _kernel_inputs(sizes, gate, options, dtype, chunk, seed=sizes[1] + 22)
     plan = x["plan"]
     # dqkw's outputs, from its reference: dW in the intermediates' dtype, the partial sums fp32
@@ -121,8 +137,12 @@ def test_wy_bwd_matches_float64(name, sizes, gate, options, dtype, chunk):
     dv, dbeta = _nan(*x["v"].shape, dtype=x["v"].dtype), _nan(*x["beta"].shape, dtype=x["beta"].dtype)
     table, seqlens = plan.chunk_args()
     cum = x["cum"] if x["cum"] is not None else plan.dummy
+    second = None
+    if parts == 2:  # an uneven split, so that a part read twice or not at all shows
+        second = (dcum * 0.75).contiguous()
+        dcum = dcum - second
     launch_wy_bwd(plan, x["k"], x["v"], x["beta"], cum, x["inverse"], x["du"], dw, dv, dbeta, dk, dcum,
-                  plan.num_chunks, table, seqlens)
+                  plan.num_chunks, table, seqlens, dcum_second=second)
     dv_ref, dbeta_ref, dk_ref, dg_ref = wy_bwd_ref(x["k"], x["v"], x["beta"], x["cum"], x["inverse"], x["du"], dw,
                                                    dk_partial, dg_partial, x["chunks"])
     grad_tol, gate_grad_tol = _limits(dtype)

@@ -395,9 +395,10 @@ def launch_split_wy_backward(plan: Plan, q, k, v, beta, do, cum, inverse, u, du,
     problem = plan.problem
     dw = torch.empty(problem.batch, problem.time, problem.value_heads, problem.key_dim,
                      dtype=plan.intermediate_dtype, device=q.device)
-    launch_dqkw(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens, scale)
+    dcum_second = launch_dqkw(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table,
+                              seqlens, scale)
     launch_wy_bwd(plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table, seqlens,
-                  dk_out)
+                  dk_out, dcum_second)
 
 
 def sum_key_groups(heads: torch.Tensor, key_heads: int, group: int) -> torch.Tensor:

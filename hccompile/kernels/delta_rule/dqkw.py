@@ -1,22 +1,24 @@
 """The first half of the split wy_backward (plan.SPLIT_WY_BACKWARD; no gate or a scalar one): the
 gradients that go through the chunk states and the pairwise-decayed scores, FLA's chunk_bwd_kernel_dqkwg.
 
-Per chunk and value head, a pass over the value tiles forms dS = scale dO U^T ([BT, BT], held in
-the products' dtype), then one pass per key tile accumulates together
+One program per (chunk, value head, key tile), at most two key tiles (dqkw_key_block). One pass over the
+value tiles accumulates together
 
-    dQ_state = dO h^T,   dK_end = U dh^T,   dW = -dU h^T
+    dS = scale dO U^T,   dQ_state = dO h^T,   dK_end = U dh^T,   dW = -dU h^T
 
-(dS in a pass of its own rather than beside the first key tile's: four accumulators at once spilled
-at 4 warps, see the launch options below). Then, with D[t, s] = e^(G_t - G_s) (s <= t) and gamma = e^G,
+(dS formed again by each key tile's program: the dO and U tiles are read once per program, not once for
+dS and again per key tile). Then, with D[t, s] = e^(G_t - G_s) (s <= t) and gamma = e^G,
 
     dq = scale gamma dQ_state + (dS o D) K                          complete
     dk = (dS o D)^T Q + dK_end e^(G_last - G)                       the part wy_bwd.py completes
     dG = rowsum(q dq - k (dS o D)^T Q - k dK_end e^(G_last - G))
          + on the last row: sum(k dK_end e^(G_last - G)) + e^G_last sum(h o dh)
 
-dW leaves in the products' dtype (wy_backward's dW only ever fed products, rounded to it), dk and dG
-as fp32 partial sums that wy_bwd.py reads, adds its terms to and stores complete (no atomics, no
-separate add). The reference is reference.dqkw_ref.
+dW leaves in the products' dtype (wy_backward's dW only ever fed products, rounded to it), dk as fp32
+partial sums that wy_bwd.py reads, adds its terms to and stores complete. dG's rows are sums over the key
+tiles: the first tile's program stores its share in dcum, the second's in a buffer of its own, and
+wy_bwd.py adds both to its terms in that order (no atomics: the gradients are bitwise repeatable). The
+reference is reference.dqkw_ref.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ if triton is not None:
     def _dqkw_value_pass(do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
                          dot_dtype, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
-        """One pass over the value tiles for key tile `kc`: (dO h^T, U dh^T, -dU h^T, and with a gate
-        rowsum(h o dh) [BK] for e^G_last's share of dG, else zeros)."""
+        """One pass over the value tiles for key tile `kc`: (dO U^T, dO h^T, U dh^T, -dU h^T, and with a
+        gate rowsum(h o dh) [BK] for e^G_last's share of dG, else zeros)."""
+        d_scores = tl.zeros([BT, BT], dtype=tl.float32)
         dq_state = tl.zeros([BT, BK], dtype=tl.float32)
         dk_to_end = tl.zeros([BT, BK], dtype=tl.float32)
         dw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -49,12 +52,13 @@ if triton is not None:
             du = _load_stored_rows(du_ptr, tokens, vc, HV * V, 1, valid, V)
             state = _load_stored_rows(h_ptr, kc, vc, V, 1, key_valid, V)
             dstate = _load_stored_rows(dh_ptr, kc, vc, V, 1, key_valid, V)
+            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)
             dq_state += _dot(do_tile, tl.trans(state), dot_dtype, DOT_PRECISION)
             dk_to_end += _dot(u, tl.trans(dstate), dot_dtype, DOT_PRECISION)
             dw -= _dot(du, tl.trans(state), dot_dtype, DOT_PRECISION)
             if GATE != 0:
                 dg_whole += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=1)
-        return dq_state, dk_to_end, dw, dg_whole
+        return d_scores, dq_state, dk_to_end, dw, dg_whole
 
     @triton.jit
     def _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, d_scores_t, dq_state, dk_to_end,
@@ -96,7 +100,7 @@ if triton is not None:
     @triton.jit
     def _dqkw_kernel(
         q_ptr, k_ptr, do_ptr, cum_ptr, u_ptr, du_ptr, h_ptr, dh_ptr,
-        dq_ptr, dk_ptr, dw_ptr, dg_ptr, ds_ptr,
+        dq_ptr, dk_ptr, dw_ptr, dg_ptr, dg_second_ptr, ds_ptr,
         stride_qb, stride_qt, stride_qh, stride_qk,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_dob, stride_dot, stride_doh, stride_dov,
@@ -110,10 +114,11 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         SCORES_VIA_MEMORY: tl.constexpr,
     ):
-        """One program per (chunk, value head): see the module docstring. dq, dk (partial) and dW
-        are [B, T, HV, K] (dq, dk fp32, dW the intermediates' dtype), dG's partial fp32 [B, T, HV, 1].
-        With SCORES_VIA_MEMORY, dS makes a round trip through ds_ptr ([chunks, HV, BT, BT] in the
-        products' dtype, this program's tile only) and both products read it from there, dS^T by a
+        """One program per (chunk, value head, key tile): see the module docstring. dq, dk (partial) and
+        dW are [B, T, HV, K] (dq, dk fp32, dW the intermediates' dtype); dG's partial rows, fp32
+        [B, T, HV, 1], go to dg_ptr from the first key tile and to dg_second_ptr from the second.
+        With SCORES_VIA_MEMORY, dS makes a round trip through ds_ptr ([chunks, HV, key tiles, BT, BT] in
+        the products' dtype, this program's tile only) and both products read it from there, dS^T by a
         transposed load: no product takes dS from the registers of the product that formed it and no
         tl.trans of it (see DQKW_SCORES_VIA_MEMORY)."""
         tl.static_assert(GATE != 2, "per-channel gates take wy.py's wy_backward and scores.py's backward")
@@ -135,6 +140,7 @@ if triton is not None:
         gate_offset = _gate_offset(batch, head, T, HV, K, GATE)
         cum_ptr += gate_offset
         dg_ptr += gate_offset
+        dg_second_ptr += gate_offset
         value_offset = (batch * T) * HV * V + head * V
         key_offset = (batch * T) * HV * K + head * K
         u_ptr += value_offset
@@ -151,75 +157,98 @@ if triton is not None:
         last = start + length - 1
         dot_dtype = h_ptr.dtype.element_ty
 
-        # dS first, in a pass of its own: held in the products' dtype through the key loop, it is not
-        # accumulated beside the key loop's three [BT, BK] accumulators (registers).
-        d_scores = tl.zeros([BT, BT], dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            vc = v0 + tl.arange(0, BV)
-            do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
-            u = _load_stored_rows(u_ptr, tokens, vc, HV * V, 1, valid, V)
-            d_scores += _dot(do_tile, tl.trans(u), dot_dtype, DOT_PRECISION)
+        key_tile = tl.program_id(2)
+        kc = key_tile * BK + tl.arange(0, BK)
+        d_scores, dq_state, dk_to_end, dw, dg_whole = _dqkw_value_pass(
+            do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
+            dot_dtype, BT, BK, BV, GATE, DOT_PRECISION)
         d_scores = tl.where((local[:, None] >= local[None, :]) & valid[:, None], scale * d_scores, 0.0)
         if GATE == 1:
             d_scores *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
         d_scores = d_scores.to(dot_dtype)
         d_scores_t = d_scores
         if SCORES_VIA_MEMORY:
-            ds_ptr += (pid_chunk.to(tl.int64) * HV + head) * BT * BT
+            ds_ptr += ((pid_chunk.to(tl.int64) * HV + head) * tl.num_programs(2) + key_tile) * BT * BT
             tl.store(ds_ptr + local[:, None] * BT + local[None, :], d_scores)
             # the loads below read elements other threads of this program stored
             tl.debug_barrier()
             d_scores = tl.load(ds_ptr + local[:, None] * BT + local[None, :])
             d_scores_t = tl.load(ds_ptr + local[None, :] * BT + local[:, None])
-        dg = tl.zeros([BT], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kc = k0 + tl.arange(0, BK)
-            dq_state, dk_to_end, dw, dg_whole = _dqkw_value_pass(
-                do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
-                dot_dtype, BT, BK, BV, GATE, DOT_PRECISION)
-            dg += _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, d_scores_t, dq_state,
-                                    dk_to_end, dw, dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk,
-                                    stride_kt, stride_kk, HV, K, scale, dot_dtype, BT, GATE, DOT_PRECISION,
-                                    SCORES_VIA_MEMORY)
+        dg = _dqkw_finish_tile(q_ptr, k_ptr, cum_ptr, dq_ptr, dk_ptr, dw_ptr, d_scores, d_scores_t, dq_state,
+                               dk_to_end, dw, dg_whole, tokens, valid, last, length, kc, stride_qt, stride_qk,
+                               stride_kt, stride_kk, HV, K, scale, dot_dtype, BT, GATE, DOT_PRECISION,
+                               SCORES_VIA_MEMORY)
         if GATE == 1:
-            tl.store(dg_ptr + tokens * HV, dg, mask=valid)
+            if key_tile == 0:
+                tl.store(dg_ptr + tokens * HV, dg, mask=valid)
+            else:
+                tl.store(dg_second_ptr + tokens * HV, dg, mask=valid)
 
 
-# Launch options: the first choice (BK 32, 4 warps, 2 stages, for registers) gave wrong dq and dk on
-# the H100 (Triton 3.6) at bf16 and fp16, chunk 64, K 60 and 100 with GVA: relative RMS 2.7-3.8 in dq,
-# wrong in rows 16-63 of each chunk only, in dS K and its transpose (the wgmmas taking dS from
-# registers against a 64-byte-swizzled key tile). Right there (benchmarks/diag_wy_split.py, session
-# 24): BK 64 at 4 warps, BK 32 at 8 or 2 warps, chunk 32, and these, wy.py's wy_backward's options.
-# Timed at GDN B1 T32768 H16 D128 bf16, the whole forward + backward with R2's forward: 5.02-5.10 ms,
-# BK 64 at 4 warps 2 stages 5.18-5.19, the wrong first choice 4.92-4.96. sm_90 registers (Triton 3.9,
-# ptxas): BK 64 at 8 warps 242, no spill.
+# Launch options. The one-pass kernel on one H200 (Triton 3.6, session 44,
+# results/diag_dqkw-split_2026-11-30_h200x1_2ebcd75.txt), dqkw's GPU time at GDN B1 T32768 H16 D128 bf16 /
+# the whole fwd+bwd: BK 64, BV 64, 4 warps, 2 stages 0.837 / 4.071 ms; BV 32, 3 stages 0.866 / 4.097; BK 128
+# at 8 warps 0.871 / 4.108; BK 64 at 8 warps 1.331; BK = BV = 128 at 4 warps (FLA's dqkwg tiles) 3.129 (1944
+# bytes of spills); the two-pass kernel before it (one program per chunk and value head walking both key
+# tiles, 8 warps, 1 stage) 1.262 / 4.494. sm_90 (Triton 3.6, ptxas): BK 64 at 4 warps 2 stages 255
+# registers and 56 bytes of spills, two programs per SM. Each variant was right on the kernel tests' cases
+# and bitwise repeatable there.
+# BK 32 at 4 warps gave wrong dq and dk on the H100 (Triton 3.6) at bf16 and fp16, chunk 64, K 60 and 100
+# with GVA in the two-pass kernel: rows 16-63 of each chunk, in dS K and its transpose (the wgmmas taking
+# dS from registers against a 64-byte-swizzled key tile); right there (benchmarks/diag_wy_split.py,
+# session 24): BK 64 at 4 warps, BK 32 at 8 or 2 warps. So a key tile narrower than 64 (K <= 32) takes
+# DQKW_OTHER_WARPS, as does the 128-wide one of K > 128 (registers).
 DQKW_BLOCK_K = 64
 DQKW_BLOCK_V = 64
-DQKW_STAGES = 1
-DQKW_OPTIONS = {"num_warps": 8, "num_stages": DQKW_STAGES}
+DQKW_STAGES = 2
+DQKW_OPTIONS = {"num_warps": 4, "num_stages": DQKW_STAGES}
+DQKW_OTHER_WARPS = 8
 # Off: dS stays in registers, both products take it from there (dS^T through tl.trans). On: a round
-# trip through a [chunks, HV, BT, BT] scratch in the products' dtype (2 BT^2 bytes per program, read
-# back from L2), as FLA's chunk_bwd_kernel_dqkwg does on Hopper against a Triton 3.4-3.7 miscompile of
-# tl.trans on a wgmma result (fla-org/flash-linear-attention#640, #826). Not a workaround for the
+# trip through a [chunks, HV, key tiles, BT, BT] scratch in the products' dtype (2 BT^2 bytes per program,
+# read back from L2), as FLA's chunk_bwd_kernel_dqkwg does on Hopper against a Triton 3.4-3.7 miscompile
+# of tl.trans on a wgmma result (fla-org/flash-linear-attention#640, #826). Not a workaround for the
 # errors above: on the H100 (Triton 3.6, BK 32, 4 warps) it was wrong too (dq 1.3 relative RMS) and
 # then made an illegal memory access (benchmarks/diag_wy_split.py, session 24). Read at launch time.
 DQKW_SCORES_VIA_MEMORY = False
 
 
+def dqkw_key_block(key_dim: int) -> int:
+    """The key tile: DQKW_BLOCK_K's, widened until K takes at most two tiles (dG's rows are stored per
+    key tile, and wy_bwd.py adds two)."""
+    block = block_size(key_dim, DQKW_BLOCK_K)
+    while -(-key_dim // block) > 2:
+        block *= 2
+    return block
+
+
+def dqkw_launch_options(block_k: int) -> dict:
+    if block_k == DQKW_BLOCK_K:
+        return dict(DQKW_OPTIONS)
+    return {**DQKW_OPTIONS, "num_warps": DQKW_OTHER_WARPS}
+
+
 def launch_dqkw(plan: Plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table, seqlens,
-                scale: float) -> None:
+                scale: float) -> torch.Tensor | None:
     """_dqkw_kernel on `num_chunks` chunks (the first `table` lists, varlen; h and dh start there):
-    writes dq_heads (complete), dk_heads and dcum (partial, fp32) and dw (the intermediates' dtype)."""
+    writes dq_heads (complete), dk_heads and dcum (partial, fp32) and dw (the intermediates' dtype).
+    Returns the second key tile's rows of dG ([B, T, HV, 1] fp32, for launch_wy_bwd's dcum_second)
+    where there is a gate and K takes two key tiles, else None."""
     problem = plan.problem
+    block_k = dqkw_key_block(problem.key_dim)
+    key_tiles = -(-problem.key_dim // block_k)
     via_memory = DQKW_SCORES_VIA_MEMORY
-    scratch = (torch.empty(scratch_rows(num_chunks), problem.value_heads, plan.chunk_size, plan.chunk_size,
-                           dtype=plan.intermediate_dtype, device=q.device) if via_memory else plan.dummy)
-    plan.launch(_dqkw_kernel)[(num_chunks, problem.value_heads)](
-        q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, scratch,
-        *q.stride(), *k.stride(), *do.stride(), table, seqlens,
+    scratch = (torch.empty(scratch_rows(num_chunks), problem.value_heads, key_tiles, plan.chunk_size,
+                           plan.chunk_size, dtype=plan.intermediate_dtype, device=q.device)
+               if via_memory else plan.dummy)
+    second = (torch.empty(dcum.shape, dtype=torch.float32, device=q.device)
+              if plan.gate_code == 1 and key_tiles == 2 else None)
+    plan.launch(_dqkw_kernel)[(num_chunks, problem.value_heads, key_tiles)](
+        q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, second if second is not None else plan.dummy,
+        scratch, *q.stride(), *k.stride(), *do.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, scale,
-        GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim, DQKW_BLOCK_K),
-        BV=block_size(problem.value_dim, DQKW_BLOCK_V), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-        SCORES_VIA_MEMORY=via_memory, **DQKW_OPTIONS,
+        GATE=plan.gate_code, BT=plan.chunk_size, BK=block_k, BV=block_size(problem.value_dim, DQKW_BLOCK_V),
+        IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision, SCORES_VIA_MEMORY=via_memory,
+        **dqkw_launch_options(block_k),
     )
+    return second

@@ -12,7 +12,7 @@ D[t, s] = e^(G_t - G_s) and gamma = e^G:
 
 dA is complete after a value loop and a key loop (dW from dqkw.py); the last key loop forms A^T dW,
 R and C per key tile and adds them to dqkw.py's partial dk, which it stores complete, as it does dG
-(dqkw.py's partial plus these rows). The reference is reference.wy_bwd_ref.
+(these rows plus dqkw.py's partial rows: its first key tile's, then its second's). The reference is reference.wy_bwd_ref.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ if triton is not None:
     @triton.jit
     def _wy_bwd_kernel(
         k_ptr, v_ptr, beta_ptr, cum_ptr, inverse_ptr, du_ptr, dw_ptr,
-        dv_ptr, dbeta_ptr, dk_ptr, dk_out_ptr, dg_ptr,
+        dv_ptr, dbeta_ptr, dk_ptr, dk_out_ptr, dg_ptr, dg_second_ptr,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_vb, stride_vt, stride_vh, stride_vv,
         stride_bb, stride_bt, stride_bh,
@@ -42,11 +42,13 @@ if triton is not None:
         BV: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        DG_PARTS: tl.constexpr,
     ):
         """One program per (chunk, value head): see the module docstring. dk_ptr and dg_ptr hold
-        dqkw.py's partial sums ([B, T, HV, K] and [B, T, HV, 1] fp32); dk leaves complete in
-        dk_out_ptr (dk_ptr itself, or a [B, T, HV, K] tensor of its own dtype: plan.half_key_gradients)
-        and dg in dg_ptr; dv and dbeta take their tensors' dtypes."""
+        dqkw.py's partial sums ([B, T, HV, K] and [B, T, HV, 1] fp32), with DG_PARTS 2 dg_second_ptr
+        its second key tile's rows of dG; dk leaves complete in dk_out_ptr (dk_ptr itself, or a
+        [B, T, HV, K] tensor of its own dtype: plan.half_key_gradients) and dg in dg_ptr; dv and dbeta
+        take their tensors' dtypes."""
         tl.static_assert(GATE != 2, "per-channel gates take wy.py's wy_backward and scores.py's backward")
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
@@ -64,6 +66,7 @@ if triton is not None:
         gate_offset = _gate_offset(batch, head, T, HV, K, GATE)
         cum_ptr += gate_offset
         dg_ptr += gate_offset
+        dg_second_ptr += gate_offset
         square_offset = (batch * T) * HV * BT + head * BT
         value_offset = (batch * T) * HV * V + head * V
         key_offset = (batch * T) * HV * K + head * K
@@ -130,6 +133,8 @@ if triton is not None:
                  dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
         if GATE == 1:
             dg += tl.load(dg_ptr + tokens * HV, mask=valid, other=0.0)
+            if DG_PARTS == 2:
+                dg += tl.load(dg_second_ptr + tokens * HV, mask=valid, other=0.0)
             tl.store(dg_ptr + tokens * HV, dg, mask=valid)
 
 
@@ -150,16 +155,18 @@ WY_BWD_OPTIONS = {"num_warps": 4, "num_stages": WY_BWD_STAGES}
 
 
 def launch_wy_bwd(plan: Plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table,
-                  seqlens, dk_out=None) -> None:
+                  seqlens, dk_out=None, dcum_second=None) -> None:
     """_wy_bwd_kernel on `num_chunks` chunks (the first `table` lists, varlen): writes dv and dbeta and
-    completes dk_heads (into dk_out when given) and dcum (dqkw.py's partial sums)."""
+    completes dk_heads (into dk_out when given) and dcum (dqkw.py's partial sums, plus dcum_second, its
+    second key tile's rows, when given)."""
     problem = plan.problem
     plan.launch(_wy_bwd_kernel)[(num_chunks, problem.value_heads)](
         k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dk_heads if dk_out is None else dk_out, dcum,
+        dcum_second if dcum_second is not None else plan.dummy,
         *k.stride(), *v.stride(), *beta.stride(), *dv.stride(), *dbeta.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim,
         GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim, WY_BWD_BLOCK_K),
         BV=block_size(problem.value_dim, WY_BWD_BLOCK_V), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-        **WY_BWD_OPTIONS,
+        DG_PARTS=1 if dcum_second is None else 2, **WY_BWD_OPTIONS,
     )
