@@ -23,8 +23,10 @@ from .tiles import _block_dim, _dot_options, _state_strides
 from .._triton import cdiv, direct, dot, kept_rows, load_tile, next_power_of_2, tl, triton, zero_padding_rows
 
 # Segments: the auto length aims at this many sweep programs per streaming multiprocessor, and
-# never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v.
-SWEEP_WAVES = 8
+# never goes below MIN_SEGMENT rows, where the fp32 summaries would outweigh q, k, v. Kernel time per
+# fwd+bwd on one H200 (session 43, diag_lightning-segments_2026-11-30_h200x1_2bb0177.txt, H16 D128):
+# 4 waves 1.053 ms at B1 T32768 and 0.597 at B4 T4096, 8 waves 1.075 / 0.619, 16 1.170 / 0.668.
+SWEEP_WAVES = 4
 MIN_SEGMENT = 256
 # Summary pass: rows per step and the state tile per program. A whole 128 x 128 state a program took
 # 86.5 us a launch at B1 T32768 H16 D128 on the H200 against 96.1 for two 128 x 64 halves (4 warps,
