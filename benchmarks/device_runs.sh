@@ -70,8 +70,9 @@
 #               first call autotunes for minutes)                                        (issue 20)
 #   gdn-tune  GDN's launch options one kernel at a time against the defaults (timed on the H100, never on the
 #               H200), fwd+bwd at B1 T32768 H16 D128 (wy_bwd spills 104 bytes at its 4 warps on Triton 3.6)  (issue 20)
-#   kda-solve KDA's wy_solve options alone at B4 and B1 (4 warps never timed on the H200: the default 2 spill
-#               240 bytes per thread on Triton 3.6, 4 none)                                  (issue 20)
+#   kda-solve KDA's forward intra-chunk kernels' options, wy_solve's and decayed_scores', at B4 and B1 (wy_solve's
+#               4 warps never timed on the H200: the default 2 spill 240 bytes per thread on Triton 3.6, 4 none;
+#               the two are 1.51 ms of KDA's B1 forward against FLA's 1.10 for its three)     (issue 20)
 #   kda-tune  KDA's launch options one kernel at a time against the defaults (tuned on the H100), fwd+bwd at
 #               B4 T4096 (every KDA kernel) and B1 T32768 (the sweeps), into diag_ rows     (issue 20)
 #   mhc-dx-form  stream-sized float32 buffers in the compiled mHC step's code (analysis/mhc_stream_grad_buffers.py)
@@ -261,7 +262,7 @@ for run in ${RUNS:-delta host}; do
                   --out "$out/diag_gdn-tune_$tag.jsonl" ;;
     kda-solve) for shape in B4T4096H16D128 B1T32768H16D128; do
                    cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape "$shape" \
-                       --kernels _wy_solve_kernel --out "$out/diag_kda-solve_$tag.jsonl"
+                       --kernels _wy_solve_kernel,_decayed_scores_kernel --out "$out/diag_kda-solve_$tag.jsonl"
                done ;;
     mhc-dx-form) test -f .before/COMMIT || { echo "mhc-dx-form: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                  log="$out/diag_mhc-dx-form_$tag.txt"
