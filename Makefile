@@ -196,16 +196,19 @@ GPU_BENCH_PACKAGES = flash-linear-attention==0.6.0 fla-core==0.6.0
 # with FLA importable.
 GPU_BENCH_WHEEL_SITE ?= /tmp/hccompile-gpu-bench-wheels
 RUNS ?= delta host
-.PHONY: bench-gpu
-bench-gpu:
+BENCH_PATH = PYTHONPATH=$(GPU_WHEEL_SITE):$(GPU_BENCH_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH}
+.PHONY: bench-gpu bench-gpu-install
+# The carried wheels (the suite's and FLA's) and hccompile, installed for the benchmark runs.
+bench-gpu-install:
 	@test -n "$(COMMIT)" || { echo "make bench-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 		--target $(GPU_BENCH_WHEEL_SITE) $(GPU_BENCH_WHEELS)/*.whl
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
-	PYTHONPATH=$(GPU_WHEEL_SITE):$(GPU_BENCH_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} RUNS="$(RUNS)" COMMIT=$(COMMIT) \
-		sh benchmarks/device_runs.sh
+
+bench-gpu: bench-gpu-install
+	$(BENCH_PATH) RUNS="$(RUNS)" COMMIT=$(COMMIT) sh benchmarks/device_runs.sh
 
 # Two run lists at once, one per card of a two-GPU machine (single-GPU runs only): `make bench-gpu-split
 # RUNS_GPU0="dqkw-split" RUNS_GPU1="gdn-tune kda-solve" COMMIT=<sha>`; each card's rows and logs go to
@@ -214,19 +217,12 @@ bench-gpu:
 RUNS_GPU0 ?=
 RUNS_GPU1 ?=
 .PHONY: bench-gpu-split
-bench-gpu-split:
-	@test -n "$(COMMIT)" || { echo "make bench-gpu-split: no .git here; pass COMMIT=<sha>"; exit 2; }
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-		--target $(GPU_WHEEL_SITE) $(GPU_WHEELS)/*.whl
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-		--target $(GPU_BENCH_WHEEL_SITE) $(GPU_BENCH_WHEELS)/*.whl
-	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+bench-gpu-split: bench-gpu-install
 	out=$${OUT:-benchmarks/results}; mkdir -p $$out/gpu0 $$out/gpu1; \
 	for g in 0 1; do \
 		if test $$g = 0; then runs="$(RUNS_GPU0)"; else runs="$(RUNS_GPU1)"; fi; \
 		test -n "$$runs" || continue; \
-		( CUDA_VISIBLE_DEVICES=$$g OUT=$$out/gpu$$g RUNS="$$runs" COMMIT=$(COMMIT) \
-		  PYTHONPATH=$(GPU_WHEEL_SITE):$(GPU_BENCH_WHEEL_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
+		( CUDA_VISIBLE_DEVICES=$$g OUT=$$out/gpu$$g RUNS="$$runs" COMMIT=$(COMMIT) $(BENCH_PATH) \
 		  sh benchmarks/device_runs.sh > $$out/gpu$$g/log.txt 2>&1; echo "gpu$$g: exit $$?" ) & \
 	done; wait; tail -n 5 $$out/gpu0/log.txt $$out/gpu1/log.txt; \
 	for g in 0 1; do test -d $$out/gpu$$g && tar czf $$out/gpu$$g.tgz -C $$out gpu$$g && rm -rf $$out/gpu$$g; done; true
