@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hccompile.kernels._triton import cdiv
 from hccompile.kernels.delta_rule import chunk as chunk_kernels
 from hccompile.kernels.delta_rule import dqkw, wy_bwd
 from hccompile.kernels.delta_rule import chunk_delta_rule_fwd, check_delta_rule_inputs
@@ -96,7 +97,7 @@ def test_dqkw_matches_float64(monkeypatch, name, sizes, gate, options, dtype, ch
     cum = x["cum"] if x["cum"] is not None else plan.dummy
     second = launch_dqkw(plan, x["q"], x["k"], x["do"], cum, x["u"], x["du"], x["h"], x["dh"], dq, dk, dw, dcum,
                          plan.num_chunks, table, seqlens, x["scale"])
-    key_tiles = -(-key_dim // dqkw.dqkw_key_block(key_dim))
+    key_tiles = cdiv(key_dim, dqkw.dqkw_key_block(key_dim))
     assert (second is not None) == (gate != "none" and key_tiles == 2)
     dq_ref, dk_ref, dw_ref, dg_ref = dqkw_ref(x["q"], x["k"], x["do"], x["cum"], x["u"], x["du"], x["h"], x["dh"],
                                               x["chunks"], x["scale"])
@@ -115,7 +116,7 @@ def test_dqkw_key_tiles_are_at_most_two():
     """dG's rows are stored per key tile, and wy_bwd adds two at most: every K takes one or two tiles."""
     for key_dim in (16, 32, 60, 64, 100, 128, 200, 256):
         block = dqkw.dqkw_key_block(key_dim)
-        assert -(-key_dim // block) <= 2, (key_dim, block)
+        assert cdiv(key_dim, block) <= 2, (key_dim, block)
     assert dqkw.dqkw_key_block(128) == 64 and dqkw.dqkw_key_block(256) == 128
 
 

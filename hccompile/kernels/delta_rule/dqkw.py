@@ -27,7 +27,7 @@ import torch
 
 from .plan import Plan, block_size
 
-from .._triton import scratch_rows, tl, triton
+from .._triton import cdiv, scratch_rows, tl, triton
 
 if triton is not None:
     from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _pair_decays,
@@ -216,7 +216,7 @@ def dqkw_key_block(key_dim: int) -> int:
     """The key tile: DQKW_BLOCK_K's, widened until K takes at most two tiles (dG's rows are stored per
     key tile, and wy_bwd.py adds two)."""
     block = block_size(key_dim, DQKW_BLOCK_K)
-    while -(-key_dim // block) > 2:
+    while cdiv(key_dim, block) > 2:
         block *= 2
     return block
 
@@ -235,7 +235,7 @@ def launch_dqkw(plan: Plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw,
     where there is a gate and K takes two key tiles, else None."""
     problem = plan.problem
     block_k = dqkw_key_block(problem.key_dim)
-    key_tiles = -(-problem.key_dim // block_k)
+    key_tiles = cdiv(problem.key_dim, block_k)
     via_memory = DQKW_SCORES_VIA_MEMORY
     scratch = (torch.empty(scratch_rows(num_chunks), problem.value_heads, key_tiles, plan.chunk_size,
                            plan.chunk_size, dtype=plan.intermediate_dtype, device=q.device)
