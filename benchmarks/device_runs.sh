@@ -68,11 +68,14 @@
 #               the defaults in one process, fwd+bwd at B4 T4096, into diag_ rows          (issue 20)
 #   delta-profile  per-kernel GPU time of our GDN and KDA at B4 T4096 and B1 T32768 H16 D128 (no FLA: its
 #               first call autotunes for minutes)                                        (issue 20)
-#   gdn-tune  GDN's launch options one kernel at a time against the defaults (timed on the H100, never on the
-#               H200), fwd+bwd at B1 T32768 H16 D128 (wy_bwd spills 104 bytes at its 4 warps on Triton 3.6)  (issue 20)
-#   kda-solve KDA's forward intra-chunk kernels' options, wy_solve's and decayed_scores', at B4 and B1 (wy_solve's
-#               4 warps never timed on the H200: the default 2 spill 240 bytes per thread on Triton 3.6, 4 none;
-#               the two are 1.51 ms of KDA's B1 forward against FLA's 1.10 for its three)     (issue 20)
+#   gdn-tune  GDN's launch options one kernel at a time against the defaults, fwd+bwd at B1 T32768 H16 D128:
+#               wy_bwd's dL from bf16 A (WY_BWD_HALF_DL), the output kernel's 128-wide value tile, and the
+#               options of wy_bwd, dqkw, output and state_forward (session 45 took their best: wy_bwd 1 stage,
+#               dqkw 3)     (issue 20)
+#   kda-solve KDA at B4 and B1: decayed_scores with one program per chunk (scores_chunk.py) against one per
+#               sub-chunk (the default), wy_solve's substitution with L's diagonal blocks in registers (the default)
+#               against a row load per step, and its warps and stages (session 45 on the H200: 2 warps, 1 stage
+#               best), and the output kernel's 128-wide value tile     (issue 20)
 #   kda-tune  KDA's launch options one kernel at a time against the defaults (tuned on the H100), fwd+bwd at
 #               B4 T4096 (every KDA kernel) and B1 T32768 (the sweeps), into diag_ rows     (issue 20)
 #   mhc-dx-form  stream-sized float32 buffers in the compiled mHC step's code (analysis/mhc_stream_grad_buffers.py)
@@ -258,11 +261,11 @@ for run in ${RUNS:-delta host}; do
                   --kernels SWEEP_MIN_PROGRAMS,_state_backward_kernel,_state_forward_kernel,_decayed_scores_backward_kernel \
                   --out "$out/diag_kda-tune_$tag.jsonl" ;;
     gdn-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B1T32768H16D128 \
-                  --kernels _wy_bwd_kernel,WY_BWD_BLOCK_K,WY_BWD_BLOCK_V,_dqkw_kernel,DQKW_BLOCK_K,_state_backward_kernel,_state_forward_kernel,_output_kernel,_wy_solve_kernel,L2NORM_BLOCK_ROWS \
+                  --kernels WY_BWD_HALF_DL,OUTPUT_BLOCK_V,_wy_bwd_kernel,_dqkw_kernel,_output_kernel,_state_forward_kernel \
                   --out "$out/diag_gdn-tune_$tag.jsonl" ;;
     kda-solve) for shape in B4T4096H16D128 B1T32768H16D128; do
                    cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape "$shape" \
-                       --kernels _wy_solve_kernel,_decayed_scores_kernel --out "$out/diag_kda-solve_$tag.jsonl"
+                       --kernels CHUNK_SCORE_PROGRAMS,REGISTER_DIAGONAL_BLOCKS,OUTPUT_BLOCK_V,_wy_solve_kernel --out "$out/diag_kda-solve_$tag.jsonl"
                done ;;
     mhc-dx-form) test -f .before/COMMIT || { echo "mhc-dx-form: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                  log="$out/diag_mhc-dx-form_$tag.txt"

@@ -41,10 +41,13 @@ BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_p
                  "dv_ptr", "dbeta_ptr", "w_ptr", "kg_ptr", "o_ptr"}
 # name: (kernel, constexprs beyond the common ones, pointers whose dtype differs from BF16_POINTERS')
 OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False}
-KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False}, {}), "wy_bwd": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2}, {}),
+KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False}, {}),
+           "wy_bwd": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2, "HALF_DL": False}, {}),
            "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),
-           "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": True}, {}),
-           "wy_solve_kdot": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": False}, {}),
+           "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": True, "REGISTER_DIAGONAL": True},
+                        {}),
+           "wy_solve_kdot": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": False,
+                                                   "REGISTER_DIAGONAL": True}, {}),
            "output": (output._output_kernel, {**OUTPUT, "FORM_SCORES": True}, {}),
            "output_store": (output._output_kernel, {**OUTPUT, "FORM_SCORES": True, "STORE_SCORES": True},
                             {"scores_ptr": "*bf16"}),

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hccompile.kernels.delta_rule import chunk, dqkw, qk_l2norm, scores, wy_bwd  # noqa: E402
+from hccompile.kernels.delta_rule import chunk, dqkw, output, qk_l2norm, scores, wy_bwd  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 from profile_ops import parse_shape  # noqa: E402
 
@@ -45,11 +45,17 @@ VARIANTS = {
     "_output_kernel": (chunk, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=2), dict(num_stages=4)]),
     # Module constants the launchers read at call time: the values tried.
     "L2NORM_BLOCK_ROWS": (qk_l2norm, [32, 64]),
+    # the output kernel's value tile: 128 forms P once per chunk and head at V 128 (default 64: twice)
+    "OUTPUT_BLOCK_V": (output, [128]),
     "L2NORM_WARPS": (qk_l2norm, [1, 2, 8]),
     # GDN: decayed_scores_backward apart from wy_backward (KDA takes it either way)
     "FUSED_SCORES_BACKWARD": (kernel_plan, [False]),
     # GDN: wy.py's single wy_backward instead of the split
     "SPLIT_WY_BACKWARD": (kernel_plan, [False]),
+    # KDA: decayed_scores with one program per chunk (scores_chunk.py) instead of one per sub-chunk
+    "CHUNK_SCORE_PROGRAMS": (kernel_plan, [True]),
+    # KDA: wy_solve's substitution with a row load per step instead of L's diagonal blocks loaded once
+    "REGISTER_DIAGONAL_BLOCKS": (kernel_plan, [False]),
     # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel
     "FUSED_SCORES_FORWARD": (kernel_plan, [False]),
     # the sweeps' value tiles: narrowed while the grid fills at most half of this many programs (None: the
@@ -62,6 +68,8 @@ VARIANTS = {
     # (it gave wrong dbeta and dk on the H100: wy_bwd.py's note; this times it, the kernel tests judge it)
     "WY_BWD_BLOCK_K": (wy_bwd, [16, 32]),
     "WY_BWD_BLOCK_V": (wy_bwd, [32, 128]),
+    # wy_bwd's dL = -A^T dA A^T from bf16 A and dA (FLA's order) instead of tf32 products of the fp32 A
+    "WY_BWD_HALF_DL": (wy_bwd, [True]),
 }
 
 

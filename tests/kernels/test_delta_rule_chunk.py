@@ -347,12 +347,14 @@ WY_SOLVE_CASES = [
 
 
 @requires_triton
+@pytest.mark.parametrize("register_diagonal", [True, False], ids=["diagonal-in-registers", "row-loads"])
 @pytest.mark.parametrize("gate, chunk, time, cu", WY_SOLVE_CASES,
                          ids=[f"{g}-BT{c}-T{t}{'-varlen' if cu else ''}" for g, c, t, cu in WY_SOLVE_CASES])
-def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
+def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu, register_diagonal):
     """A, W of the forward's wy_solve against float64 from the kernels' own Kdot (decayed_scores'), or
     without per-channel gates (plan.fused_scores_forward: wy_solve forms Kdot itself) from the float64
-    Kdot of the keys, chunk by chunk."""
+    Kdot of the keys, chunk by chunk. Reading Kdot, the substitution takes L's diagonal blocks from
+    registers loaded once (plan.REGISTER_DIAGONAL_BLOCKS) or a row load per step: both are checked."""
     cu_seqlens = torch.tensor(cu, dtype=torch.int32) if cu is not None else None
     options = {"cu_seqlens": cu_seqlens} if cu is not None else {}
     inputs, kwargs = aligned_keys_case((1, time, 1, 2, 32, 16), gate, options, seed=time + chunk)
@@ -374,6 +376,7 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu):
         problem.key_dim, problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
         BK=kernel_plan.block_size(problem.key_dim), BV=kernel_plan.block_size(problem.value_dim),
         DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen, SOLVE=True, FORM_KDOT=form_kdot,
+        REGISTER_DIAGONAL=register_diagonal,
     )
     kdots = fwd.kdot
     if form_kdot:
@@ -469,10 +472,9 @@ def test_intermediates_take_the_planned_dtype(dtype):
     for name in ("inverse", "cum"):
         assert getattr(fwd, name).dtype == torch.float32, name
     # Without per-channel gates (plan.fused_scores_forward) no Kdot in memory, and P (in memory for a
-    # backward, which this forward without o is) in the intermediates' dtype; fp32 from decayed_scores.
-    assert fwd.scores.dtype == plan.scores_dtype
+    # backward, which this forward without o is) in the intermediates' dtype, decayed_scores' too.
+    assert fwd.scores.dtype == plan.scores_dtype == plan.intermediate_dtype
     fused = kernel_plan.fused_scores_forward_for(plan.problem.gate)
-    assert plan.scores_dtype == (plan.intermediate_dtype if fused else torch.float32)
     assert (fwd.kdot is None) == fused
     if fwd.kdot is not None:
         assert fwd.kdot.dtype == torch.float32
@@ -650,12 +652,12 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(monkey
     o_plain, state_plain = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk)
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
     # Kdot is kept where decayed_scores wrote it (per-channel gates, plan.FUSED_SCORES_FORWARD off, or
-    # the single wy_backward); P in fp32 there, else in the intermediates' dtype (the output kernel's store).
+    # the single wy_backward); P in the intermediates' dtype, whichever kernel stored it.
     fused = kernel_plan.fused_scores_forward_for(gate)
     assert (kept.kdot is None) == fused
     assert all(t.shape == (*o.shape[:3], chunk) for t in kept[:3] if t is not None)
     assert kept.inverse.dtype == torch.float32 and all(t.dtype == torch.float32 for t in kept[:1] if t is not None)
-    assert kept.scores.dtype == (intermediate_dtype_for(dtype) if fused else torch.float32)
+    assert kept.scores.dtype == intermediate_dtype_for(dtype)
     l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
     if l2norm:
         # The l2-normed q and k, in the plan's normed dtype, equal to the reference's l2norm.

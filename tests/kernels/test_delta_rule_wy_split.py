@@ -121,12 +121,17 @@ def test_dqkw_key_tiles_are_at_most_two():
 
 
 @requires_triton
+@pytest.mark.parametrize("half_dl", [False, True], ids=["dl-fp32-a", "dl-half"])
 @pytest.mark.parametrize("parts", [1, 2], ids=["dg-one-part", "dg-two-parts"])
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", SPLIT_CASES, ids=CASE_IDS)
-def test_wy_bwd_matches_float64(name, sizes, gate, options, dtype, chunk, parts):
-    """wy_bwd alone; with two parts, dqkw's partial dG handed over as two key tiles' rows (dcum_second)."""
+def test_wy_bwd_matches_float64(monkeypatch, name, sizes, gate, options, dtype, chunk, parts, half_dl):
+    """wy_bwd alone; with two parts, dqkw's partial dG handed over as two key tiles' rows (dcum_second);
+    dL from the fp32 A or (wy_bwd.WY_BWD_HALF_DL) from A and dA in the products' dtype."""
     if parts == 2 and gate == "none":
         pytest.skip("no gate: no dG")
+    if half_dl and parts == 2:
+        pytest.skip("dL's operands do not depend on how dG is handed over")
+    monkeypatch.setattr(wy_bwd, "WY_BWD_HALF_DL", half_dl)
     x = _kernel_inputs(sizes, gate, options, dtype, chunk, seed=sizes[1] + 22)
     plan = x["plan"]
     # dqkw's outputs, from its reference: dW in the intermediates' dtype, the partial sums fp32

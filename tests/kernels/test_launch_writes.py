@@ -90,6 +90,20 @@ def test_delta_rule_launches_write_no_index_table(gate, varlen):
     assert check_launches(calls) >= 5
 
 
+@needs_compiled_kernels
+@pytest.mark.parametrize("varlen", [False, True], ids=["rows", "varlen"])
+def test_delta_rule_chunk_score_programs_write_no_index_table(monkeypatch, varlen):
+    """Per-channel gates with decayed_scores' one program per chunk (plan.CHUNK_SCORE_PROGRAMS)."""
+    from hccompile.kernels.delta_rule import plan as kernel_plan
+    from hccompile.kernels.delta_rule.compile_check import recorded_launches
+
+    monkeypatch.setattr(kernel_plan, "CHUNK_SCORE_PROGRAMS", True)
+    launches = recorded_launches("channel", 64, torch.bfloat16, varlen)
+    assert "_chunk_scores_kernel" in {kernel.fn.__name__ for _, kernel, _, _ in launches}
+    calls = [(kernel, _named(kernel, args, kwargs)) for _, kernel, args, kwargs in launches]
+    assert check_launches(calls) >= 5
+
+
 # --- lightning attention (segments and sweeps), causal linear attention --------------------------
 def _lightning_inputs(varlen: bool):
     torch.manual_seed(0)

@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from . import plan as kernel_plan
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (DEFAULT_CHUNK_SIZE, GATE_CODES, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
                    intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
@@ -41,6 +42,7 @@ from .output import launch_output, launch_scores_only
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
+from .scores_chunk import launch_chunk_scores
 from .state import state_backward_block_v, state_forward_block_v, state_launch_options
 from .dqkw import launch_dqkw
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
@@ -84,8 +86,8 @@ def _check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, devic
 class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
     the intra-chunk matrices, each [B, T, HV, chunk_size]: Kdot (fp32; None without per-channel gates
-    while plan.fused_scores_forward, nothing forms it in memory then), P (fp32 from decayed_scores, or
-    in the intermediates' dtype from the output kernel) and the inverse A (fp32); with use_qk_l2norm_in_kernel the
+    while plan.fused_scores_forward, nothing forms it in memory then), P (in the intermediates' dtype,
+    Plan.scores_dtype) and the inverse A (fp32); with use_qk_l2norm_in_kernel the
     l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
     gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without); and the state
     sweep's results, in the plan's intermediate_dtype: w [B, T, HV, K], the corrected values u
@@ -132,6 +134,15 @@ class _Forward(ChunkLocal):
     h: torch.Tensor  # [chunks, HV, K, V] chunk-start states
 
 
+def _launch_scores(plan: Plan, q, k, cum, kdot, scores, num_chunks, table, seqlens) -> None:
+    """decayed_scores: with per-channel gates one program per chunk while plan.CHUNK_SCORE_PROGRAMS
+    (scores_chunk.py), else one per sub-chunk (scores.py); the same Kdot and P either way."""
+    if plan.gate_code == GATE_CODES["channel"] and kernel_plan.CHUNK_SCORE_PROGRAMS:
+        launch_chunk_scores(plan, q, k, cum, kdot, scores, num_chunks, table, seqlens)
+    else:
+        launch_decayed_scores(plan, q, k, cum, kdot, scores, num_chunks, table, seqlens)
+
+
 def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_log, dt_bias, lower_bound,
                       kept: Kept | None = None, empty: Callable | None = None, scores_now: bool = True) -> ChunkLocal:
     """Steps 1-3 of the forward, chunk-parallel. With `kept`, what an earlier forward on the same
@@ -171,7 +182,8 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
         kdot, inverse = None, buffer(batch, time, value_heads, chunk)
         scores = buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype) if scores_now else None
     else:
-        kdot, scores, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(3))
+        kdot, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(2))
+        scores = buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype)
     if kept is not None and kept.h is not None:
         return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=kept.w,
                           u_tilde=plan.dummy, k_decayed=plan.dummy)
@@ -183,7 +195,7 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
         table, seqlens = plan.chunk_args()
         cum_arg = cum if cum is not None else plan.dummy
         if kept is None and not fused:
-            launch_decayed_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
+            _launch_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
         elif kept is None and scores_now:
             launch_scores_only(plan, q, k, cum_arg, scores, plan.num_chunks, table, seqlens)
         plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
@@ -192,7 +204,8 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
             table, seqlens, time, plan.chunks_per_row, value_heads, problem.group_size, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_size(key_dim),
             BV=block_size(value_dim), DOT_PRECISION=plan.dot_precision, SOLVE=kept is None,
-            FORM_KDOT=kept is None and fused, IS_VARLEN=plan.varlen, **wy_solve_options(plan),
+            FORM_KDOT=kept is None and fused, REGISTER_DIAGONAL=kernel_plan.REGISTER_DIAGONAL_BLOCKS,
+            IS_VARLEN=plan.varlen, **wy_solve_options(plan),
         )
     return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde,
                       k_decayed=k_decayed)
@@ -523,7 +536,8 @@ def chunk_delta_rule_bwd(
             # backward whose plan takes the single wy_backward (switches changed in between): it reads
             # Kdot, formed again here (P into a scratch: the kept one serves).
             kdot = buffer(batch, time, value_heads, chunk)
-            launch_decayed_scores(plan, fwd.q, fwd.k, cum_arg, kdot, buffer(batch, time, value_heads, chunk),
+            _launch_scores(plan, fwd.q, fwd.k, cum_arg, kdot,
+                                  buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype),
                                   plan.num_chunks, table, seqlens)
         plan.launch(_wy_backward_kernel)[(plan.num_chunks, value_heads)](
             fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, kdot,

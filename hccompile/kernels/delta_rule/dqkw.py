@@ -192,7 +192,9 @@ if triton is not None:
 # bytes of spills); the two-pass kernel before it (one program per chunk and value head walking both key
 # tiles, 8 warps, 1 stage) 1.262 / 4.494. sm_90 (Triton 3.6, ptxas): BK 64 at 4 warps 2 stages 255
 # registers and 56 bytes of spills, two programs per SM. Each variant was right on the kernel tests' cases
-# and bitwise repeatable there.
+# and bitwise repeatable there. At those tiles (session 45, one H200, tune_delta_rule.py,
+# results/diag_gdn-tune_2026-11-30_h200x1_e8b5009.jsonl, the whole fwd+bwd): 3 stages 4.247 ms, 2 stages
+# 4.329, 1 stage 4.406, 8 warps 4.773; BK 128 5.326.
 # BK 32 at 4 warps gave wrong dq and dk on the H100 (Triton 3.6) at bf16 and fp16, chunk 64, K 60 and 100
 # with GVA in the two-pass kernel: rows 16-63 of each chunk, in dS K and its transpose (the wgmmas taking
 # dS from registers against a 64-byte-swizzled key tile); right there (benchmarks/diag_wy_split.py,
@@ -200,7 +202,7 @@ if triton is not None:
 # DQKW_OTHER_WARPS, as does the 128-wide one of K > 128 (registers).
 DQKW_BLOCK_K = 64
 DQKW_BLOCK_V = 64
-DQKW_STAGES = 2
+DQKW_STAGES = 3
 DQKW_OPTIONS = {"num_warps": 4, "num_stages": DQKW_STAGES}
 DQKW_OTHER_WARPS = 8
 # Off: dS stays in registers, both products take it from there (dS^T through tl.trans). On: a round

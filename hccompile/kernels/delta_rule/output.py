@@ -14,7 +14,7 @@ value head), so that kept and recomputed P are the same kernel's, bit for bit.
 
 from __future__ import annotations
 
-from .plan import Plan, block_size
+from .plan import MAX_TILE, Plan, block_size
 
 from .._triton import cdiv, tl, triton
 
@@ -135,6 +135,12 @@ if triton is not None:
     _output_scores_kernel = triton.jit(_output_kernel.fn)
 
 
+# The value tile of the output kernel, read at launch time. Each value tile's program forms (or
+# loads) the chunk's whole P, so a wider tile forms it fewer times (at V 128: once per chunk and
+# head instead of twice) for a [BT, BV] fp32 accumulator twice as large; tune_delta_rule.py times 128.
+OUTPUT_BLOCK_V = MAX_TILE
+
+
 def launch_output(plan: Plan, q, k, cum, h, scores, u, o, num_chunks, table, seqlens, scale: float, *,
                   form_scores: bool, store_scores: bool = False) -> None:
     """_output_kernel on `num_chunks` chunks (the first `table` lists, varlen; `h` starts at the first):
@@ -147,7 +153,7 @@ def launch_output(plan: Plan, q, k, cum, h, scores, u, o, num_chunks, table, seq
     kernel took 139 / 134 registers forming P (149 / 146 storing it; reading decayed_scores' P: 96), no
     spills, 72 KiB of shared memory (48 reading P); the P-only mode 105 / 104 registers."""
     problem = plan.problem
-    block_v = block_size(problem.value_dim)
+    block_v = block_size(problem.value_dim, OUTPUT_BLOCK_V)
     plan.launch(_output_kernel)[output_grid(num_chunks, problem.value_heads, problem.value_dim, block_v)](
         q, k, cum, h, scores, u, o, *q.stride(), *k.stride(), *o.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,

@@ -491,7 +491,8 @@ def _chunk_pair_decays(cum, b, start, length, hv):
 
 def intra_chunk_matrices_ref(q, k, cum, chunks, chunk_size, value_heads):
     """(Kdot, P) of every chunk and value head from the queries and keys, in float64: what
-    decayed_scores stores and what wy_solve (FORM_KDOT) and the output kernel (FORM_SCORES) form."""
+    decayed_scores stores and what wy_solve (FORM_KDOT) and the output kernel (FORM_SCORES) form.
+    `cum`: None, a scalar gate's [B, T, HV, 1] or per-channel gates' [B, T, HV, K] cumulative sums."""
     f64, cpu = torch.float64, "cpu"
     batch, time, key_heads, _ = k.shape
     group = value_heads // key_heads
@@ -501,8 +502,16 @@ def intra_chunk_matrices_ref(q, k, cum, chunks, chunk_size, value_heads):
     for b, start, length in chunks:
         span = slice(start, start + length)
         for hv in range(value_heads):
-            _, decays = _chunk_pair_decays(cum, b, start, length, hv)
             q_c, k_c = q[b, span, hv // group], k[b, span, hv // group]
+            if cum is not None and cum.shape[-1] > 1:
+                g = cum[b, span, hv].to(cpu, f64)
+                rows = torch.arange(length)
+                visible = (rows[:, None] >= rows[None, :])[:, :, None]
+                decays = (g[:, None, :] - g[None, :, :]).masked_fill(~visible, float("-inf")).exp()
+                kdot[b, span, hv, :length] = torch.einsum("tc,sc,tsc->ts", k_c, k_c, decays).tril(-1)
+                scores[b, span, hv, :length] = torch.einsum("tc,sc,tsc->ts", q_c, k_c, decays)
+                continue
+            _, decays = _chunk_pair_decays(cum, b, start, length, hv)
             kdot[b, span, hv, :length] = ((k_c @ k_c.T) * decays).tril(-1)
             scores[b, span, hv, :length] = (q_c @ k_c.T) * decays
     return kdot, scores

@@ -3,7 +3,8 @@ pairwise products under the gates' decays,
 
     Kdot[t,s] = sum_c k_t k_s e^(G_t-G_s)  (s < t)        P[t,s] = sum_c q_t k_s e^(G_t-G_s)  (s <= t)
 
-stored fp32 [B, T, HV, BT] (row t of a chunk against the chunk's columns). Kdot feeds the WY solve
+stored [B, T, HV, BT] (row t of a chunk against the chunk's columns), Kdot fp32 (the WY solve's
+substitution reads it elementwise), P in the intermediates' dtype (Plan.scores_dtype). Kdot feeds the WY solve
 (wy.py), P the output (output.py) and state_backward (state.py). Without per-channel gates the forward
 launches this kernel only with plan.FUSED_SCORES_FORWARD off: wy_solve and the output kernel form
 them otherwise.
@@ -194,8 +195,8 @@ if triton is not None:
         e^(G_t - G_s) = e^(G_t - G_r) e^(G_r - G_s). The first factor is <= 1; the second is <= 1
         left of the diagonal and <= e^span inside it (span = max over channels of G_r - G_last of
         the sub-chunk). Past `factor_limit` the products leave the diagonal block out; it is split
-        (_split_diagonal_scores) and stored apart. Outputs are fp32 [B, T, HV, BT]: row t of a
-        chunk holds its scores against the chunk's columns.
+        (_split_diagonal_scores) and stored apart. Outputs are [B, T, HV, BT] in their pointers'
+        dtypes (Kdot fp32, P the intermediates'): row t of a chunk holds its scores against the chunk's columns.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         factor_limit = tl.cast(factor_limit, tl.float32)
@@ -492,7 +493,7 @@ def _scores_warps(gate: str, backward: bool) -> int:
     return 8 if backward and gate != "channel" else 4
 
 
-def _scores_block_k(plan: Plan) -> int:
+def scores_block_k(plan: Plan) -> int:
     """BK of the score kernels: with per-channel gates and fp32 inputs (exact fp32 products, no
     tensor cores) 64 spilled in decayed_scores (sm_90, Triton 3.8, 8 warps: 72 bytes); 32 does not."""
     block_k = block_size(plan.problem.key_dim)
@@ -510,7 +511,7 @@ def _score_launch(plan: Plan, num_chunks: int, table, seqlens, backward: bool):
     grid = (num_chunks, problem.value_heads, chunk // sub_chunk)
     args = (table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size,
             problem.key_dim, float(FACTOR_SPAN_LIMIT))
-    constants = dict(GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=_scores_block_k(plan), IS_VARLEN=plan.varlen,
+    constants = dict(GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=scores_block_k(plan), IS_VARLEN=plan.varlen,
                      DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots,
                      num_warps=_scores_warps(problem.gate, backward))
     return grid, args, constants

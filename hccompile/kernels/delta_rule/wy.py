@@ -136,6 +136,15 @@ if triton is not None:
         return _load_rows(kdot_ptr, start + rows, cols, row_stride, 1, valid, BT) * beta[:, None]
 
     @triton.jit
+    def _diagonal_lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, block,
+                              BT: tl.constexpr, BC: tl.constexpr):
+        """Diagonal block `block` [BC, BC] of L = diag(beta) Kdot, strictly lower, zero in rows past
+        `length`: _register_substitution_step's operand, read from decayed_scores' Kdot."""
+        sub = tl.arange(0, BC)
+        lower = _lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, block, block, BT, BC)
+        return tl.where(sub[:, None] > sub[None, :], lower, 0.0)
+
+    @triton.jit
     def _store_block(a_ptr, block, start, length, row_stride, block_i, block_j, BT: tl.constexpr,
                      BC: tl.constexpr):
         rows = block_i * BC + tl.arange(0, BC)
@@ -167,6 +176,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         SOLVE: tl.constexpr,
         FORM_KDOT: tl.constexpr,
+        REGISTER_DIAGONAL: tl.constexpr,
     ):
         """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V;
         with a channel gate also the keys decayed to the chunk's end, K e^(G_last - G), in kg_ptr
@@ -180,7 +190,8 @@ if triton is not None:
         With FORM_KDOT (no gate or a scalar one: plan.fused_scores_forward) kdot_ptr is not read:
         the lower [BC, BC] blocks of L = diag(beta) Kdot (NS (NS + 1) / 2 of them, fp32) are formed
         in registers from the key tiles, K_i K_j^T over the key dim with decayed_scores' operands,
-        and the substitution takes its rows from them.
+        and the substitution takes its rows from them. Without it, REGISTER_DIAGONAL loads L's diagonal
+        blocks from Kdot into registers once, for the same register steps; off, each step loads its row.
 
         The NS = BT / BC <= 4 diagonal [BC, BC] blocks are inverted by forward substitution,
         the blocks below them by the block recurrence of _off_diagonal_block ([BC, BC] products
@@ -227,13 +238,20 @@ if triton is not None:
                 l31 = _keys_lower_block(kk31, beta_ptr, cum_ptr, stride_bt, start, length, HV, 3, 1, GATE, BC)
                 l32 = _keys_lower_block(kk32, beta_ptr, cum_ptr, stride_bt, start, length, HV, 3, 2, GATE, BC)
                 l33 = _keys_lower_block(kk33, beta_ptr, cum_ptr, stride_bt, start, length, HV, 3, 3, GATE, BC)
+            elif REGISTER_DIAGONAL:
+                l00 = _diagonal_lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 0, BT, BC)
+                if NS >= 2:
+                    l11 = _diagonal_lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 1, BT, BC)
+                if NS >= 4:
+                    l22 = _diagonal_lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 2, BT, BC)
+                    l33 = _diagonal_lower_block(kdot_ptr, beta_ptr, stride_bt, start, length, row_stride, 3, BT, BC)
             # The diagonal blocks' substitutions are independent chains: one loop runs them side by side.
             a00 = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
             a11 = a00
             a22 = a00
             a33 = a00
             for r in range(1, BC):
-                if FORM_KDOT:
+                if FORM_KDOT or REGISTER_DIAGONAL:
                     a00 = _register_substitution_step(a00, l00, r, BC)
                     if NS >= 2:
                         a11 = _register_substitution_step(a11, l11, r, BC)

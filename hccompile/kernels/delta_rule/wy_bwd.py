@@ -43,6 +43,7 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         DG_PARTS: tl.constexpr,
+        HALF_DL: tl.constexpr,
     ):
         """One program per (chunk, value head): see the module docstring. dk_ptr and dg_ptr hold
         dqkw.py's partial sums ([B, T, HV, K] and [B, T, HV, 1] fp32), with DG_PARTS 2 dg_second_ptr
@@ -104,11 +105,17 @@ if triton is not None:
             k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
             d_inverse += _dot(dw, tl.trans(k_tile * gamma * beta[:, None]), dot_dtype, DOT_PRECISION)
 
-        # A = (I + L)^-1  =>  dL = -A^T dA A^T, kept strictly lower.
-        inverse_f32 = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
-        inverse_f32 = tl.where(local[:, None] >= local[None, :], inverse_f32, 0.0)
-        d_lower = -tl.dot(tl.dot(tl.trans(inverse_f32), d_inverse, input_precision=DOT_PRECISION),
-                          tl.trans(inverse_f32), input_precision=DOT_PRECISION)
+        # A = (I + L)^-1  =>  dL = -A^T dA A^T, kept strictly lower. HALF_DL: both products from A and
+        # dA in the products' dtype (FLA's prepare_wy_repr_bwd); else from the stored fp32 A at
+        # DOT_PRECISION (tf32 with half inputs). The same with fp32 intermediates.
+        if HALF_DL:
+            d_lower = -_dot(_dot(tl.trans(inverse), d_inverse, dot_dtype, DOT_PRECISION), tl.trans(inverse),
+                            dot_dtype, DOT_PRECISION)
+        else:
+            inverse_f32 = _load_rows(inverse_ptr + square_offset, tokens, local, HV * BT, 1, valid, BT)
+            inverse_f32 = tl.where(local[:, None] >= local[None, :], inverse_f32, 0.0)
+            d_lower = -tl.dot(tl.dot(tl.trans(inverse_f32), d_inverse, input_precision=DOT_PRECISION),
+                              tl.trans(inverse_f32), input_precision=DOT_PRECISION)
         d_lower = tl.where((local[:, None] > local[None, :]) & valid[:, None], d_lower, 0.0)
         if GATE == 1:
             d_lower *= _pair_decays(cum_ptr, tokens, valid, HV, BT)
@@ -147,11 +154,18 @@ if triton is not None:
 # 64-byte-swizzled key tile). Right in both: BK 32 at 2 warps (mma.sync), BK 64 at 4 warps and at 8
 # (benchmarks/diag_wy_split.py, session 24). Timed in one process at GDN B1 T32768 H16 D128 bf16 (the
 # whole forward + backward, dqkw at its options below; one round): BK 64 at 4 warps 2 stages 4.98 ms,
-# BK 32 at 2 warps 5.14, BK 64 at 8 warps 1 stage 5.19 (main's single wy_backward: 5.49).
+# BK 32 at 2 warps 5.14, BK 64 at 8 warps 1 stage 5.19 (main's single wy_backward: 5.49). On one H200
+# (session 45, tune_delta_rule.py, results/diag_gdn-tune_2026-11-30_h200x1_e8b5009.jsonl; the fwd+bwd
+# with dqkw's one-pass kernel, 2 stages there): 1 stage 4.221 ms, 2 stages 4.329, 3 stages 4.278, 8 warps
+# 4.647, BK 32 4.390, BK 16 4.525, BV 32 4.365, BV 128 4.355.
 WY_BWD_BLOCK_K = 64
 WY_BWD_BLOCK_V = 64
-WY_BWD_STAGES = 2
+WY_BWD_STAGES = 1
 WY_BWD_OPTIONS = {"num_warps": 4, "num_stages": WY_BWD_STAGES}
+# dL = -A^T dA A^T with A and dA rounded to the products' dtype (bf16 tensor-core rate, no second
+# load of the fp32 A), as FLA's prepare_wy_repr_bwd forms it, rather than tf32 products of fp32
+# ones. Read at launch time; off until timed (tune_delta_rule.py) and its accuracy measured on the GPU.
+WY_BWD_HALF_DL = False
 
 
 def launch_wy_bwd(plan: Plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table,
@@ -168,5 +182,5 @@ def launch_wy_bwd(plan: Plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_he
         problem.value_dim,
         GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim, WY_BWD_BLOCK_K),
         BV=block_size(problem.value_dim, WY_BWD_BLOCK_V), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-        DG_PARTS=1 if dcum_second is None else 2, **WY_BWD_OPTIONS,
+        DG_PARTS=1 if dcum_second is None else 2, HALF_DL=WY_BWD_HALF_DL, **WY_BWD_OPTIONS,
     )
