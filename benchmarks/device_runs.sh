@@ -69,13 +69,13 @@
 #   delta-profile  per-kernel GPU time of our GDN and KDA at B4 T4096 and B1 T32768 H16 D128 (no FLA: its
 #               first call autotunes for minutes)                                        (issue 20)
 #   gdn-tune  GDN's launch options one kernel at a time against the defaults, fwd+bwd at B1 T32768 H16 D128:
-#               wy_bwd's dL from bf16 A (WY_BWD_HALF_DL), the output kernel's 128-wide value tile, and the
+#               wy_bwd's dL from bf16 A (WY_BWD_HALF_DL), the output kernel's 64-wide value tile, and the
 #               options of wy_bwd, dqkw, output and state_forward (session 45 took their best: wy_bwd 1 stage,
 #               dqkw 3)     (issue 20)
 #   kda-solve KDA at B4 and B1: decayed_scores with one program per chunk (scores_chunk.py) against one per
 #               sub-chunk (the default), wy_solve's substitution with L's diagonal blocks in registers (the default)
 #               against a row load per step, and its warps and stages (session 45 on the H200: 2 warps, 1 stage
-#               best), and the output kernel's 128-wide value tile     (issue 20)
+#               best), and the output kernel's 64-wide value tile (128 the default since session 45)     (issue 20)
 #   kda-tune  KDA's launch options one kernel at a time against the defaults (tuned on the H100), fwd+bwd at
 #               B4 T4096 (every KDA kernel) and B1 T32768 (the sweeps), into diag_ rows     (issue 20)
 #   mhc-dx-form  stream-sized float32 buffers in the compiled mHC step's code (analysis/mhc_stream_grad_buffers.py)

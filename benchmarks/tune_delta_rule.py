@@ -45,8 +45,8 @@ VARIANTS = {
     "_output_kernel": (chunk, [dict(num_warps=8), dict(num_stages=1), dict(num_stages=2), dict(num_stages=4)]),
     # Module constants the launchers read at call time: the values tried.
     "L2NORM_BLOCK_ROWS": (qk_l2norm, [32, 64]),
-    # the output kernel's value tile: 128 forms P once per chunk and head at V 128 (default 64: twice)
-    "OUTPUT_BLOCK_V": (output, [128]),
+    # the output kernel's value tile: 64 forms P twice per chunk and head at V 128 (default 128: once)
+    "OUTPUT_BLOCK_V": (output, [64]),
     "L2NORM_WARPS": (qk_l2norm, [1, 2, 8]),
     # GDN: decayed_scores_backward apart from wy_backward (KDA takes it either way)
     "FUSED_SCORES_BACKWARD": (kernel_plan, [False]),

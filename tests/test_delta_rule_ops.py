@@ -446,9 +446,12 @@ def test_gpu_inductor_code_launches_the_delta_rule_kernels_directly(gate):
     # Without per-channel gates the forward forms Kdot in wy_solve and P in the output kernel
     # (plan.FUSED_SCORES_FORWARD): no decayed_scores launch; the backward takes the kept P.
     fused_forward = kernel_plan.fused_scores_forward_for(gate)
-    (kernels if not fused_forward else []).append("_decayed_scores_kernel")
+    # Per-channel gates: decayed_scores with one program per chunk while plan.CHUNK_SCORE_PROGRAMS.
+    per_chunk = gate == "channel" and kernel_plan.CHUNK_SCORE_PROGRAMS
+    scores_kernel = "_chunk_scores_kernel" if per_chunk else "_decayed_scores_kernel"
+    (kernels if not fused_forward else []).append(scores_kernel)
     if fused_forward:
-        assert "_decayed_scores_kernel" not in code
+        assert "_decayed_scores_kernel" not in code and "_chunk_scores_kernel" not in code
     # Without per-channel gates wy_backward does decayed_scores_backward's work (plan.FUSED_SCORES_BACKWARD),
     # split in dqkw and wy_bwd while plan.SPLIT_WY_BACKWARD is on.
     fused = kernel_plan.FUSED_SCORES_BACKWARD and gate != "channel"

@@ -378,7 +378,7 @@ def _chunk_delta_rule_host(
     """(o, final state, kdot, scores, inverse, q_normed, k_normed, cum, w, u, h). With
     save_intermediates the last nine are kept for the backward so that it does not recompute them:
     the kernels' intra-chunk matrices [B, T, HV, chunk_size] (see _kept_layout: without per-channel
-    gates and with plan.FUSED_SCORES_FORWARD no kdot; scores in the intermediates' dtype); with
+    gates and with plan.FUSED_SCORES_FORWARD no kdot, and scores in the intermediates' dtype); with
     use_qk_l2norm_in_kernel the l2-normed q and k ([B, T, H, K] in normed_qk_dtype_for(q.dtype)); with a gate its
     chunk-local cumulative sum (fp32 [B, T, HV, K or 1]); with KEEP_STATES the state sweep's w
     [B, T, HV, K], u [B, T, HV, V] and chunk states h [kept_state_rows, HV, K, V] in
@@ -446,12 +446,11 @@ def _chunk_delta_rule_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log,
 def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool,
                  cu_seqlens: Tensor | None) -> list[tuple[tuple, torch.dtype]]:
     """Shape and dtype of each kept output (kdot, scores, inverse, q_normed, k_normed, cum, w, u, h),
-    the op's and its fake's, when asked for: the matrices [B, T, HV, chunk_size] (Kdot and the
-    inverse fp32, P in the intermediates' dtype), the normed q
+    the op's and its fake's, when asked for: the matrices [B, T, HV, chunk_size] fp32, the normed q
     and k [B, T, H, K] with l2norm, the gate's cumulative sum [B, T, HV, K or 1] fp32 with a gate, w,
     u, h (see Kept) with KEEP_STATES; (0,) otherwise. Where the forward forms Kdot and P inside
     wy_solve and the output kernel (plan.FUSED_SCORES_FORWARD, read now, as the kernels' plan reads
-    it; no per-channel gate) kdot is (0,)."""
+    it; no per-channel gate) kdot is (0,) and scores take the intermediates' dtype."""
     batch, time, value_heads = q.shape[0], q.shape[1], v.shape[2]
     key_dim, value_dim = q.shape[3], v.shape[3]
     square = (batch, time, value_heads, chunk_size) if save_intermediates else (0,)
@@ -466,7 +465,7 @@ def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermed
         states = [(batch, time, value_heads, key_dim), (batch, time, value_heads, value_dim),
                   (rows, value_heads, key_dim, value_dim)]
     stored = intermediate_dtype_for(q.dtype)
-    matrices = [((0,) if fused else square, torch.float32), (square, stored),
+    matrices = [((0,) if fused else square, torch.float32), (square, stored if fused else torch.float32),
                 (square, torch.float32)]
     return (matrices + [(normed, normed_qk_dtype_for(q.dtype))] * 2 + [(cum, torch.float32)]
             + [(shape, stored) for shape in states])

@@ -472,9 +472,10 @@ def test_intermediates_take_the_planned_dtype(dtype):
     for name in ("inverse", "cum"):
         assert getattr(fwd, name).dtype == torch.float32, name
     # Without per-channel gates (plan.fused_scores_forward) no Kdot in memory, and P (in memory for a
-    # backward, which this forward without o is) in the intermediates' dtype, decayed_scores' too.
-    assert fwd.scores.dtype == plan.scores_dtype == plan.intermediate_dtype
+    # backward, which this forward without o is) in the intermediates' dtype; fp32 from decayed_scores.
+    assert fwd.scores.dtype == plan.scores_dtype
     fused = kernel_plan.fused_scores_forward_for(plan.problem.gate)
+    assert plan.scores_dtype == (plan.intermediate_dtype if fused else torch.float32)
     assert (fwd.kdot is None) == fused
     if fwd.kdot is not None:
         assert fwd.kdot.dtype == torch.float32
@@ -652,12 +653,12 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(monkey
     o_plain, state_plain = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk)
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
     # Kdot is kept where decayed_scores wrote it (per-channel gates, plan.FUSED_SCORES_FORWARD off, or
-    # the single wy_backward); P in the intermediates' dtype, whichever kernel stored it.
+    # the single wy_backward); P in fp32 there, else in the intermediates' dtype (the output kernel's store).
     fused = kernel_plan.fused_scores_forward_for(gate)
     assert (kept.kdot is None) == fused
     assert all(t.shape == (*o.shape[:3], chunk) for t in kept[:3] if t is not None)
     assert kept.inverse.dtype == torch.float32 and all(t.dtype == torch.float32 for t in kept[:1] if t is not None)
-    assert kept.scores.dtype == intermediate_dtype_for(dtype)
+    assert kept.scores.dtype == (intermediate_dtype_for(dtype) if fused else torch.float32)
     l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
     if l2norm:
         # The l2-normed q and k, in the plan's normed dtype, equal to the reference's l2norm.

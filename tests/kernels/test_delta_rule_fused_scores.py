@@ -154,9 +154,11 @@ def test_single_wy_backward_matches_float64(name, sizes, gate, options, dtype, c
 
 
 def _count_launches(monkeypatch):
-    """Counts of decayed_scores launches and of the output kernel's P-only launches (chunk.py's)."""
+    """Counts of decayed_scores launches (either program layout, scores.py's or scores_chunk.py's) and
+    of the output kernel's P-only launches (chunk.py's)."""
     counts = {"decayed_scores": 0, "scores_only": 0}
-    for name, attribute in (("decayed_scores", "launch_decayed_scores"), ("scores_only", "launch_scores_only")):
+    for name, attribute in (("decayed_scores", "launch_decayed_scores"), ("decayed_scores", "launch_chunk_scores"),
+                            ("scores_only", "launch_scores_only")):
         launch = getattr(chunk_kernels, attribute)
 
         def spy(*args, _launch=launch, _name=name, **kwargs):

@@ -70,9 +70,12 @@ def test_chunk_programs_match_float64_and_the_sub_chunk_programs(monkeypatch, na
     for label, got, want in (("kdot", kdot, kdot_ref), ("scores", scores, scores_ref)):
         error = relative_rms_error(got, want)  # fails on any unwritten (NaN) element
         assert error < LIMITS[dtype], f"{label}: relative RMS error {error:.2e}"
+    # The same products of the same rounded operands; only the key tiles' summation order may differ
+    # (the two kernels' tiles are 32 and 64 wide at K >= 64).
     kdot_sub, scores_sub = _run(launch_decayed_scores, plan, fwd)
-    torch.testing.assert_close(kdot, kdot_sub, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(scores.float(), scores_sub.float(), rtol=1e-2, atol=1e-3)
+    for label, got, want in (("kdot", kdot, kdot_sub), ("scores", scores, scores_sub)):
+        error = relative_rms_error(got, want)
+        assert error < 1e-5, f"{label} against scores.py's kernel: relative RMS error {error:.2e}"
 
 
 @requires_triton

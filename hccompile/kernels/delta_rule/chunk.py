@@ -5,6 +5,7 @@ reference.chunk_delta_rule_ref for the math they implement):
 
   1. gate_cumsum     chunk-local cumulative log-gate G (and KDA's gate activation)       gate_cumsum.py
   2. decayed_scores  Kdot[t,s] = sum_c k_t k_s e^(G_t-G_s) and P[t,s] = sum_c q_t k_s e^(G_t-G_s)  scores.py
+                     (per-channel gates: one program per chunk, scores_chunk.py, plan.CHUNK_SCORE_PROGRAMS)
   3. wy_solve        A = (I + diag(beta) Kdot)^-1, W = A diag(beta)(K*e^G), U~ = A diag(beta) V    wy.py
   4. state_forward   sequential over chunks: chunk-start states h, corrected values U = U~ - W h   state.py
   5. output          O = scale ((Q*e^G) h + P U)                                         output.py
@@ -86,8 +87,8 @@ def _check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, devic
 class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
     the intra-chunk matrices, each [B, T, HV, chunk_size]: Kdot (fp32; None without per-channel gates
-    while plan.fused_scores_forward, nothing forms it in memory then), P (in the intermediates' dtype,
-    Plan.scores_dtype) and the inverse A (fp32); with use_qk_l2norm_in_kernel the
+    while plan.fused_scores_forward, nothing forms it in memory then), P (fp32 from decayed_scores, or
+    in the intermediates' dtype from the output kernel) and the inverse A (fp32); with use_qk_l2norm_in_kernel the
     l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
     gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without); and the state
     sweep's results, in the plan's intermediate_dtype: w [B, T, HV, K], the corrected values u

@@ -14,7 +14,7 @@ value head), so that kept and recomputed P are the same kernel's, bit for bit.
 
 from __future__ import annotations
 
-from .plan import MAX_TILE, Plan, block_size
+from .plan import Plan, block_size
 
 from .._triton import cdiv, tl, triton
 
@@ -137,8 +137,11 @@ if triton is not None:
 
 # The value tile of the output kernel, read at launch time. Each value tile's program forms (or
 # loads) the chunk's whole P, so a wider tile forms it fewer times (at V 128: once per chunk and
-# head instead of twice) for a [BT, BV] fp32 accumulator twice as large; tune_delta_rule.py times 128.
-OUTPUT_BLOCK_V = MAX_TILE
+# head instead of twice) for a [BT, BV] fp32 accumulator twice as large. On one H200 (session 45,
+# tune_delta_rule.py, fwd+bwd) 128 against 64: GDN B1 T32768 H16 D128 4.147 / 4.178 ms, KDA B4 T4096
+# 4.429 / 4.443, KDA B1 9.910 / 9.945. sm_90 (Triton 3.6, K = V = 128 bf16): 168-176 registers, no
+# spills, 96 KiB shared (64: 72-104 registers).
+OUTPUT_BLOCK_V = 128
 
 
 def launch_output(plan: Plan, q, k, cum, h, scores, u, o, num_chunks, table, seqlens, scale: float, *,

@@ -2,8 +2,8 @@
 dims, chunk sizes), the Plan of one call (chunk tables, gate code, the intermediates' dtype and the
 products' precision), tile widths, and how far the sequential sweeps' tiles narrow for occupancy.
 
-Precision. Running states, accumulators, gates, Kdot and the inverse are fp32; P is stored in the
-intermediates' dtype (Plan.scores_dtype), which its readers' products round it to anyway.
+Precision. Running states, accumulators, gates and the [BT, BT] scores and inverse are fp32 (P stored
+by the output kernel, Plan.scores_dtype, in the intermediates' dtype).
 With half intermediates (Plan.intermediate_dtype: fp16 inputs, and bf16 ones unless
 BF16_INTERMEDIATES is off) the intermediates that feed tensor-core products are stored in the input dtype
 (l2normed q and k, W, U~, U, the chunk states h, and the backward's dh and dU), and every product
@@ -91,12 +91,15 @@ GATE_CODES = {"none": 0, "scalar": 1, "channel": 2}
 # wy_solve reading decayed_scores' Kdot (per-channel gates, or FUSED_SCORES_FORWARD off): its diagonal
 # [BC, BC] blocks of L loaded into registers once, before the substitution, whose steps then take their
 # rows by a masked sum (as the FORM_KDOT path does), rather than one row load from memory per step on
-# the substitution's chain (wy.py). Read when a kernel is launched; tune_delta_rule.py times both.
+# the substitution's chain (wy.py). On one H200 (session 45, tune_delta_rule.py, KDA fwd+bwd) the row
+# loads took 4.493 against 4.443 ms at B4 T4096 H16 D128, 10.084 against 9.945 at B1 T32768. Read when
+# a kernel is launched.
 REGISTER_DIAGONAL_BLOCKS = True
 # decayed_scores for per-channel gates with one program per chunk (scores_chunk.py), loading the chunk's
-# key and gate tiles once for its sub-chunks, rather than one program per sub-chunk (scores.py). Read
-# when a kernel is launched; off until timed (tune_delta_rule.py).
-CHUNK_SCORE_PROGRAMS = False
+# key and gate tiles once for its sub-chunks, rather than one program per sub-chunk (scores.py). On one
+# H200 (session 45, tune_delta_rule.py, KDA fwd+bwd): B4 T4096 H16 D128 4.321 against 4.443 ms, B1
+# T32768 9.702 against 9.945. Read when a kernel is launched.
+CHUNK_SCORE_PROGRAMS = True
 # The split backward's per-head key gradients (dqkw.py's complete dq, and dk's partial sum that
 # wy_bwd.py reads, adds its terms to and stores complete) in the half inputs' dtype rather than fp32,
 # as FLA stores them (R6a of benchmarks/analysis/gdn_traffic_2026-11-26.md): the l2norm backward
@@ -279,12 +282,13 @@ class Plan:
 
     @property
     def scores_dtype(self) -> torch.dtype:
-        """dtype of the stored P, whether decayed_scores or the output kernel stores it: the
-        intermediates'. Its readers (the output kernel, state_backward, cp.py's) take it only as an
-        operand of a product over the chunk, whose operands are rounded to the intermediates' dtype
-        (tiles._dot), so a narrower store changes no result and halves its bytes with half
-        intermediates (KDA B1 T32768 H16: 134 MB written, read once per value tile, twice)."""
-        return self.intermediate_dtype
+        """dtype of the stored P: the intermediates' where the output kernel stores it
+        (fused_scores_forward), fp32 where decayed_scores does. Its readers round it to the
+        intermediates' dtype for their products, so decayed_scores storing that dtype gives the same
+        results (bitwise, KDA bf16 on the CPU interpreter), but on one H200 (session 45, KDA B1
+        T32768 H16 D128) decayed_scores took 0.813 ms storing bf16 P against 0.669 storing fp32 (its
+        [16, 64] row tiles stored from the products' registers), and the whole step gained nothing."""
+        return self.intermediate_dtype if self.fused_scores_forward else torch.float32
 
     @property
     def dot_precision(self) -> str:

@@ -3,8 +3,7 @@ pairwise products under the gates' decays,
 
     Kdot[t,s] = sum_c k_t k_s e^(G_t-G_s)  (s < t)        P[t,s] = sum_c q_t k_s e^(G_t-G_s)  (s <= t)
 
-stored [B, T, HV, BT] (row t of a chunk against the chunk's columns), Kdot fp32 (the WY solve's
-substitution reads it elementwise), P in the intermediates' dtype (Plan.scores_dtype). Kdot feeds the WY solve
+stored fp32 [B, T, HV, BT] (row t of a chunk against the chunk's columns). Kdot feeds the WY solve
 (wy.py), P the output (output.py) and state_backward (state.py). Without per-channel gates the forward
 launches this kernel only with plan.FUSED_SCORES_FORWARD off: wy_solve and the output kernel form
 them otherwise.
@@ -195,8 +194,8 @@ if triton is not None:
         e^(G_t - G_s) = e^(G_t - G_r) e^(G_r - G_s). The first factor is <= 1; the second is <= 1
         left of the diagonal and <= e^span inside it (span = max over channels of G_r - G_last of
         the sub-chunk). Past `factor_limit` the products leave the diagonal block out; it is split
-        (_split_diagonal_scores) and stored apart. Outputs are [B, T, HV, BT] in their pointers'
-        dtypes (Kdot fp32, P the intermediates'): row t of a chunk holds its scores against the chunk's columns.
+        (_split_diagonal_scores) and stored apart. Outputs are fp32 [B, T, HV, BT]: row t of a
+        chunk holds its scores against the chunk's columns.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         factor_limit = tl.cast(factor_limit, tl.float32)

@@ -1,4 +1,4 @@
-"""decayed_scores for per-channel gates with one program per chunk (plan.CHUNK_SCORE_PROGRAMS):
+"""decayed_scores for per-channel gates with one program per chunk (plan.CHUNK_SCORE_PROGRAMS, the default):
 the same Kdot and P as scores.py's _decayed_scores_kernel, whose grid takes one program per row
 sub-chunk and so loads the chunk's key and gate tiles ([BT, BK], the gates fp32) once per sub-chunk.
 Here a program loads them once per key tile and forms every sub-chunk's rows from them:
@@ -166,8 +166,8 @@ if triton is not None:
                              BC, BK, DOT_PRECISION)
 
 
-# Untimed. Compiled for sm_90 on the CPU (Triton 3.6, KDA K 128 bf16, benchmarks' specialization): BK 64
-# spilled at 4 and 8 warps (255 registers, 80 / 64 bytes); BK 32 at 4 warps 240 registers and none (two
+# Options untimed (the layout was: plan.CHUNK_SCORE_PROGRAMS). Compiled for sm_90 on the CPU (Triton 3.6,
+# KDA K 128 bf16, benchmarks' specialization): BK 64 spilled at 4 and 8 warps (255 registers, 80 / 64 bytes); BK 32 at 4 warps 240 registers and none (two
 # programs per SM, as scores.py's kernel at 192), at 8 warps 250, at 2 warps 40 bytes of spills; BK 16
 # at 4 warps 192 registers.
 CHUNK_SCORES_WARPS = 4
