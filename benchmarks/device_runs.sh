@@ -91,6 +91,9 @@
 #               T32768 and B4 T4096: fwd, fwd+bwd and per-kernel time (analysis/lightning_segments_tune.py) (issue 20)
 #   l2norm-bw   the delta rule's l2norm kernel alone against the copy bandwidth and Inductor's l2norm, over
 #               rows per program and warps (analysis/l2norm_bandwidth.py; 1.1 TB/s in the step)   (issue 20)
+#   kda-scores-bwd  KDA's decayed_scores_backward with one program per chunk (analysis/chunk_scores_backward.py;
+#               SCORES_BWD_VARIANTS picks): each variant checked on the kernel tests' KDA cases, then KDA fwd+bwd
+#               and the kernel's time at B1 T32768 and B4 T4096 (2.04 of 9.35 ms busy at B1, session 45)  (issue 20)
 #   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
 #               MIN_BACKWARD_SWEEP_TILE): the kernel tests' cases per variant (options, dh0's store), and the
 #               B1 T32768 GDN/KDA fwd+bwd with state_backward's time for those that pass (issue 20)
@@ -287,6 +290,8 @@ for run in ${RUNS:-delta host}; do
     l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
+    kda-scores-bwd) cut_at python3 benchmarks/analysis/chunk_scores_backward.py \
+                        ${SCORES_BWD_VARIANTS:+--variants $SCORES_BWD_VARIANTS} > "$out/diag_kda-scores-bwd_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
     mhc-dump-pair) test -f .before/COMMIT || { echo "mhc-dump-pair: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                    log="$out/diag_mhc-dump-pair_$tag.txt"
