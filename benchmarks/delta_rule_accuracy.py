@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hccompile.kernels.delta_rule import naive_recurrent_delta_rule  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
+from hccompile.kernels.delta_rule import wy_bwd as wy_bwd_kernels  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -69,12 +70,15 @@ def main() -> None:
     p.add_argument("--T", type=int, default=1000)
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--D", type=int, default=128)
-    p.add_argument("--impls", default="ours,fp32,fla", help="ours (default), fp32 (fp32 intermediates), fla")
+    p.add_argument("--impls", default="ours,fp32,fla",
+                   help="ours (default), fp32 (fp32 intermediates), half-dl (GDN's wy_bwd forming dL from bf16 A "
+                        "and dA: wy_bwd.WY_BWD_HALF_DL), fla")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu runs ours under TRITON_INTERPRET=1 (a smoke test)")
     args = p.parse_args()
     device = args.device
     bf16_default = kernel_plan.BF16_INTERMEDIATES
+    half_dl_default = wy_bwd_kernels.WY_BWD_HALF_DL
     import hccompile
 
     for op in args.ops.split(","):
@@ -93,8 +97,9 @@ def main() -> None:
 
             ref = run(reference, rounded, do.double())
             for impl in args.impls.split(","):
-                if impl in ("ours", "fp32"):
+                if impl in ("ours", "fp32", "half-dl"):
                     kernel_plan.BF16_INTERMEDIATES = impl != "fp32"
+                    wy_bwd_kernels.WY_BWD_HALF_DL = True if impl == "half-dl" else half_dl_default
                     f = hccompile.chunk_gated_delta_rule if gate == "scalar" else hccompile.chunk_kda
 
                     def fn(q, k, v, g, beta, f=f):
@@ -117,6 +122,7 @@ def main() -> None:
                     continue
                 finally:
                     kernel_plan.BF16_INTERMEDIATES = bf16_default
+                    wy_bwd_kernels.WY_BWD_HALF_DL = half_dl_default
                 print(f"{op} {kind:7s} {impl:4s} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
                 if args.out:
                     with open(args.out, "a") as fh:

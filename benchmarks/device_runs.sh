@@ -91,6 +91,9 @@
 #               T32768 and B4 T4096: fwd, fwd+bwd and per-kernel time (analysis/lightning_segments_tune.py) (issue 20)
 #   l2norm-bw   the delta rule's l2norm kernel alone against the copy bandwidth and Inductor's l2norm, over
 #               rows per program and warps (analysis/l2norm_bandwidth.py; 1.1 TB/s in the step)   (issue 20)
+#   accuracy    GDN and KDA against the float64 recurrence (random and aligned keys, T 1000 D 128): ours, ours
+#               with wy_bwd's dL from bf16 A (half-dl: 1 % of GDN B1, session 45), fp32 intermediates, FLA
+#               (ACCURACY_IMPLS picks)                                                      (issue 20)
 #   kda-scores-bwd  KDA's decayed_scores_backward with one program per chunk (analysis/chunk_scores_backward.py;
 #               SCORES_BWD_VARIANTS picks): each variant checked on the kernel tests' KDA cases, then KDA fwd+bwd
 #               and the kernel's time at B1 T32768 and B4 T4096 (2.04 of 9.35 ms busy at B1, session 45)  (issue 20)
@@ -290,6 +293,8 @@ for run in ${RUNS:-delta host}; do
     l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
+    accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,half-dl,fp32,fla}" \
+                  --out "$out/accuracy_$tag.jsonl" > "$out/diag_accuracy_$tag.txt" 2>&1 ;;
     kda-scores-bwd) cut_at python3 benchmarks/analysis/chunk_scores_backward.py \
                         ${SCORES_BWD_VARIANTS:+--variants $SCORES_BWD_VARIANTS} > "$out/diag_kda-scores-bwd_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
