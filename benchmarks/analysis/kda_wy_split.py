@@ -13,6 +13,11 @@ its key loop walking the value tiles three times per key tile. The split here, l
        decayed_scores_backward, dA's dU term, dv, dbeta), the key loop (dA's dW term, dk's and dG's WY
        terms and dbeta's), dL = -A^T dA A^T, dKdot = beta dL stored, dbeta's Kdot term.
 
+Against it on paper (session 44's note): A's fp32 partial sums of dk and dG go to memory and B reads and rewrites
+them, ~1.3 GB more traffic at B1 (~0.36 ms at 3.7 TB/s) than today's kernel, which stores them once. For it: A's
+one pass over the value tiles and (chunks x heads x key tiles) programs, which won 0.43 ms for GDN with the same
+dk round trip. The run decides.
+
 Variants (each checked on the kernel tests' per-channel cases against float64 before it is timed):
 
     single            today's kernel (the reference timing)
