@@ -1,0 +1,249 @@
+"""Whether the delta rule's forward state sweep pays walking two chunks per step (issue 20: GDN B1 T32768 H16 D128
+at 0.751x FLA's time, 0.6 wanted; the two sequential sweeps take 1.38 of GDN's 3.84 ms busy there, ~1 us per
+chunk step over 64 programs, session 45's profile).
+
+Today's step is a chain of two products per chunk: U = U~ - W h, then h' = d h + Kd^T U (Kd: the keys decayed
+to the chunk's end, d its whole decay). For two chunks that is four products in a row. With both chunks'
+tiles loaded, the second chunk's terms can be rewritten in h, the first chunk's start state:
+
+    M = W2 Kd1^T                      [BT, BT], independent of h
+    U2 = (U~2 - M U~1) - (W2 d1 - M W1) h
+    h'' = d1 d2 h + (d2 Kd1)^T U1 + Kd2^T U2
+
+so a step for two chunks is two rounds of two independent products (U1 and U2 from h; then h'' from both),
+half the dependent rounds; M, U~2 - M U~1 and W2 d1 - M W1 are formed off the chain. h' = d1 h + Kd1^T U1, the
+second chunk's start state, is still stored (a product beside the chain). Same stored results (h per chunk, U,
+the final state), rounded differently: W2 d1 - M W1 and U~2 - M U~1 go to the products' dtype once formed.
+
+The kernel has today's _state_forward_kernel's signature and is swapped in for it. Variants:
+
+    single          today's kernel
+    paired[-wN][-sS]  two chunks per step (N warps, S stages; today's options otherwise)
+
+Compiled for sm_90 on the CPU (Triton 3.6, K = V = 128 bf16, the narrowest 16-wide value tiles, as at B1 H16):
+today's kernel 139 registers (GDN, 4 warps 3 stages) and 106 (KDA, 8 warps), no spills; paired at 8 warps 2 stages
+255 registers and 216-416 bytes of spills, 4 warps 2 stages 312-360, 8 warps 1 stage 384-480 (at 64-wide tiles
+700-1400). Whether spills in this latency-bound loop cost more than the halved chain is what the run measures.
+
+Each is checked on the kernel tests' cases (every gate) against float64, then timed: GDN and KDA fwd+bwd
+(do_bench) with the forward sweep's GPU time (profiler):
+
+    python benchmarks/analysis/paired_sweep.py [--variants single,paired,paired-w4] [--time-shapes ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_variants import check_cases, right_variants, use_kernel_tests  # noqa: E402
+from shapes import bthd  # noqa: E402
+
+use_kernel_tests()
+
+from hccompile.kernels._triton import tl, triton  # noqa: E402
+from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
+from hccompile.kernels.delta_rule.tiles import (_chunk_end_decay, _chunk_end_decays, _dot, _gate_offset,  # noqa: E402
+                                                _load_rows, _load_stored_rows, _row_bounds, _store_rows,
+                                                _varlen_bounds)
+
+
+@triton.jit
+def _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start, length, kc, vc, stride_kt, stride_kk, HV, K, V,
+                 GATE: tl.constexpr, BT: tl.constexpr):
+    """One chunk's W [BT, BKF] and keys [BT, BKF] in their stored dtype (a channel gate's already decayed to
+    the chunk's end: wy_solve's kg), U~ [BT, BV] fp32, the keys' row decay to the chunk's end [BT, 1] (a
+    scalar gate's, applied on the values' side as state.py does; 1 otherwise) and the chunk's whole decay
+    ([BKF, 1] per channel, or a [1, 1] scalar; 1 for an empty chunk, whose tiles are zero)."""
+    local = tl.arange(0, BT)
+    tokens = start + local
+    valid = local < length
+    w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+    u_tilde = _load_rows(u_tilde_ptr, tokens, vc, HV * V, 1, valid, V)
+    last = tl.where(length > 0, start + length - 1, 0)
+    if GATE == 2:
+        keys = _load_stored_rows(kg_ptr, tokens, kc, HV * K, 1, valid, K)
+        row_decay = tl.full([BT, 1], 1.0, dtype=tl.float32)
+        decay = tl.where(length > 0, _chunk_end_decay(cum_ptr, last, kc, HV, K), 1.0)[:, None]
+    else:
+        keys = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+        if GATE == 1:
+            row_decay, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
+            decay = tl.where(length > 0, whole, 1.0)[:, None]
+        else:
+            row_decay = tl.full([BT, 1], 1.0, dtype=tl.float32)
+            decay = tl.full([1, 1], 1.0, dtype=tl.float32)
+    return w, u_tilde, keys, row_decay, decay
+
+
+@triton.jit
+def _state_forward_paired_kernel(
+    k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    stride_h0n, stride_h0h, stride_h0k, stride_h0v,
+    stride_htn, stride_hth, stride_htk, stride_htv,
+    chunk_offsets_ptr, cu_seqlens_ptr,
+    T, NT, HV, GROUP, K, V,
+    GATE: tl.constexpr,
+    BT: tl.constexpr,
+    BKF: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """state.py's _state_forward_kernel, two chunks per step (see the module docstring)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    if IS_VARLEN:
+        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    else:
+        first_chunk = seq.to(tl.int64) * NT
+    key_head = head // GROUP
+    k_ptr += batch * stride_kb + key_head * stride_kh
+    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+    w_ptr += (batch * T) * HV * K + head * K
+    kg_ptr += (batch * T) * HV * K + head * K
+    u_tilde_ptr += (batch * T) * HV * V + head * V
+    u_ptr += (batch * T) * HV * V + head * V
+
+    dot_dtype = h_ptr.dtype.element_ty
+    kc = tl.arange(0, BKF)
+    vc = pid_v * BV + tl.arange(0, BV)
+    local = tl.arange(0, BT)
+    if HAS_INITIAL_STATE:
+        state = _load_rows(h0_ptr + seq * stride_h0n + head * stride_h0h, kc, vc, stride_h0k, stride_h0v, kc < K, V)
+    else:
+        state = tl.zeros([BKF, BV], dtype=tl.float32)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    for pair in range(0, tl.cdiv(num_chunks, 2)):
+        chunk1 = 2 * pair
+        start1 = bos + chunk1 * BT
+        start2 = start1 + BT
+        length1 = tl.minimum(eos - start1, BT)
+        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
+        w1, u1_tilde, k1, r1, d1 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start1, length1, kc,
+                                                vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
+        w2, u2_tilde, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start2, length2, kc,
+                                                vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
+        # Off the chain: the second chunk's terms rewritten in the first chunk's start state,
+        # M = W2 Kd1^T = (W2 K1^T) diag(r1).
+        coupling = _dot(w2, tl.trans(k1), dot_dtype, DOT_PRECISION) * tl.trans(r1)
+        u2_tilde -= _dot(coupling, u1_tilde, dot_dtype, DOT_PRECISION)
+        if GATE == 2:
+            w2_start = w2.to(tl.float32) * tl.trans(d1)
+        else:
+            w2_start = w2.to(tl.float32) * d1
+        w2_start = (w2_start - _dot(coupling, w1, dot_dtype, DOT_PRECISION)).to(dot_dtype)
+        # The chain: two rounds of two independent products.
+        _store_rows(h_ptr + ((first_chunk + chunk1) * HV + head) * K * V, state, kc, vc, V, 1, kc < K, V)
+        u1 = u1_tilde - _dot(w1, state, dot_dtype, DOT_PRECISION)
+        u2 = u2_tilde - _dot(w2_start, state, dot_dtype, DOT_PRECISION)
+        _store_rows(u_ptr, u1, start1 + local, vc, HV * V, 1, local < length1, V)
+        _store_rows(u_ptr, u2, start2 + local, vc, HV * V, 1, local < length2, V)
+        # The second chunk's start state (stored when that chunk exists), then the next pair's:
+        # h' = d1 h + Kd1^T U1, h'' = d2 h' + Kd2^T U2 (d2 scales rows of h'; the two products are independent).
+        mid = d1 * state + _dot(tl.trans(k1), u1 * r1, dot_dtype, DOT_PRECISION)
+        # (one block comparison for the mask, no scalar joined to a block: see tiles._load_vector)
+        _store_rows(h_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, mid, kc, vc, V, 1,
+                    kc < tl.where(length2 > 0, K, 0), V)
+        state = d2 * mid + _dot(tl.trans(k2), u2 * r2, dot_dtype, DOT_PRECISION)
+    if STORE_FINAL_STATE:
+        _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv, kc < K, V)
+
+
+ORIGINAL_KERNEL = chunk_kernels._state_forward_kernel
+ORIGINAL_OPTIONS = chunk_kernels.sweep_launch_options
+
+
+def apply(variant: str) -> None:
+    parts = variant.split("-")
+    chunk_kernels._state_forward_kernel = ORIGINAL_KERNEL if parts[0] == "single" else _state_forward_paired_kernel
+    if parts[0] not in ("single", "paired"):
+        raise ValueError(variant)
+    override = {("num_warps" if p[0] == "w" else "num_stages"): int(p[1:]) for p in parts[1:]}
+
+    def options(plan, block_k_full, dtype, direction):
+        chosen = ORIGINAL_OPTIONS(plan, block_k_full, dtype, direction)
+        if direction == "forward":
+            chosen = {**chosen, **override}
+        return chosen
+
+    chunk_kernels.sweep_launch_options = options
+
+
+def check(repeats: int) -> list[str]:
+    import test_delta_rule_chunk as t
+
+    return check_cases(t.KERNEL_CASES + t.NARROW_SWEEP_CASES, repeats)
+
+
+def time_variant(shape: str) -> str:
+    import hccompile
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+
+    B, T, H, D = bthd(shape)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for op in ("gdn", "kda"):
+        q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+        beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
+                                                       device="cuda")).requires_grad_()
+        do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
+        f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+        leaves = [q, k, v, g, beta]
+
+        def step():
+            f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
+
+        step()
+        ms = do_bench(step, grad_to_none=leaves)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        kernel_ms = sum(e.device_time_total for e in prof.key_averages() if "state_forward" in e.key) / 3e3
+        out.append(f"{op} fwd+bwd {ms:.3f} ms, state_forward {kernel_ms:.3f} ms")
+    return "; ".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="single,paired,paired-w8-s2,paired-w4-s2,paired-w8-s1")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
+    a = p.parse_args()
+
+    def check_variant(variant: str) -> list[str]:
+        apply(variant)
+        return check(a.repeats)
+
+    passed = right_variants(a.variants.split(","), check_variant)
+    if not torch.cuda.is_available():
+        return
+    for variant in a.variants.split(","):
+        if variant not in passed and variant != "single":
+            continue
+        apply(variant)
+        for shape in a.time_shapes.split(","):
+            try:
+                print(f"{variant} {shape}{'' if variant in passed else ' (wrong, timed anyway)'}: "
+                      f"{time_variant(shape)}", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"{variant} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
