@@ -94,9 +94,9 @@
 #   accuracy    GDN and KDA against the float64 recurrence (random and aligned keys, T 1000 D 128): ours, ours
 #               with wy_bwd's dL from bf16 A (half-dl: 1 % of GDN B1, session 45), fp32 intermediates, FLA
 #               (ACCURACY_IMPLS picks)                                                      (issue 20)
-#   paired-sweep  the forward state sweep walking two chunks per step, half the dependent products
-#               (analysis/paired_sweep.py; PAIRED_VARIANTS picks): each variant checked on the kernel tests'
-#               cases, then GDN and KDA fwd+bwd and state_forward's time at B1 T32768 and B4 T4096  (issue 20)
+#   paired-sweep  the state sweeps (forward, backward, both) walking two chunks per step, half the dependent
+#               products (analysis/paired_sweep.py; PAIRED_VARIANTS picks): each variant checked on the kernel
+#               tests' cases, then GDN and KDA fwd+bwd and both sweeps' times at B1 T32768 and B4 T4096  (issue 20)
 #   kda-wy-split  KDA's wy_backward split in two kernels as GDN's is (analysis/kda_wy_split.py; KDA_WY_VARIANTS
 #               picks): each variant checked on the kernel tests' KDA cases, then KDA fwd+bwd and the kernels'
 #               time at B1 T32768 and B4 T4096 (wy_backward 2.17 of 9.35 ms busy at B1, session 45)  (issue 20)

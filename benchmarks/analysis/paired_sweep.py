@@ -15,15 +15,23 @@ half the dependent rounds; M, U~2 - M U~1 and W2 d1 - M W1 are formed off the ch
 second chunk's start state, is still stored (a product beside the chain). Same stored results (h per chunk, U,
 the final state), rounded differently: W2 d1 - M W1 and U~2 - M U~1 go to the products' dtype once formed.
 
-The kernel has today's _state_forward_kernel's signature and is swapped in for it. Variants:
+The backward sweep pairs the same way (_state_backward_paired_kernel): with S the later chunk's end-state
+gradient and N = Kd1 W2^T off the chain, dU1 = (a1 + Kd1 b2 - N a2) + (Kd1 d2 - N Kd2) S beside dU2 = a2 + Kd2 S,
+then W2^T dU2 and W1^T dU1 side by side (a = scale P^T dO, b = scale (Q e^G)^T dO).
 
-    single          today's kernel
-    paired[-wN][-sS]  two chunks per step (N warps, S stages; today's options otherwise)
+Both kernels have today's kernels' signatures and are swapped in for them. Variants:
+
+    single                 today's kernels
+    paired[-wN][-sS]       the forward sweep two chunks per step (N warps, S stages; today's options otherwise)
+    paired-bwd[-wN][-sS]   the backward sweep two chunks per step
+    paired-both[-wN][-sS]  both
 
 Compiled for sm_90 on the CPU (Triton 3.6, K = V = 128 bf16, the narrowest 16-wide value tiles, as at B1 H16):
 today's kernel 139 registers (GDN, 4 warps 3 stages) and 106 (KDA, 8 warps), no spills; paired at 8 warps 2 stages
 255 registers and 216-416 bytes of spills, 4 warps 2 stages 312-360, 8 warps 1 stage 384-480 (at 64-wide tiles
-700-1400). Whether spills in this latency-bound loop cost more than the halved chain is what the run measures.
+700-1400). The paired backward: at today's options 263-296 KiB of shared memory (over the 227 an H100 block
+gets), 8 warps 2 stages 177-193 KiB (GDN) but 260 (KDA); 8 warps 1 stage 86 KiB, 255 registers, 432-504 bytes
+of spills (today's backward: 162 registers GDN, 255 KDA, no spills). Whether spills in this latency-bound loop cost more than the halved chain is what the run measures.
 
 Each is checked on the kernel tests' cases (every gate) against float64, then timed: GDN and KDA fwd+bwd
 (do_bench) with the forward sweep's GPU time (profiler):
@@ -47,9 +55,9 @@ use_kernel_tests()
 
 from hccompile.kernels._triton import tl, triton  # noqa: E402
 from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
-from hccompile.kernels.delta_rule.tiles import (_chunk_end_decay, _chunk_end_decays, _dot, _gate_offset,  # noqa: E402
-                                                _load_rows, _load_stored_rows, _row_bounds, _store_rows,
-                                                _varlen_bounds)
+from hccompile.kernels.delta_rule.tiles import (_channel_decays, _chunk_end_decay, _chunk_end_decays,  # noqa: E402
+                                                _dot, _gate_offset, _load_rows, _load_stored_rows, _row_bounds,
+                                                _store_rows, _varlen_bounds)
 
 
 @triton.jit
@@ -162,20 +170,158 @@ def _state_forward_paired_kernel(
         _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv, kc < K, V)
 
 
+@triton.jit
+def _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start, length, kc, vc, stride_qt,
+                          stride_qk, stride_kt, stride_kk, stride_dot, stride_dov, HV, K, V, scale, dot_dtype,
+                          GATE: tl.constexpr, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One chunk's terms of the backward sweep that do not depend on the state gradient S: its W [BT, BKF]
+    (stored dtype), keys decayed to its end Kd [BT, BKF] (the products' dtype), a = scale P^T dO [BT, BV],
+    b = scale (Q e^G)^T dO [BKF, BV] and its whole decay ([BKF, 1] or [1, 1]; 1 for an empty chunk), so that
+    dU = a + Kd S and the previous chunk's S = d S + b - W^T dU."""
+    local = tl.arange(0, BT)
+    tokens = start + local
+    valid = local < length
+    last = tl.where(length > 0, start + length - 1, 0)
+    w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+    do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+    scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
+    scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+    a = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
+    k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+    q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+    if GATE == 2:
+        g, to_end, whole = _channel_decays(cum_ptr, tokens, valid, last, kc, HV, K)
+        k_tile *= to_end
+        q_tile *= tl.exp(g)
+        decay = tl.where(length > 0, whole, 1.0)[:, None]
+    elif GATE == 1:
+        to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
+        k_tile *= to_end
+        q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+        decay = tl.where(length > 0, whole, 1.0)[:, None]
+    else:
+        decay = tl.full([1, 1], 1.0, dtype=tl.float32)
+    b = scale * _dot(tl.trans(q_tile), do_tile, dot_dtype, DOT_PRECISION)
+    return w, k_tile.to(dot_dtype), a, b, decay
+
+
+@triton.jit
+def _state_backward_paired_kernel(
+    q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
+    stride_qb, stride_qt, stride_qh, stride_qk,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    stride_dob, stride_dot, stride_doh, stride_dov,
+    stride_dhtn, stride_dhth, stride_dhtk, stride_dhtv,
+    stride_dh0n, stride_dh0h, stride_dh0k, stride_dh0v,
+    chunk_offsets_ptr, cu_seqlens_ptr,
+    T, NT, HV, GROUP, K, V, scale,
+    GATE: tl.constexpr,
+    BT: tl.constexpr,
+    BKF: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_FINAL_STATE_GRAD: tl.constexpr,
+    STORE_INITIAL_STATE_GRAD: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """state.py's _state_backward_kernel, two chunks per step. With S the gradient of the later chunk's end
+    state, dU2 = a2 + Kd2 S, S1 = d2 S + b2 - W2^T dU2 and dU1 = a1 + Kd1 S1: with N = Kd1 W2^T (off the
+    chain), dU1 = (a1 + Kd1 b2 - N a2) + (Kd1 d2 - N Kd2) S, so dU1 and dU2 both come from S, and the next S
+    = d1 S1 + b1 - W1^T dU1 takes W2^T dU2 and W1^T dU1 side by side."""
+    scale = tl.cast(scale, tl.float32)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    if IS_VARLEN:
+        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    else:
+        first_chunk = seq.to(tl.int64) * NT
+    key_head = head // GROUP
+    q_ptr += batch * stride_qb + key_head * stride_qh
+    k_ptr += batch * stride_kb + key_head * stride_kh
+    do_ptr += batch * stride_dob + head * stride_doh
+    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+    w_ptr += (batch * T) * HV * K + head * K
+    scores_ptr += (batch * T) * HV * BT + head * BT
+    du_ptr += (batch * T) * HV * V + head * V
+
+    dot_dtype = w_ptr.dtype.element_ty
+    kc = tl.arange(0, BKF)
+    vc = pid_v * BV + tl.arange(0, BV)
+    local = tl.arange(0, BT)
+    if HAS_FINAL_STATE_GRAD:
+        dstate = _load_rows(dht_ptr + seq * stride_dhtn + head * stride_dhth, kc, vc, stride_dhtk, stride_dhtv,
+                            kc < K, V)
+    else:
+        dstate = tl.zeros([BKF, BV], dtype=tl.float32)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    num_pairs = tl.cdiv(num_chunks, 2)
+    for step in range(0, num_pairs):
+        # clamped, as state.py's loop (the pipeliner may issue a later iteration's loads)
+        pair = tl.maximum(num_pairs - 1 - step, 0)
+        chunk1 = 2 * pair
+        start1 = bos + chunk1 * BT
+        start2 = start1 + BT
+        length1 = tl.minimum(eos - start1, BT)
+        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
+        w1, kd1, a1, b1, d1 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start1,
+                                                    length1, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                    DOT_PRECISION)
+        w2, kd2, a2, b2, d2 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start2,
+                                                    length2, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                    DOT_PRECISION)
+        # Off the chain.
+        coupling = _dot(kd1, tl.trans(w2), dot_dtype, DOT_PRECISION)
+        du1_base = a1 + _dot(kd1, b2, dot_dtype, DOT_PRECISION) - _dot(coupling, a2, dot_dtype, DOT_PRECISION)
+        if GATE == 2:
+            kd1_start = kd1.to(tl.float32) * tl.trans(d2)
+        else:
+            kd1_start = kd1.to(tl.float32) * d2
+        kd1_start = (kd1_start - _dot(coupling, kd2, dot_dtype, DOT_PRECISION)).to(dot_dtype)
+        # The chain: dU2 and dU1 from S, then W2^T dU2 and W1^T dU1 side by side.
+        _store_rows(dh_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, dstate, kc, vc, V, 1,
+                    kc < tl.where(length2 > 0, K, 0), V)
+        du2 = a2 + _dot(kd2, dstate, dot_dtype, DOT_PRECISION)
+        du1 = du1_base + _dot(kd1_start, dstate, dot_dtype, DOT_PRECISION)
+        _store_rows(du_ptr, du2, start2 + local, vc, HV * V, 1, local < length2, V)
+        _store_rows(du_ptr, du1, start1 + local, vc, HV * V, 1, local < length1, V)
+        mid = d2 * dstate + b2 - _dot(tl.trans(w2), du2, dot_dtype, DOT_PRECISION)
+        _store_rows(dh_ptr + ((first_chunk + chunk1) * HV + head) * K * V, mid, kc, vc, V, 1, kc < K, V)
+        dstate = d1 * mid + b1 - _dot(tl.trans(w1), du1, dot_dtype, DOT_PRECISION)
+    if STORE_INITIAL_STATE_GRAD:
+        _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
+                    kc < K, V)
+
+
 ORIGINAL_KERNEL = chunk_kernels._state_forward_kernel
+ORIGINAL_BACKWARD_KERNEL = chunk_kernels._state_backward_kernel
 ORIGINAL_OPTIONS = chunk_kernels.sweep_launch_options
 
 
 def apply(variant: str) -> None:
+    """single, paired (forward sweep), paired-bwd (backward sweep) or paired-both, with -wN / -sS options for
+    the paired sweeps."""
     parts = variant.split("-")
-    chunk_kernels._state_forward_kernel = ORIGINAL_KERNEL if parts[0] == "single" else _state_forward_paired_kernel
-    if parts[0] not in ("single", "paired"):
+    kind = parts[0] if parts[0] == "single" else "-".join(p for p in parts if p[0] not in "ws" or not p[1:].isdigit())
+    if kind not in ("single", "paired", "paired-bwd", "paired-both"):
         raise ValueError(variant)
-    override = {("num_warps" if p[0] == "w" else "num_stages"): int(p[1:]) for p in parts[1:]}
+    forward = kind in ("paired", "paired-both")
+    backward = kind in ("paired-bwd", "paired-both")
+    chunk_kernels._state_forward_kernel = _state_forward_paired_kernel if forward else ORIGINAL_KERNEL
+    chunk_kernels._state_backward_kernel = _state_backward_paired_kernel if backward else ORIGINAL_BACKWARD_KERNEL
+    override = {("num_warps" if p[0] == "w" else "num_stages"): int(p[1:]) for p in parts[1:]
+                if p[0] in "ws" and p[1:].isdigit()}
+    paired_directions = {d for d, on in (("forward", forward), ("backward", backward)) if on}
 
     def options(plan, block_k_full, dtype, direction):
         chosen = ORIGINAL_OPTIONS(plan, block_k_full, dtype, direction)
-        if direction == "forward":
+        if direction in paired_directions:
             chosen = {**chosen, **override}
         return chosen
 
@@ -214,14 +360,17 @@ def time_variant(shape: str) -> str:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        kernel_ms = sum(e.device_time_total for e in prof.key_averages() if "state_forward" in e.key) / 3e3
-        out.append(f"{op} fwd+bwd {ms:.3f} ms, state_forward {kernel_ms:.3f} ms")
+        sweeps = {name: sum(e.device_time_total for e in prof.key_averages() if name in e.key) / 3e3
+                  for name in ("state_forward", "state_backward")}
+        out.append(f"{op} fwd+bwd {ms:.3f} ms, state_forward {sweeps['state_forward']:.3f} ms, "
+                   f"state_backward {sweeps['state_backward']:.3f} ms")
     return "; ".join(out)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="single,paired,paired-w8-s2,paired-w4-s2,paired-w8-s1")
+    p.add_argument("--variants", default="single,paired-w8-s2,paired-w8-s1,paired-bwd-w8-s1,paired-bwd-w4-s1,"
+                                         "paired-both-w8-s1")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
     a = p.parse_args()
