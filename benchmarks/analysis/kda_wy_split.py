@@ -307,7 +307,7 @@ def time_variant(shape: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="single,split-a4-s2-b8,split-a4-s3-b8,split-a8-s2-b8,split-a4-s2-b4")
+    p.add_argument("--variants", default="single,split-a4-s2-b8,split-a4-s3-b8,split-a4-s2-b4")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
     a = p.parse_args()
