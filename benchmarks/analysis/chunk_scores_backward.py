@@ -31,13 +31,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_variants import check_cases, right_variants, use_kernel_tests  # noqa: E402
-from shapes import bthd  # noqa: E402
+from kernel_variants import check_cases, check_then_time, delta_rule_step, time_step, use_kernel_tests  # noqa: E402
 
 use_kernel_tests()
 
@@ -293,30 +289,8 @@ def check(repeats: int) -> list[str]:
 
 
 def time_variant(shape: str) -> str:
-    import hccompile
-    from torch.profiler import ProfilerActivity, profile
-    from triton.testing import do_bench
-
-    B, T, H, D = bthd(shape)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
-    beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, generator=gen, device="cuda")).requires_grad_()
-    do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
-    leaves = [q, k, v, g, beta]
-
-    def step():
-        hccompile.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
-
-    step()
-    ms = do_bench(step, grad_to_none=leaves)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    kernel_us = sum(e.device_time_total for e in prof.key_averages() if "scores_backward" in e.key) / 3
-    return f"kda fwd+bwd {ms:.3f} ms, scores backward {kernel_us / 1e3:.3f} ms"
-
+    ms, kernels = time_step(*delta_rule_step("kda", shape), ("scores_backward",))
+    return f"kda fwd+bwd {ms:.3f} ms, scores backward {kernels['scores_backward']:.3f} ms"
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -324,25 +298,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
     a = p.parse_args()
-
-    def check_variant(variant: str) -> list[str]:
-        apply(variant)
-        return check(a.repeats)
-
-    passed = right_variants(a.variants.split(","), check_variant)
-    if not torch.cuda.is_available():
-        return
-    for variant in a.variants.split(","):
-        if variant not in passed and variant != "sub":
-            continue
-        apply(variant)
-        for shape in a.time_shapes.split(","):
-            try:
-                print(f"{variant} {shape}{'' if variant in passed else ' (wrong, timed anyway)'}: "
-                      f"{time_variant(shape)}", flush=True)
-            except Exception:  # noqa: BLE001
-                print(f"{variant} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
-
+    check_then_time(a.variants.split(","), apply, lambda: check(a.repeats), time_variant, a.time_shapes.split(","),
+                    reference="sub")
 
 if __name__ == "__main__":
     main()

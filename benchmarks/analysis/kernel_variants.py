@@ -1,6 +1,8 @@
-"""What the kernel-variant experiments share (narrow_backward_tile.py; dqkw_split.py until its one-pass kernel became dqkw.py, session 44): the kernel tests' helpers
-importable, with the interpreter's rounding as tests/conftest.py sets it, and a kernel module rebuilt from its own
-source with text edits, so that a variant follows the kernel as it is in the tree.
+"""What the kernel-variant experiments share (narrow_backward_tile.py, chunk_scores_backward.py, kda_wy_split.py,
+paired_sweep.py; dqkw_split.py until its one-pass kernel became dqkw.py, session 44): the kernel tests' helpers
+importable, with the interpreter's rounding as tests/conftest.py sets it; a kernel module rebuilt from its own
+source with text edits, so that a variant follows the kernel as it is in the tree; each variant checked, then
+the right ones timed on a GDN or KDA fwd+bwd with their kernels' GPU time.
 """
 from __future__ import annotations
 
@@ -76,3 +78,69 @@ def right_variants(variants: list[str], check) -> list[str]:
         if not failures:
             passed.append(variant)
     return passed
+
+
+def delta_rule_step(op: str, shape: str):
+    """(step, leaves): one eager fwd+bwd of hccompile's GDN (op "gdn") or KDA ("kda") on CUDA bf16 inputs of
+    shape B<b>T<t>H<h>D<d>, with the in-kernel l2norm, as the variant scripts time it."""
+    import torch
+
+    import hccompile
+    from shapes import bthd
+
+    B, T, H, D = bthd(shape)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+    beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
+                                                   device="cuda")).requires_grad_()
+    do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
+    f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+
+    def step():
+        f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
+
+    return step, [q, k, v, g, beta]
+
+
+def time_step(step, leaves, kernel_names: tuple[str, ...]) -> tuple[float, dict[str, float]]:
+    """(fwd+bwd ms by do_bench, {name: GPU ms per step of the kernels whose name contains it}, by the profiler
+    over three steps)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+
+    step()
+    ms = do_bench(step, grad_to_none=leaves)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    return ms, {name: sum(e.device_time_total for e in events if name in e.key) / 3e3 for name in kernel_names}
+
+
+def check_then_time(variants: list[str], apply, check, time_variant, shapes: list[str], reference: str) -> None:
+    """Each variant applied and checked (`check()` returns failure lines), then, on a GPU, those right and the
+    `reference` one timed at each shape (`time_variant(shape)` returns the line to print)."""
+    import torch
+
+    def check_variant(variant: str) -> list[str]:
+        apply(variant)
+        return check()
+
+    passed = right_variants(variants, check_variant)
+    if not torch.cuda.is_available():
+        return
+    import traceback
+
+    for variant in variants:
+        if variant not in passed and variant != reference:
+            continue
+        apply(variant)
+        for shape in shapes:
+            try:
+                print(f"{variant} {shape}{'' if variant in passed else ' (wrong, timed anyway)'}: "
+                      f"{time_variant(shape)}", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"{variant} {shape}: timing failed\n{traceback.format_exc()}", flush=True)

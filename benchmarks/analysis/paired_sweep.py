@@ -31,25 +31,22 @@ today's kernel 139 registers (GDN, 4 warps 3 stages) and 106 (KDA, 8 warps), no 
 255 registers and 216-416 bytes of spills, 4 warps 2 stages 312-360, 8 warps 1 stage 384-480 (at 64-wide tiles
 700-1400). The paired backward: at today's options 263-296 KiB of shared memory (over the 227 an H100 block
 gets), 8 warps 2 stages 177-193 KiB (GDN) but 260 (KDA); 8 warps 1 stage 86 KiB, 255 registers, 432-504 bytes
-of spills (today's backward: 162 registers GDN, 255 KDA, no spills). Whether spills in this latency-bound loop cost more than the halved chain is what the run measures.
+of spills (today's backward: 162 registers GDN, 255 KDA, no spills). Whether spills in this latency-bound
+loop cost more than the halved chain is what the run measures.
 
 Each is checked on the kernel tests' cases (every gate) against float64, then timed: GDN and KDA fwd+bwd
-(do_bench) with the forward sweep's GPU time (profiler):
+(do_bench) with both sweeps' GPU time (profiler):
 
-    python benchmarks/analysis/paired_sweep.py [--variants single,paired,paired-w4] [--time-shapes ...]
+    python benchmarks/analysis/paired_sweep.py [--variants single,paired-w8-s2,...] [--time-shapes ...]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import traceback
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_variants import check_cases, right_variants, use_kernel_tests  # noqa: E402
-from shapes import bthd  # noqa: E402
+from kernel_variants import check_cases, check_then_time, delta_rule_step, time_step, use_kernel_tests  # noqa: E402
 
 use_kernel_tests()
 
@@ -335,37 +332,12 @@ def check(repeats: int) -> list[str]:
 
 
 def time_variant(shape: str) -> str:
-    import hccompile
-    from torch.profiler import ProfilerActivity, profile
-    from triton.testing import do_bench
-
-    B, T, H, D = bthd(shape)
-    gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for op in ("gdn", "kda"):
-        q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
-        beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
-        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
-                                                       device="cuda")).requires_grad_()
-        do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
-        f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
-        leaves = [q, k, v, g, beta]
-
-        def step():
-            f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
-
-        step()
-        ms = do_bench(step, grad_to_none=leaves)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        sweeps = {name: sum(e.device_time_total for e in prof.key_averages() if name in e.key) / 3e3
-                  for name in ("state_forward", "state_backward")}
+        ms, sweeps = time_step(*delta_rule_step(op, shape), ("state_forward", "state_backward"))
         out.append(f"{op} fwd+bwd {ms:.3f} ms, state_forward {sweeps['state_forward']:.3f} ms, "
                    f"state_backward {sweeps['state_backward']:.3f} ms")
     return "; ".join(out)
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -374,25 +346,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
     a = p.parse_args()
-
-    def check_variant(variant: str) -> list[str]:
-        apply(variant)
-        return check(a.repeats)
-
-    passed = right_variants(a.variants.split(","), check_variant)
-    if not torch.cuda.is_available():
-        return
-    for variant in a.variants.split(","):
-        if variant not in passed and variant != "single":
-            continue
-        apply(variant)
-        for shape in a.time_shapes.split(","):
-            try:
-                print(f"{variant} {shape}{'' if variant in passed else ' (wrong, timed anyway)'}: "
-                      f"{time_variant(shape)}", flush=True)
-            except Exception:  # noqa: BLE001
-                print(f"{variant} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
-
+    check_then_time(a.variants.split(","), apply, lambda: check(a.repeats), time_variant, a.time_shapes.split(","),
+                    reference="single")
 
 if __name__ == "__main__":
     main()
