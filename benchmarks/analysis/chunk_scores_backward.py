@@ -256,8 +256,8 @@ def chunk_launch(warps: int, block_k: int | None, kernel=None):
             q, k, cum, dkdot, dscores, dq_heads, dk_heads, dcum, *q.stride(), *k.stride(), table, seqlens,
             problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
             float(score_kernels.FACTOR_SPAN_LIMIT), BT=chunk, BC=min(chunk, SUB_CHUNK),
-            BK=min(score_kernels.scores_block_k(plan), block_k or 256), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-            HALF_DOTS=plan.scores_half_dots, num_warps=warps,
+            BK=min(score_kernels.scores_block_k(plan), block_k or 256), IS_VARLEN=plan.varlen,
+            DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots, num_warps=warps,
         )
     return launch
 
