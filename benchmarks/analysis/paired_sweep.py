@@ -25,6 +25,8 @@ Both kernels have today's kernels' signatures and are swapped in for them. Varia
     paired[-wN][-sS]       the forward sweep two chunks per step (N warps, S stages; today's options otherwise)
     paired-bwd[-wN][-sS]   the backward sweep two chunks per step
     paired-both[-wN][-sS]  both
+    paired-prep[-wN][-sS]  the paired forward sweep with the second chunk's terms formed by a chunk-parallel
+                           kernel first (stored: W2 d1 - M W1 and U~2 - M U~1), so that the sweep only loads
 
 Compiled for sm_90 on the CPU (Triton 3.6, K = V = 128 bf16, the narrowest 16-wide value tiles, as at B1 H16):
 today's kernel 139 registers (GDN, 4 warps 3 stages) and 106 (KDA, 8 warps), no spills; paired at 8 warps 2 stages
@@ -32,7 +34,8 @@ today's kernel 139 registers (GDN, 4 warps 3 stages) and 106 (KDA, 8 warps), no 
 700-1400). The paired backward: at today's options 263-296 KiB of shared memory (over the 227 an H100 block
 gets), 8 warps 2 stages 177-193 KiB (GDN) but 260 (KDA); 8 warps 1 stage 86 KiB, 255 registers, 432-504 bytes
 of spills (today's backward: 162 registers GDN, 255 KDA, no spills). Whether spills in this latency-bound
-loop cost more than the halved chain is what the run measures.
+loop cost more than the halved chain is what the run measures. The prep form spills nothing: its sweep at 8 warps
+2 stages 149-203 registers, 143 KiB (4 warps 3 stages 178-255, 212 KiB), its prep kernel 159-166 at 8 warps.
 
 Each is checked on the kernel tests' cases (every gate) against float64, then timed: GDN and KDA fwd+bwd
 (do_bench) with both sweeps' GPU time (profiler):
@@ -50,7 +53,10 @@ from kernel_variants import check_cases, check_then_time, delta_rule_step, time_
 
 use_kernel_tests()
 
-from hccompile.kernels._triton import tl, triton  # noqa: E402
+import torch  # noqa: E402
+
+from hccompile.kernels import _triton as triton_helpers  # noqa: E402
+from hccompile.kernels._triton import cdiv, tl, triton  # noqa: E402
 from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
 from hccompile.kernels.delta_rule.tiles import (_channel_decays, _chunk_end_decay, _chunk_end_decays,  # noqa: E402
                                                 _dot, _gate_offset, _load_rows, _load_stored_rows, _row_bounds,
@@ -296,6 +302,152 @@ def _state_backward_paired_kernel(
                     kc < K, V)
 
 
+@triton.jit
+def _pair_prep_forward_kernel(
+    k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, w_pair_ptr, u_pair_ptr,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    cu_seqlens_ptr, T, HV, GROUP, K, V,
+    GATE: tl.constexpr, BT: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Chunk-parallel, for the prep form of the paired forward sweep: per (sequence, pair, value head), the
+    second chunk's W2 d1 - M W1 and U~2 - M U~1 (M = W2 Kd1^T) into w_pair and u_pair at that chunk's rows
+    (the products' dtype), so that the sweep only loads them."""
+    seq = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    start1 = bos + 2 * pair * BT
+    start2 = start1 + BT
+    if start2 < eos:
+        length1 = BT
+        length2 = tl.minimum(eos - start2, BT)
+        key_head = head // GROUP
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        key_offset = (batch * T) * HV * K + head * K
+        value_offset = (batch * T) * HV * V + head * V
+        dot_dtype = w_ptr.dtype.element_ty
+        kc = tl.arange(0, BKF)
+        vc = tl.arange(0, BVF)
+        local = tl.arange(0, BT)
+        w1, u1_tilde, k1, r1, d1 = _chunk_terms(k_ptr, kg_ptr + key_offset, cum_ptr, w_ptr + key_offset,
+                                                u_tilde_ptr + value_offset, start1, length1, kc, vc, stride_kt,
+                                                stride_kk, HV, K, V, GATE, BT)
+        w2, u2_tilde, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr + key_offset, cum_ptr, w_ptr + key_offset,
+                                                u_tilde_ptr + value_offset, start2, length2, kc, vc, stride_kt,
+                                                stride_kk, HV, K, V, GATE, BT)
+        coupling = _dot(w2, tl.trans(k1), dot_dtype, DOT_PRECISION) * tl.trans(r1)
+        u2_tilde -= _dot(coupling, u1_tilde, dot_dtype, DOT_PRECISION)
+        if GATE == 2:
+            w2_start = w2.to(tl.float32) * tl.trans(d1)
+        else:
+            w2_start = w2.to(tl.float32) * d1
+        w2_start -= _dot(coupling, w1, dot_dtype, DOT_PRECISION)
+        valid2 = local < length2
+        _store_rows(w_pair_ptr + key_offset, w2_start, start2 + local, kc, HV * K, 1, valid2, K)
+        _store_rows(u_pair_ptr + value_offset, u2_tilde, start2 + local, vc, HV * V, 1, valid2, V)
+
+
+@triton.jit
+def _state_forward_paired_prep_kernel(
+    k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, w_pair_ptr, u_pair_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    stride_h0n, stride_h0h, stride_h0k, stride_h0v,
+    stride_htn, stride_hth, stride_htk, stride_htv,
+    chunk_offsets_ptr, cu_seqlens_ptr,
+    T, NT, HV, GROUP, K, V,
+    GATE: tl.constexpr,
+    BT: tl.constexpr,
+    BKF: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The paired forward sweep reading the second chunk's rewritten terms from _pair_prep_forward_kernel
+    (w_pair, u_pair) instead of forming them: only the chain and its loads in the loop."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    if IS_VARLEN:
+        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    else:
+        first_chunk = seq.to(tl.int64) * NT
+    key_head = head // GROUP
+    k_ptr += batch * stride_kb + key_head * stride_kh
+    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+    key_offset = (batch * T) * HV * K + head * K
+    value_offset = (batch * T) * HV * V + head * V
+    w_ptr += key_offset
+    kg_ptr += key_offset
+    w_pair_ptr += key_offset
+    u_tilde_ptr += value_offset
+    u_pair_ptr += value_offset
+    u_ptr += value_offset
+
+    dot_dtype = h_ptr.dtype.element_ty
+    kc = tl.arange(0, BKF)
+    vc = pid_v * BV + tl.arange(0, BV)
+    local = tl.arange(0, BT)
+    if HAS_INITIAL_STATE:
+        state = _load_rows(h0_ptr + seq * stride_h0n + head * stride_h0h, kc, vc, stride_h0k, stride_h0v, kc < K, V)
+    else:
+        state = tl.zeros([BKF, BV], dtype=tl.float32)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    for pair in range(0, tl.cdiv(num_chunks, 2)):
+        chunk1 = 2 * pair
+        start1 = bos + chunk1 * BT
+        start2 = start1 + BT
+        length1 = tl.minimum(eos - start1, BT)
+        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
+        w1, u1_tilde, k1, r1, d1 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start1, length1, kc,
+                                                vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
+        w2_start, u2_tilde, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_pair_ptr, u_pair_ptr, start2,
+                                                      length2, kc, vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
+        _store_rows(h_ptr + ((first_chunk + chunk1) * HV + head) * K * V, state, kc, vc, V, 1, kc < K, V)
+        u1 = u1_tilde - _dot(w1, state, dot_dtype, DOT_PRECISION)
+        u2 = u2_tilde - _dot(w2_start, state, dot_dtype, DOT_PRECISION)
+        _store_rows(u_ptr, u1, start1 + local, vc, HV * V, 1, local < length1, V)
+        _store_rows(u_ptr, u2, start2 + local, vc, HV * V, 1, local < length2, V)
+        mid = d1 * state + _dot(tl.trans(k1), u1 * r1, dot_dtype, DOT_PRECISION)
+        _store_rows(h_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, mid, kc, vc, V, 1,
+                    kc < tl.where(length2 > 0, K, 0), V)
+        state = d2 * mid + _dot(tl.trans(k2), u2 * r2, dot_dtype, DOT_PRECISION)
+    if STORE_FINAL_STATE:
+        _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv, kc < K, V)
+
+
+class PreparedPairedForward:
+    """Stands in for chunk.py's _state_forward_kernel (its positional arguments): the chunk-parallel prep, then
+    the paired sweep reading its results. plan.launch hands an object that is not a JITFunction back as is."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            k, kg, cum, w, u_tilde, h0, h, u, ht = args[:9]
+            strides = args[9:21]
+            chunk_offsets, seqlens, T, NT, HV, GROUP, K, V = args[21:29]
+            num_sequences = grid[0]
+            BT = kwargs["BT"]
+            w_pair, u_pair = torch.empty_like(w), torch.empty_like(u_tilde)
+            sweep_only = {n: kwargs[n] for n in ("GATE", "BT", "IS_VARLEN", "DOT_PRECISION")}
+            triton_helpers.direct(_pair_prep_forward_kernel)[(num_sequences, cdiv(cdiv(T, BT), 2), HV)](
+                k, kg, cum, w, u_tilde, w_pair, u_pair, *strides[:4], seqlens, T, HV, GROUP, K, V,
+                BKF=kwargs["BKF"], BVF=max(16, triton.next_power_of_2(V)), num_warps=8, **sweep_only)
+            triton_helpers.direct(_state_forward_paired_prep_kernel)[grid](
+                k, kg, cum, w, u_tilde, w_pair, u_pair, h0, h, u, ht, *strides, chunk_offsets, seqlens, T, NT, HV,
+                GROUP, K, V, **kwargs)
+        return launch
+
+
 ORIGINAL_KERNEL = chunk_kernels._state_forward_kernel
 ORIGINAL_BACKWARD_KERNEL = chunk_kernels._state_backward_kernel
 ORIGINAL_OPTIONS = chunk_kernels.sweep_launch_options
@@ -306,11 +458,12 @@ def apply(variant: str) -> None:
     the paired sweeps."""
     parts = variant.split("-")
     kind = parts[0] if parts[0] == "single" else "-".join(p for p in parts if p[0] not in "ws" or not p[1:].isdigit())
-    if kind not in ("single", "paired", "paired-bwd", "paired-both"):
+    if kind not in ("single", "paired", "paired-bwd", "paired-both", "paired-prep"):
         raise ValueError(variant)
-    forward = kind in ("paired", "paired-both")
+    forward = kind in ("paired", "paired-both", "paired-prep")
     backward = kind in ("paired-bwd", "paired-both")
-    chunk_kernels._state_forward_kernel = _state_forward_paired_kernel if forward else ORIGINAL_KERNEL
+    chunk_kernels._state_forward_kernel = ((PreparedPairedForward() if kind == "paired-prep" else
+                                            _state_forward_paired_kernel) if forward else ORIGINAL_KERNEL)
     chunk_kernels._state_backward_kernel = _state_backward_paired_kernel if backward else ORIGINAL_BACKWARD_KERNEL
     override = {("num_warps" if p[0] == "w" else "num_stages"): int(p[1:]) for p in parts[1:]
                 if p[0] in "ws" and p[1:].isdigit()}
@@ -342,7 +495,7 @@ def time_variant(shape: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # every variant compiles its kernels once per test case in the check: a few, so the run fits one call
-    p.add_argument("--variants", default="single,paired-w8-s2,paired-bwd-w8-s1,paired-both-w8-s1")
+    p.add_argument("--variants", default="single,paired-w8-s2,paired-prep-w8-s2,paired-bwd-w8-s1,paired-both-w8-s1")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
     a = p.parse_args()
