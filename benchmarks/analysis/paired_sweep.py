@@ -27,6 +27,8 @@ Both kernels have today's kernels' signatures and are swapped in for them. Varia
     paired-both[-wN][-sS]  both
     paired-prep[-wN][-sS]  the paired forward sweep with the second chunk's terms formed by a chunk-parallel
                            kernel first (stored: W2 d1 - M W1 and U~2 - M U~1), so that the sweep only loads
+    paired-prep-bwd, paired-prep-both  likewise for the backward sweep (stored: Kd1 d2 - N Kd2 and
+                           a1 + Kd1 b2 - N a2), and for both
 
 Compiled for sm_90 on the CPU (Triton 3.6, K = V = 128 bf16, the narrowest 16-wide value tiles, as at B1 H16):
 today's kernel 139 registers (GDN, 4 warps 3 stages) and 106 (KDA, 8 warps), no spills; paired at 8 warps 2 stages
@@ -36,6 +38,8 @@ gets), 8 warps 2 stages 177-193 KiB (GDN) but 260 (KDA); 8 warps 1 stage 86 KiB,
 of spills (today's backward: 162 registers GDN, 255 KDA, no spills). Whether spills in this latency-bound
 loop cost more than the halved chain is what the run measures. The prep form spills nothing: its sweep at 8 warps
 2 stages 149-203 registers, 143 KiB (4 warps 3 stages 178-255, 212 KiB), its prep kernel 159-166 at 8 warps.
+The backward's prep form: its sweep at 8 warps 1 stage 255 registers and 0-32 bytes (2 stages 0-40 bytes, KDA
+225 KiB of shared memory), its prep kernel 136-304 bytes of spills (chunk-parallel, full 128-wide value tiles).
 
 Each is checked on the kernel tests' cases (every gate) against float64, then timed: GDN and KDA fwd+bwd
 (do_bench) with both sweeps' GPU time (profiler):
@@ -448,6 +452,183 @@ class PreparedPairedForward:
         return launch
 
 
+@triton.jit
+def _pair_prep_backward_kernel(
+    q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, kd_pair_ptr, du_pair_ptr,
+    stride_qb, stride_qt, stride_qh, stride_qk,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    stride_dob, stride_dot, stride_doh, stride_dov,
+    cu_seqlens_ptr, T, HV, GROUP, K, V, scale,
+    GATE: tl.constexpr, BT: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Chunk-parallel, for the prep form of the paired backward sweep: per (sequence, pair, value head), the first
+    chunk's Kd1 d2 - N Kd2 and a1 + Kd1 b2 - N a2 (N = Kd1 W2^T; a chunk past the end gives N = 0) into kd_pair
+    (the products' dtype) and du_pair (fp32) at the first chunk's rows."""
+    scale = tl.cast(scale, tl.float32)
+    seq = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    start1 = bos + 2 * pair * BT
+    if start1 < eos:
+        start2 = start1 + BT
+        length1 = tl.minimum(eos - start1, BT)
+        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
+        key_head = head // GROUP
+        q_ptr += batch * stride_qb + key_head * stride_qh
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        do_ptr += batch * stride_dob + head * stride_doh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        key_offset = (batch * T) * HV * K + head * K
+        value_offset = (batch * T) * HV * V + head * V
+        w_ptr += key_offset
+        scores_ptr += (batch * T) * HV * BT + head * BT
+        dot_dtype = w_ptr.dtype.element_ty
+        kc = tl.arange(0, BKF)
+        vc = tl.arange(0, BVF)
+        local = tl.arange(0, BT)
+        w1, kd1, a1, b1, d1 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start1,
+                                                    length1, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                    DOT_PRECISION)
+        w2, kd2, a2, b2, d2 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start2,
+                                                    length2, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                    DOT_PRECISION)
+        coupling = _dot(kd1, tl.trans(w2), dot_dtype, DOT_PRECISION)
+        du1_base = a1 + _dot(kd1, b2, dot_dtype, DOT_PRECISION) - _dot(coupling, a2, dot_dtype, DOT_PRECISION)
+        if GATE == 2:
+            kd1_start = kd1.to(tl.float32) * tl.trans(d2)
+        else:
+            kd1_start = kd1.to(tl.float32) * d2
+        kd1_start -= _dot(coupling, kd2, dot_dtype, DOT_PRECISION)
+        valid1 = local < length1
+        _store_rows(kd_pair_ptr + key_offset, kd1_start, start1 + local, kc, HV * K, 1, valid1, K)
+        _store_rows(du_pair_ptr + value_offset, du1_base, start1 + local, vc, HV * V, 1, valid1, V)
+
+
+@triton.jit
+def _state_backward_paired_prep_kernel(
+    q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, kd_pair_ptr, du_pair_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
+    stride_qb, stride_qt, stride_qh, stride_qk,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    stride_dob, stride_dot, stride_doh, stride_dov,
+    stride_dhtn, stride_dhth, stride_dhtk, stride_dhtv,
+    stride_dh0n, stride_dh0h, stride_dh0k, stride_dh0v,
+    chunk_offsets_ptr, cu_seqlens_ptr,
+    T, NT, HV, GROUP, K, V, scale,
+    GATE: tl.constexpr,
+    BT: tl.constexpr,
+    BKF: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_FINAL_STATE_GRAD: tl.constexpr,
+    STORE_INITIAL_STATE_GRAD: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The paired backward sweep reading the first chunk's rewritten terms from _pair_prep_backward_kernel."""
+    scale = tl.cast(scale, tl.float32)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    if IS_VARLEN:
+        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    else:
+        first_chunk = seq.to(tl.int64) * NT
+    key_head = head // GROUP
+    q_ptr += batch * stride_qb + key_head * stride_qh
+    k_ptr += batch * stride_kb + key_head * stride_kh
+    do_ptr += batch * stride_dob + head * stride_doh
+    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+    key_offset = (batch * T) * HV * K + head * K
+    w_ptr += key_offset
+    kd_pair_ptr += key_offset
+    scores_ptr += (batch * T) * HV * BT + head * BT
+    du_ptr += (batch * T) * HV * V + head * V
+    du_pair_ptr += (batch * T) * HV * V + head * V
+
+    dot_dtype = w_ptr.dtype.element_ty
+    kc = tl.arange(0, BKF)
+    vc = pid_v * BV + tl.arange(0, BV)
+    local = tl.arange(0, BT)
+    if HAS_FINAL_STATE_GRAD:
+        dstate = _load_rows(dht_ptr + seq * stride_dhtn + head * stride_dhth, kc, vc, stride_dhtk, stride_dhtv,
+                            kc < K, V)
+    else:
+        dstate = tl.zeros([BKF, BV], dtype=tl.float32)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    num_pairs = tl.cdiv(num_chunks, 2)
+    for step in range(0, num_pairs):
+        pair = tl.maximum(num_pairs - 1 - step, 0)
+        chunk1 = 2 * pair
+        start1 = bos + chunk1 * BT
+        start2 = start1 + BT
+        length1 = tl.minimum(eos - start1, BT)
+        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
+        valid1 = local < length1
+        w1 = _load_stored_rows(w_ptr, start1 + local, kc, HV * K, 1, valid1, K)
+        kd1_start = _load_stored_rows(kd_pair_ptr, start1 + local, kc, HV * K, 1, valid1, K)
+        du1_base = _load_rows(du_pair_ptr, start1 + local, vc, HV * V, 1, valid1, V)
+        do1 = _load_stored_rows(do_ptr, start1 + local, vc, stride_dot, stride_dov, valid1, V)
+        q1 = _load_rows(q_ptr, start1 + local, kc, stride_qt, stride_qk, valid1, K)
+        if GATE == 2:
+            d1 = tl.where(length1 > 0, _chunk_end_decay(cum_ptr, start1 + length1 - 1, kc, HV, K), 1.0)[:, None]
+            q1 *= tl.exp(_load_rows(cum_ptr, start1 + local, kc, HV * K, 1, valid1, K))
+        elif GATE == 1:
+            _, whole1 = _chunk_end_decays(cum_ptr, start1 + local, valid1, start1 + length1 - 1, kc, HV, K, GATE)
+            d1 = whole1[:, None]
+            q1 *= tl.exp(tl.load(cum_ptr + (start1 + local) * HV, mask=valid1, other=0.0))[:, None]
+        else:
+            d1 = tl.full([1, 1], 1.0, dtype=tl.float32)
+        b1 = scale * _dot(tl.trans(q1), do1, dot_dtype, DOT_PRECISION)
+        w2, kd2, a2, b2, d2 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start2,
+                                                    length2, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                    DOT_PRECISION)
+        _store_rows(dh_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, dstate, kc, vc, V, 1,
+                    kc < tl.where(length2 > 0, K, 0), V)
+        du2 = a2 + _dot(kd2, dstate, dot_dtype, DOT_PRECISION)
+        du1 = du1_base + _dot(kd1_start, dstate, dot_dtype, DOT_PRECISION)
+        _store_rows(du_ptr, du2, start2 + local, vc, HV * V, 1, local < length2, V)
+        _store_rows(du_ptr, du1, start1 + local, vc, HV * V, 1, valid1, V)
+        mid = d2 * dstate + b2 - _dot(tl.trans(w2), du2, dot_dtype, DOT_PRECISION)
+        _store_rows(dh_ptr + ((first_chunk + chunk1) * HV + head) * K * V, mid, kc, vc, V, 1, kc < K, V)
+        dstate = d1 * mid + b1 - _dot(tl.trans(w1), du1, dot_dtype, DOT_PRECISION)
+    if STORE_INITIAL_STATE_GRAD:
+        _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
+                    kc < K, V)
+
+
+class PreparedPairedBackward:
+    """Stands in for chunk.py's _state_backward_kernel (its positional arguments): the chunk-parallel prep, then
+    the paired backward sweep reading its results."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            q, k, cum, w, scores, do, dht, dh, du, dh0 = args[:10]
+            strides = args[10:30]
+            chunk_offsets, seqlens, T, NT, HV, GROUP, K, V, scale = args[30:39]
+            BT = kwargs["BT"]
+            kd_pair = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            du_pair = torch.empty(du.shape, dtype=torch.float32, device=du.device)
+            common = {n: kwargs[n] for n in ("GATE", "BT", "IS_VARLEN", "DOT_PRECISION")}
+            triton_helpers.direct(_pair_prep_backward_kernel)[(grid[0], cdiv(cdiv(T, BT), 2), HV)](
+                q, k, cum, w, scores, do, kd_pair, du_pair, *strides[:12], seqlens, T, HV, GROUP, K, V, scale,
+                BKF=kwargs["BKF"], BVF=max(16, triton.next_power_of_2(V)), num_warps=8, **common)
+            triton_helpers.direct(_state_backward_paired_prep_kernel)[grid](
+                q, k, cum, w, scores, do, kd_pair, du_pair, dht, dh, du, dh0, *strides, chunk_offsets, seqlens, T,
+                NT, HV, GROUP, K, V, scale, **kwargs)
+        return launch
+
+
 ORIGINAL_KERNEL = chunk_kernels._state_forward_kernel
 ORIGINAL_BACKWARD_KERNEL = chunk_kernels._state_backward_kernel
 ORIGINAL_OPTIONS = chunk_kernels.sweep_launch_options
@@ -458,13 +639,16 @@ def apply(variant: str) -> None:
     the paired sweeps."""
     parts = variant.split("-")
     kind = parts[0] if parts[0] == "single" else "-".join(p for p in parts if p[0] not in "ws" or not p[1:].isdigit())
-    if kind not in ("single", "paired", "paired-bwd", "paired-both", "paired-prep"):
+    if kind not in ("single", "paired", "paired-bwd", "paired-both", "paired-prep", "paired-prep-bwd",
+                    "paired-prep-both"):
         raise ValueError(variant)
-    forward = kind in ("paired", "paired-both", "paired-prep")
-    backward = kind in ("paired-bwd", "paired-both")
-    chunk_kernels._state_forward_kernel = ((PreparedPairedForward() if kind == "paired-prep" else
-                                            _state_forward_paired_kernel) if forward else ORIGINAL_KERNEL)
-    chunk_kernels._state_backward_kernel = _state_backward_paired_kernel if backward else ORIGINAL_BACKWARD_KERNEL
+    forward = kind in ("paired", "paired-both", "paired-prep", "paired-prep-both")
+    backward = kind in ("paired-bwd", "paired-both", "paired-prep-bwd", "paired-prep-both")
+    prep = kind.startswith("paired-prep")
+    chunk_kernels._state_forward_kernel = ((PreparedPairedForward() if prep else _state_forward_paired_kernel)
+                                           if forward else ORIGINAL_KERNEL)
+    chunk_kernels._state_backward_kernel = ((PreparedPairedBackward() if prep else _state_backward_paired_kernel)
+                                            if backward else ORIGINAL_BACKWARD_KERNEL)
     override = {("num_warps" if p[0] == "w" else "num_stages"): int(p[1:]) for p in parts[1:]
                 if p[0] in "ws" and p[1:].isdigit()}
     paired_directions = {d for d, on in (("forward", forward), ("backward", backward)) if on}
@@ -495,7 +679,7 @@ def time_variant(shape: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # every variant compiles its kernels once per test case in the check: a few, so the run fits one call
-    p.add_argument("--variants", default="single,paired-w8-s2,paired-prep-w8-s2,paired-bwd-w8-s1,paired-both-w8-s1")
+    p.add_argument("--variants", default="single,paired-prep-w8-s2,paired-prep-bwd-w8-s1,paired-w8-s2")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--time-shapes", default="B1T32768H16D128,B4T4096H16D128")
     a = p.parse_args()
