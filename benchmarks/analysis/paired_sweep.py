@@ -19,7 +19,8 @@ The backward sweep pairs the same way (_state_backward_paired_kernel): with S th
 gradient and N = Kd1 W2^T off the chain, dU1 = (a1 + Kd1 b2 - N a2) + (Kd1 d2 - N Kd2) S beside dU2 = a2 + Kd2 S,
 then W2^T dU2 and W1^T dU1 side by side (a = scale P^T dO, b = scale (Q e^G)^T dO).
 
-Both kernels have today's kernels' signatures and are swapped in for them. Variants:
+Each sweep is one kernel with a PREPARED switch, launched in place of today's kernel by a stand-in that reads
+chunk.py's arguments. Variants:
 
     single                 today's kernels
     paired[-wN][-sS]       the forward sweep two chunks per step (N warps, S stages; today's options otherwise)
@@ -96,268 +97,22 @@ def _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start, length, kc, 
 
 
 @triton.jit
-def _state_forward_paired_kernel(
-    k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
-    stride_kb, stride_kt, stride_kh, stride_kk,
-    stride_h0n, stride_h0h, stride_h0k, stride_h0v,
-    stride_htn, stride_hth, stride_htk, stride_htv,
-    chunk_offsets_ptr, cu_seqlens_ptr,
-    T, NT, HV, GROUP, K, V,
-    GATE: tl.constexpr,
-    BT: tl.constexpr,
-    BKF: tl.constexpr,
-    BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """state.py's _state_forward_kernel, two chunks per step (see the module docstring)."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
-    if IS_VARLEN:
-        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
-    else:
-        batch, bos, eos = _row_bounds(seq, T)
-    if IS_VARLEN:
-        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
-    else:
-        first_chunk = seq.to(tl.int64) * NT
-    key_head = head // GROUP
-    k_ptr += batch * stride_kb + key_head * stride_kh
-    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
-    w_ptr += (batch * T) * HV * K + head * K
-    kg_ptr += (batch * T) * HV * K + head * K
-    u_tilde_ptr += (batch * T) * HV * V + head * V
-    u_ptr += (batch * T) * HV * V + head * V
-
-    dot_dtype = h_ptr.dtype.element_ty
-    kc = tl.arange(0, BKF)
-    vc = pid_v * BV + tl.arange(0, BV)
-    local = tl.arange(0, BT)
-    if HAS_INITIAL_STATE:
-        state = _load_rows(h0_ptr + seq * stride_h0n + head * stride_h0h, kc, vc, stride_h0k, stride_h0v, kc < K, V)
-    else:
-        state = tl.zeros([BKF, BV], dtype=tl.float32)
-    num_chunks = tl.cdiv(eos - bos, BT)
-    for pair in range(0, tl.cdiv(num_chunks, 2)):
-        chunk1 = 2 * pair
-        start1 = bos + chunk1 * BT
-        start2 = start1 + BT
-        length1 = tl.minimum(eos - start1, BT)
-        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
-        w1, u1_tilde, k1, r1, d1 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start1, length1, kc,
-                                                vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
-        w2, u2_tilde, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start2, length2, kc,
-                                                vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
-        # Off the chain: the second chunk's terms rewritten in the first chunk's start state,
-        # M = W2 Kd1^T = (W2 K1^T) diag(r1).
-        coupling = _dot(w2, tl.trans(k1), dot_dtype, DOT_PRECISION) * tl.trans(r1)
-        u2_tilde -= _dot(coupling, u1_tilde, dot_dtype, DOT_PRECISION)
-        if GATE == 2:
-            w2_start = w2.to(tl.float32) * tl.trans(d1)
-        else:
-            w2_start = w2.to(tl.float32) * d1
-        w2_start = (w2_start - _dot(coupling, w1, dot_dtype, DOT_PRECISION)).to(dot_dtype)
-        # The chain: two rounds of two independent products.
-        _store_rows(h_ptr + ((first_chunk + chunk1) * HV + head) * K * V, state, kc, vc, V, 1, kc < K, V)
-        u1 = u1_tilde - _dot(w1, state, dot_dtype, DOT_PRECISION)
-        u2 = u2_tilde - _dot(w2_start, state, dot_dtype, DOT_PRECISION)
-        _store_rows(u_ptr, u1, start1 + local, vc, HV * V, 1, local < length1, V)
-        _store_rows(u_ptr, u2, start2 + local, vc, HV * V, 1, local < length2, V)
-        # The second chunk's start state (stored when that chunk exists), then the next pair's:
-        # h' = d1 h + Kd1^T U1, h'' = d2 h' + Kd2^T U2 (d2 scales rows of h'; the two products are independent).
-        mid = d1 * state + _dot(tl.trans(k1), u1 * r1, dot_dtype, DOT_PRECISION)
-        # (one block comparison for the mask, no scalar joined to a block: see tiles._load_vector)
-        _store_rows(h_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, mid, kc, vc, V, 1,
-                    kc < tl.where(length2 > 0, K, 0), V)
-        state = d2 * mid + _dot(tl.trans(k2), u2 * r2, dot_dtype, DOT_PRECISION)
-    if STORE_FINAL_STATE:
-        _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv, kc < K, V)
-
-
-@triton.jit
-def _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start, length, kc, vc, stride_qt,
-                          stride_qk, stride_kt, stride_kk, stride_dot, stride_dov, HV, K, V, scale, dot_dtype,
-                          GATE: tl.constexpr, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One chunk's terms of the backward sweep that do not depend on the state gradient S: its W [BT, BKF]
-    (stored dtype), keys decayed to its end Kd [BT, BKF] (the products' dtype), a = scale P^T dO [BT, BV],
-    b = scale (Q e^G)^T dO [BKF, BV] and its whole decay ([BKF, 1] or [1, 1]; 1 for an empty chunk), so that
-    dU = a + Kd S and the previous chunk's S = d S + b - W^T dU."""
-    local = tl.arange(0, BT)
-    tokens = start + local
-    valid = local < length
-    last = tl.where(length > 0, start + length - 1, 0)
-    w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
-    do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
-    scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
-    scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-    a = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
-    k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-    q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+def _second_chunk_terms(w1, u1_tilde, k1, r1, d1, w2, u2_tilde, dot_dtype, GATE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """The second chunk's forward terms rewritten in the first chunk's start state, off the chain:
+    (W2 d1 - M W1 in the products' dtype, U~2 - M U~1 fp32) with M = W2 Kd1^T = (W2 K1^T) diag(r1)."""
+    coupling = _dot(w2, tl.trans(k1), dot_dtype, DOT_PRECISION) * tl.trans(r1)
+    u2_start = u2_tilde - _dot(coupling, u1_tilde, dot_dtype, DOT_PRECISION)
     if GATE == 2:
-        g, to_end, whole = _channel_decays(cum_ptr, tokens, valid, last, kc, HV, K)
-        k_tile *= to_end
-        q_tile *= tl.exp(g)
-        decay = tl.where(length > 0, whole, 1.0)[:, None]
-    elif GATE == 1:
-        to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
-        k_tile *= to_end
-        q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
-        decay = tl.where(length > 0, whole, 1.0)[:, None]
+        w2_start = w2.to(tl.float32) * tl.trans(d1)
     else:
-        decay = tl.full([1, 1], 1.0, dtype=tl.float32)
-    b = scale * _dot(tl.trans(q_tile), do_tile, dot_dtype, DOT_PRECISION)
-    return w, k_tile.to(dot_dtype), a, b, decay
+        w2_start = w2.to(tl.float32) * d1
+    w2_start -= _dot(coupling, w1, dot_dtype, DOT_PRECISION)
+    return w2_start.to(dot_dtype), u2_start
 
 
 @triton.jit
-def _state_backward_paired_kernel(
-    q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
-    stride_qb, stride_qt, stride_qh, stride_qk,
-    stride_kb, stride_kt, stride_kh, stride_kk,
-    stride_dob, stride_dot, stride_doh, stride_dov,
-    stride_dhtn, stride_dhth, stride_dhtk, stride_dhtv,
-    stride_dh0n, stride_dh0h, stride_dh0k, stride_dh0v,
-    chunk_offsets_ptr, cu_seqlens_ptr,
-    T, NT, HV, GROUP, K, V, scale,
-    GATE: tl.constexpr,
-    BT: tl.constexpr,
-    BKF: tl.constexpr,
-    BV: tl.constexpr,
-    HAS_FINAL_STATE_GRAD: tl.constexpr,
-    STORE_INITIAL_STATE_GRAD: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """state.py's _state_backward_kernel, two chunks per step. With S the gradient of the later chunk's end
-    state, dU2 = a2 + Kd2 S, S1 = d2 S + b2 - W2^T dU2 and dU1 = a1 + Kd1 S1: with N = Kd1 W2^T (off the
-    chain), dU1 = (a1 + Kd1 b2 - N a2) + (Kd1 d2 - N Kd2) S, so dU1 and dU2 both come from S, and the next S
-    = d1 S1 + b1 - W1^T dU1 takes W2^T dU2 and W1^T dU1 side by side."""
-    scale = tl.cast(scale, tl.float32)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
-    if IS_VARLEN:
-        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
-    else:
-        batch, bos, eos = _row_bounds(seq, T)
-    if IS_VARLEN:
-        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
-    else:
-        first_chunk = seq.to(tl.int64) * NT
-    key_head = head // GROUP
-    q_ptr += batch * stride_qb + key_head * stride_qh
-    k_ptr += batch * stride_kb + key_head * stride_kh
-    do_ptr += batch * stride_dob + head * stride_doh
-    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
-    w_ptr += (batch * T) * HV * K + head * K
-    scores_ptr += (batch * T) * HV * BT + head * BT
-    du_ptr += (batch * T) * HV * V + head * V
-
-    dot_dtype = w_ptr.dtype.element_ty
-    kc = tl.arange(0, BKF)
-    vc = pid_v * BV + tl.arange(0, BV)
-    local = tl.arange(0, BT)
-    if HAS_FINAL_STATE_GRAD:
-        dstate = _load_rows(dht_ptr + seq * stride_dhtn + head * stride_dhth, kc, vc, stride_dhtk, stride_dhtv,
-                            kc < K, V)
-    else:
-        dstate = tl.zeros([BKF, BV], dtype=tl.float32)
-    num_chunks = tl.cdiv(eos - bos, BT)
-    num_pairs = tl.cdiv(num_chunks, 2)
-    for step in range(0, num_pairs):
-        # clamped, as state.py's loop (the pipeliner may issue a later iteration's loads)
-        pair = tl.maximum(num_pairs - 1 - step, 0)
-        chunk1 = 2 * pair
-        start1 = bos + chunk1 * BT
-        start2 = start1 + BT
-        length1 = tl.minimum(eos - start1, BT)
-        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
-        w1, kd1, a1, b1, d1 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start1,
-                                                    length1, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
-                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
-                                                    DOT_PRECISION)
-        w2, kd2, a2, b2, d2 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start2,
-                                                    length2, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
-                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
-                                                    DOT_PRECISION)
-        # Off the chain.
-        coupling = _dot(kd1, tl.trans(w2), dot_dtype, DOT_PRECISION)
-        du1_base = a1 + _dot(kd1, b2, dot_dtype, DOT_PRECISION) - _dot(coupling, a2, dot_dtype, DOT_PRECISION)
-        if GATE == 2:
-            kd1_start = kd1.to(tl.float32) * tl.trans(d2)
-        else:
-            kd1_start = kd1.to(tl.float32) * d2
-        kd1_start = (kd1_start - _dot(coupling, kd2, dot_dtype, DOT_PRECISION)).to(dot_dtype)
-        # The chain: dU2 and dU1 from S, then W2^T dU2 and W1^T dU1 side by side.
-        _store_rows(dh_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, dstate, kc, vc, V, 1,
-                    kc < tl.where(length2 > 0, K, 0), V)
-        du2 = a2 + _dot(kd2, dstate, dot_dtype, DOT_PRECISION)
-        du1 = du1_base + _dot(kd1_start, dstate, dot_dtype, DOT_PRECISION)
-        _store_rows(du_ptr, du2, start2 + local, vc, HV * V, 1, local < length2, V)
-        _store_rows(du_ptr, du1, start1 + local, vc, HV * V, 1, local < length1, V)
-        mid = d2 * dstate + b2 - _dot(tl.trans(w2), du2, dot_dtype, DOT_PRECISION)
-        _store_rows(dh_ptr + ((first_chunk + chunk1) * HV + head) * K * V, mid, kc, vc, V, 1, kc < K, V)
-        dstate = d1 * mid + b1 - _dot(tl.trans(w1), du1, dot_dtype, DOT_PRECISION)
-    if STORE_INITIAL_STATE_GRAD:
-        _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
-                    kc < K, V)
-
-
-@triton.jit
-def _pair_prep_forward_kernel(
-    k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, w_pair_ptr, u_pair_ptr,
-    stride_kb, stride_kt, stride_kh, stride_kk,
-    cu_seqlens_ptr, T, HV, GROUP, K, V,
-    GATE: tl.constexpr, BT: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Chunk-parallel, for the prep form of the paired forward sweep: per (sequence, pair, value head), the
-    second chunk's W2 d1 - M W1 and U~2 - M U~1 (M = W2 Kd1^T) into w_pair and u_pair at that chunk's rows
-    (the products' dtype), so that the sweep only loads them."""
-    seq = tl.program_id(0).to(tl.int64)
-    pair = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
-    if IS_VARLEN:
-        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
-    else:
-        batch, bos, eos = _row_bounds(seq, T)
-    start1 = bos + 2 * pair * BT
-    start2 = start1 + BT
-    if start2 < eos:
-        length1 = BT
-        length2 = tl.minimum(eos - start2, BT)
-        key_head = head // GROUP
-        k_ptr += batch * stride_kb + key_head * stride_kh
-        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
-        key_offset = (batch * T) * HV * K + head * K
-        value_offset = (batch * T) * HV * V + head * V
-        dot_dtype = w_ptr.dtype.element_ty
-        kc = tl.arange(0, BKF)
-        vc = tl.arange(0, BVF)
-        local = tl.arange(0, BT)
-        w1, u1_tilde, k1, r1, d1 = _chunk_terms(k_ptr, kg_ptr + key_offset, cum_ptr, w_ptr + key_offset,
-                                                u_tilde_ptr + value_offset, start1, length1, kc, vc, stride_kt,
-                                                stride_kk, HV, K, V, GATE, BT)
-        w2, u2_tilde, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr + key_offset, cum_ptr, w_ptr + key_offset,
-                                                u_tilde_ptr + value_offset, start2, length2, kc, vc, stride_kt,
-                                                stride_kk, HV, K, V, GATE, BT)
-        coupling = _dot(w2, tl.trans(k1), dot_dtype, DOT_PRECISION) * tl.trans(r1)
-        u2_tilde -= _dot(coupling, u1_tilde, dot_dtype, DOT_PRECISION)
-        if GATE == 2:
-            w2_start = w2.to(tl.float32) * tl.trans(d1)
-        else:
-            w2_start = w2.to(tl.float32) * d1
-        w2_start -= _dot(coupling, w1, dot_dtype, DOT_PRECISION)
-        valid2 = local < length2
-        _store_rows(w_pair_ptr + key_offset, w2_start, start2 + local, kc, HV * K, 1, valid2, K)
-        _store_rows(u_pair_ptr + value_offset, u2_tilde, start2 + local, vc, HV * V, 1, valid2, V)
-
-
-@triton.jit
-def _state_forward_paired_prep_kernel(
+def _state_forward_paired_kernel(
     k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, w_pair_ptr, u_pair_ptr, h0_ptr, h_ptr, u_ptr, ht_ptr,
     stride_kb, stride_kt, stride_kh, stride_kk,
     stride_h0n, stride_h0h, stride_h0k, stride_h0v,
@@ -372,9 +127,10 @@ def _state_forward_paired_prep_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREPARED: tl.constexpr,
 ):
-    """The paired forward sweep reading the second chunk's rewritten terms from _pair_prep_forward_kernel
-    (w_pair, u_pair) instead of forming them: only the chain and its loads in the loop."""
+    """state.py's _state_forward_kernel, two chunks per step (see the module docstring). PREPARED: the second
+    chunk's rewritten terms are read from w_pair and u_pair (_pair_prep_forward_kernel's), not formed here."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     pid_v = tl.program_id(2)
@@ -415,14 +171,24 @@ def _state_forward_paired_prep_kernel(
         length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
         w1, u1_tilde, k1, r1, d1 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start1, length1, kc,
                                                 vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
-        w2_start, u2_tilde, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_pair_ptr, u_pair_ptr, start2,
-                                                      length2, kc, vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
+        if PREPARED:
+            w2_start, u2_start, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_pair_ptr, u_pair_ptr, start2,
+                                                          length2, kc, vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
+        else:
+            w2, u2_tilde, k2, r2, d2 = _chunk_terms(k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, start2, length2, kc,
+                                                    vc, stride_kt, stride_kk, HV, K, V, GATE, BT)
+            w2_start, u2_start = _second_chunk_terms(w1, u1_tilde, k1, r1, d1, w2, u2_tilde, dot_dtype, GATE,
+                                                     DOT_PRECISION)
+        # The chain: two rounds of two independent products.
         _store_rows(h_ptr + ((first_chunk + chunk1) * HV + head) * K * V, state, kc, vc, V, 1, kc < K, V)
         u1 = u1_tilde - _dot(w1, state, dot_dtype, DOT_PRECISION)
-        u2 = u2_tilde - _dot(w2_start, state, dot_dtype, DOT_PRECISION)
+        u2 = u2_start - _dot(w2_start, state, dot_dtype, DOT_PRECISION)
         _store_rows(u_ptr, u1, start1 + local, vc, HV * V, 1, local < length1, V)
         _store_rows(u_ptr, u2, start2 + local, vc, HV * V, 1, local < length2, V)
+        # The second chunk's start state (stored when that chunk exists), then the next pair's:
+        # h' = d1 h + Kd1^T U1, h'' = d2 h' + Kd2^T U2 (d2 scales rows of h'; the two products are independent).
         mid = d1 * state + _dot(tl.trans(k1), u1 * r1, dot_dtype, DOT_PRECISION)
+        # (one block comparison for the mask, no scalar joined to a block: see tiles._load_vector)
         _store_rows(h_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, mid, kc, vc, V, 1,
                     kc < tl.where(length2 > 0, K, 0), V)
         state = d2 * mid + _dot(tl.trans(k2), u2 * r2, dot_dtype, DOT_PRECISION)
@@ -430,26 +196,192 @@ def _state_forward_paired_prep_kernel(
         _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv, kc < K, V)
 
 
-class PreparedPairedForward:
-    """Stands in for chunk.py's _state_forward_kernel (its positional arguments): the chunk-parallel prep, then
-    the paired sweep reading its results. plan.launch hands an object that is not a JITFunction back as is."""
+@triton.jit
+def _pair_prep_forward_kernel(
+    k_ptr, kg_ptr, cum_ptr, w_ptr, u_tilde_ptr, w_pair_ptr, u_pair_ptr,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    cu_seqlens_ptr, T, HV, GROUP, K, V,
+    GATE: tl.constexpr, BT: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Chunk-parallel, for the prepared paired forward sweep: per (sequence, pair, value head) with a second
+    chunk, _second_chunk_terms over the whole value width into w_pair and u_pair at that chunk's rows."""
+    seq = tl.program_id(0).to(tl.int64)
+    pair = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    start1 = bos + 2 * pair * BT
+    start2 = start1 + BT
+    if start2 < eos:
+        length2 = tl.minimum(eos - start2, BT)
+        key_head = head // GROUP
+        k_ptr += batch * stride_kb + key_head * stride_kh
+        cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        key_offset = (batch * T) * HV * K + head * K
+        value_offset = (batch * T) * HV * V + head * V
+        dot_dtype = w_ptr.dtype.element_ty
+        kc = tl.arange(0, BKF)
+        vc = tl.arange(0, BVF)
+        local = tl.arange(0, BT)
+        w1, u1_tilde, k1, r1, d1 = _chunk_terms(k_ptr, kg_ptr + key_offset, cum_ptr, w_ptr + key_offset,
+                                                u_tilde_ptr + value_offset, start1, BT, kc, vc, stride_kt,
+                                                stride_kk, HV, K, V, GATE, BT)
+        w2, u2_tilde, _, _, _ = _chunk_terms(k_ptr, kg_ptr + key_offset, cum_ptr, w_ptr + key_offset,
+                                             u_tilde_ptr + value_offset, start2, length2, kc, vc, stride_kt,
+                                             stride_kk, HV, K, V, GATE, BT)
+        w2_start, u2_start = _second_chunk_terms(w1, u1_tilde, k1, r1, d1, w2, u2_tilde, dot_dtype, GATE,
+                                                 DOT_PRECISION)
+        valid2 = local < length2
+        _store_rows(w_pair_ptr + key_offset, w2_start, start2 + local, kc, HV * K, 1, valid2, K)
+        _store_rows(u_pair_ptr + value_offset, u2_start, start2 + local, vc, HV * V, 1, valid2, V)
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            k, kg, cum, w, u_tilde, h0, h, u, ht = args[:9]
-            strides = args[9:21]
-            chunk_offsets, seqlens, T, NT, HV, GROUP, K, V = args[21:29]
-            num_sequences = grid[0]
-            BT = kwargs["BT"]
-            w_pair, u_pair = torch.empty_like(w), torch.empty_like(u_tilde)
-            sweep_only = {n: kwargs[n] for n in ("GATE", "BT", "IS_VARLEN", "DOT_PRECISION")}
-            triton_helpers.direct(_pair_prep_forward_kernel)[(num_sequences, cdiv(cdiv(T, BT), 2), HV)](
-                k, kg, cum, w, u_tilde, w_pair, u_pair, *strides[:4], seqlens, T, HV, GROUP, K, V,
-                BKF=kwargs["BKF"], BVF=max(16, triton.next_power_of_2(V)), num_warps=8, **sweep_only)
-            triton_helpers.direct(_state_forward_paired_prep_kernel)[grid](
-                k, kg, cum, w, u_tilde, w_pair, u_pair, h0, h, u, ht, *strides, chunk_offsets, seqlens, T, NT, HV,
-                GROUP, K, V, **kwargs)
-        return launch
+
+@triton.jit
+def _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start, length, kc, vc, stride_qt,
+                          stride_qk, stride_kt, stride_kk, stride_dot, stride_dov, HV, K, V, scale, dot_dtype,
+                          GATE: tl.constexpr, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One chunk's terms of the backward sweep that do not depend on the state gradient S: its W [BT, BKF]
+    (stored dtype), keys decayed to its end Kd [BT, BKF] (the products' dtype), a = scale P^T dO [BT, BV],
+    b = scale (Q e^G)^T dO [BKF, BV] and its whole decay ([BKF, 1] or [1, 1]; 1 for an empty chunk), so that
+    dU = a + Kd S and the previous chunk's S = d S + b - W^T dU."""
+    local = tl.arange(0, BT)
+    tokens = start + local
+    valid = local < length
+    last = tl.where(length > 0, start + length - 1, 0)
+    w = _load_stored_rows(w_ptr, tokens, kc, HV * K, 1, valid, K)
+    do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
+    scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
+    scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+    a = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
+    k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+    q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
+    if GATE == 2:
+        g, to_end, whole = _channel_decays(cum_ptr, tokens, valid, last, kc, HV, K)
+        k_tile *= to_end
+        q_tile *= tl.exp(g)
+        decay = tl.where(length > 0, whole, 1.0)[:, None]
+    elif GATE == 1:
+        to_end, whole = _chunk_end_decays(cum_ptr, tokens, valid, last, kc, HV, K, GATE)
+        k_tile *= to_end
+        q_tile *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
+        decay = tl.where(length > 0, whole, 1.0)[:, None]
+    else:
+        decay = tl.full([1, 1], 1.0, dtype=tl.float32)
+    b = scale * _dot(tl.trans(q_tile), do_tile, dot_dtype, DOT_PRECISION)
+    return w, k_tile.to(dot_dtype), a, b, decay
+
+
+@triton.jit
+def _first_chunk_terms(kd1, a1, w2, kd2, a2, b2, d2, dot_dtype, GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The first chunk's backward terms rewritten in the later chunk's end-state gradient, off the chain:
+    (Kd1 d2 - N Kd2 in the products' dtype, a1 + Kd1 b2 - N a2 fp32) with N = Kd1 W2^T."""
+    coupling = _dot(kd1, tl.trans(w2), dot_dtype, DOT_PRECISION)
+    du1_base = a1 + _dot(kd1, b2, dot_dtype, DOT_PRECISION) - _dot(coupling, a2, dot_dtype, DOT_PRECISION)
+    if GATE == 2:
+        kd1_start = kd1.to(tl.float32) * tl.trans(d2)
+    else:
+        kd1_start = kd1.to(tl.float32) * d2
+    kd1_start -= _dot(coupling, kd2, dot_dtype, DOT_PRECISION)
+    return kd1_start.to(dot_dtype), du1_base
+
+
+@triton.jit
+def _state_backward_paired_kernel(
+    q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, kd_pair_ptr, du_pair_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
+    stride_qb, stride_qt, stride_qh, stride_qk,
+    stride_kb, stride_kt, stride_kh, stride_kk,
+    stride_dob, stride_dot, stride_doh, stride_dov,
+    stride_dhtn, stride_dhth, stride_dhtk, stride_dhtv,
+    stride_dh0n, stride_dh0h, stride_dh0k, stride_dh0v,
+    chunk_offsets_ptr, cu_seqlens_ptr,
+    T, NT, HV, GROUP, K, V, scale,
+    GATE: tl.constexpr,
+    BT: tl.constexpr,
+    BKF: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_FINAL_STATE_GRAD: tl.constexpr,
+    STORE_INITIAL_STATE_GRAD: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PREPARED: tl.constexpr,
+):
+    """state.py's _state_backward_kernel, two chunks per step. With S the gradient of the later chunk's end
+    state, dU2 = a2 + Kd2 S, S1 = d2 S + b2 - W2^T dU2 and dU1 = a1 + Kd1 S1: with N = Kd1 W2^T (off the
+    chain), dU1 = (a1 + Kd1 b2 - N a2) + (Kd1 d2 - N Kd2) S, so dU1 and dU2 both come from S, and the next S
+    = d1 S1 + b1 - W1^T dU1 takes W2^T dU2 and W1^T dU1 side by side. PREPARED: the first chunk's rewritten
+    terms are read from kd_pair and du_pair (_pair_prep_backward_kernel's), not formed here."""
+    scale = tl.cast(scale, tl.float32)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    if IS_VARLEN:
+        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
+    else:
+        batch, bos, eos = _row_bounds(seq, T)
+    if IS_VARLEN:
+        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    else:
+        first_chunk = seq.to(tl.int64) * NT
+    key_head = head // GROUP
+    q_ptr += batch * stride_qb + key_head * stride_qh
+    k_ptr += batch * stride_kb + key_head * stride_kh
+    do_ptr += batch * stride_dob + head * stride_doh
+    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+    w_ptr += (batch * T) * HV * K + head * K
+    kd_pair_ptr += (batch * T) * HV * K + head * K
+    scores_ptr += (batch * T) * HV * BT + head * BT
+    du_ptr += (batch * T) * HV * V + head * V
+    du_pair_ptr += (batch * T) * HV * V + head * V
+
+    dot_dtype = w_ptr.dtype.element_ty
+    kc = tl.arange(0, BKF)
+    vc = pid_v * BV + tl.arange(0, BV)
+    local = tl.arange(0, BT)
+    if HAS_FINAL_STATE_GRAD:
+        dstate = _load_rows(dht_ptr + seq * stride_dhtn + head * stride_dhth, kc, vc, stride_dhtk, stride_dhtv,
+                            kc < K, V)
+    else:
+        dstate = tl.zeros([BKF, BV], dtype=tl.float32)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    num_pairs = tl.cdiv(num_chunks, 2)
+    for step in range(0, num_pairs):
+        # clamped, as state.py's loop (the pipeliner may issue a later iteration's loads)
+        pair = tl.maximum(num_pairs - 1 - step, 0)
+        chunk1 = 2 * pair
+        start1 = bos + chunk1 * BT
+        start2 = start1 + BT
+        length1 = tl.minimum(eos - start1, BT)
+        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
+        valid1 = local < length1
+        w1, kd1, a1, b1, d1 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start1,
+                                                    length1, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                    DOT_PRECISION)
+        w2, kd2, a2, b2, d2 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start2,
+                                                    length2, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                    DOT_PRECISION)
+        if PREPARED:
+            kd1_start = _load_stored_rows(kd_pair_ptr, start1 + local, kc, HV * K, 1, valid1, K)
+            du1_base = _load_rows(du_pair_ptr, start1 + local, vc, HV * V, 1, valid1, V)
+        else:
+            kd1_start, du1_base = _first_chunk_terms(kd1, a1, w2, kd2, a2, b2, d2, dot_dtype, GATE, DOT_PRECISION)
+        # The chain: dU2 and dU1 from S, then W2^T dU2 and W1^T dU1 side by side.
+        _store_rows(dh_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, dstate, kc, vc, V, 1,
+                    kc < tl.where(length2 > 0, K, 0), V)
+        du2 = a2 + _dot(kd2, dstate, dot_dtype, DOT_PRECISION)
+        du1 = du1_base + _dot(kd1_start, dstate, dot_dtype, DOT_PRECISION)
+        _store_rows(du_ptr, du2, start2 + local, vc, HV * V, 1, local < length2, V)
+        _store_rows(du_ptr, du1, start1 + local, vc, HV * V, 1, valid1, V)
+        mid = d2 * dstate + b2 - _dot(tl.trans(w2), du2, dot_dtype, DOT_PRECISION)
+        _store_rows(dh_ptr + ((first_chunk + chunk1) * HV + head) * K * V, mid, kc, vc, V, 1, kc < K, V)
+        dstate = d1 * mid + b1 - _dot(tl.trans(w1), du1, dot_dtype, DOT_PRECISION)
+    if STORE_INITIAL_STATE_GRAD:
+        _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
+                    kc < K, V)
 
 
 @triton.jit
@@ -462,9 +394,9 @@ def _pair_prep_backward_kernel(
     GATE: tl.constexpr, BT: tl.constexpr, BKF: tl.constexpr, BVF: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Chunk-parallel, for the prep form of the paired backward sweep: per (sequence, pair, value head), the first
-    chunk's Kd1 d2 - N Kd2 and a1 + Kd1 b2 - N a2 (N = Kd1 W2^T; a chunk past the end gives N = 0) into kd_pair
-    (the products' dtype) and du_pair (fp32) at the first chunk's rows."""
+    """Chunk-parallel, for the prepared paired backward sweep: per (sequence, pair, value head),
+    _first_chunk_terms over the whole value width into kd_pair and du_pair at the first chunk's rows (a
+    second chunk past the end gives N = 0)."""
     scale = tl.cast(scale, tl.float32)
     seq = tl.program_id(0).to(tl.int64)
     pair = tl.program_id(1)
@@ -491,141 +423,68 @@ def _pair_prep_backward_kernel(
         kc = tl.arange(0, BKF)
         vc = tl.arange(0, BVF)
         local = tl.arange(0, BT)
-        w1, kd1, a1, b1, d1 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start1,
-                                                    length1, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
-                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
-                                                    DOT_PRECISION)
+        _, kd1, a1, _, _ = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start1,
+                                                 length1, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
+                                                 stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
+                                                 DOT_PRECISION)
         w2, kd2, a2, b2, d2 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start2,
                                                     length2, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
                                                     stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
                                                     DOT_PRECISION)
-        coupling = _dot(kd1, tl.trans(w2), dot_dtype, DOT_PRECISION)
-        du1_base = a1 + _dot(kd1, b2, dot_dtype, DOT_PRECISION) - _dot(coupling, a2, dot_dtype, DOT_PRECISION)
-        if GATE == 2:
-            kd1_start = kd1.to(tl.float32) * tl.trans(d2)
-        else:
-            kd1_start = kd1.to(tl.float32) * d2
-        kd1_start -= _dot(coupling, kd2, dot_dtype, DOT_PRECISION)
+        kd1_start, du1_base = _first_chunk_terms(kd1, a1, w2, kd2, a2, b2, d2, dot_dtype, GATE, DOT_PRECISION)
         valid1 = local < length1
         _store_rows(kd_pair_ptr + key_offset, kd1_start, start1 + local, kc, HV * K, 1, valid1, K)
         _store_rows(du_pair_ptr + value_offset, du1_base, start1 + local, vc, HV * V, 1, valid1, V)
 
 
-@triton.jit
-def _state_backward_paired_prep_kernel(
-    q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, kd_pair_ptr, du_pair_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
-    stride_qb, stride_qt, stride_qh, stride_qk,
-    stride_kb, stride_kt, stride_kh, stride_kk,
-    stride_dob, stride_dot, stride_doh, stride_dov,
-    stride_dhtn, stride_dhth, stride_dhtk, stride_dhtv,
-    stride_dh0n, stride_dh0h, stride_dh0k, stride_dh0v,
-    chunk_offsets_ptr, cu_seqlens_ptr,
-    T, NT, HV, GROUP, K, V, scale,
-    GATE: tl.constexpr,
-    BT: tl.constexpr,
-    BKF: tl.constexpr,
-    BV: tl.constexpr,
-    HAS_FINAL_STATE_GRAD: tl.constexpr,
-    STORE_INITIAL_STATE_GRAD: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The paired backward sweep reading the first chunk's rewritten terms from _pair_prep_backward_kernel."""
-    scale = tl.cast(scale, tl.float32)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
-    if IS_VARLEN:
-        batch, bos, eos = _varlen_bounds(seq, tl.load(cu_seqlens_ptr + seq), tl.load(cu_seqlens_ptr + seq + 1))
-    else:
-        batch, bos, eos = _row_bounds(seq, T)
-    if IS_VARLEN:
-        first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
-    else:
-        first_chunk = seq.to(tl.int64) * NT
-    key_head = head // GROUP
-    q_ptr += batch * stride_qb + key_head * stride_qh
-    k_ptr += batch * stride_kb + key_head * stride_kh
-    do_ptr += batch * stride_dob + head * stride_doh
-    cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
-    key_offset = (batch * T) * HV * K + head * K
-    w_ptr += key_offset
-    kd_pair_ptr += key_offset
-    scores_ptr += (batch * T) * HV * BT + head * BT
-    du_ptr += (batch * T) * HV * V + head * V
-    du_pair_ptr += (batch * T) * HV * V + head * V
+class PairedForward:
+    """Stands in for chunk.py's _state_forward_kernel (its positional arguments): the paired sweep, after the
+    chunk-parallel prep when `prepared`. plan.launch hands an object that is not a JITFunction back as is."""
 
-    dot_dtype = w_ptr.dtype.element_ty
-    kc = tl.arange(0, BKF)
-    vc = pid_v * BV + tl.arange(0, BV)
-    local = tl.arange(0, BT)
-    if HAS_FINAL_STATE_GRAD:
-        dstate = _load_rows(dht_ptr + seq * stride_dhtn + head * stride_dhth, kc, vc, stride_dhtk, stride_dhtv,
-                            kc < K, V)
-    else:
-        dstate = tl.zeros([BKF, BV], dtype=tl.float32)
-    num_chunks = tl.cdiv(eos - bos, BT)
-    num_pairs = tl.cdiv(num_chunks, 2)
-    for step in range(0, num_pairs):
-        pair = tl.maximum(num_pairs - 1 - step, 0)
-        chunk1 = 2 * pair
-        start1 = bos + chunk1 * BT
-        start2 = start1 + BT
-        length1 = tl.minimum(eos - start1, BT)
-        length2 = tl.maximum(tl.minimum(eos - start2, BT), 0)
-        valid1 = local < length1
-        w1 = _load_stored_rows(w_ptr, start1 + local, kc, HV * K, 1, valid1, K)
-        kd1_start = _load_stored_rows(kd_pair_ptr, start1 + local, kc, HV * K, 1, valid1, K)
-        du1_base = _load_rows(du_pair_ptr, start1 + local, vc, HV * V, 1, valid1, V)
-        do1 = _load_stored_rows(do_ptr, start1 + local, vc, stride_dot, stride_dov, valid1, V)
-        q1 = _load_rows(q_ptr, start1 + local, kc, stride_qt, stride_qk, valid1, K)
-        if GATE == 2:
-            d1 = tl.where(length1 > 0, _chunk_end_decay(cum_ptr, start1 + length1 - 1, kc, HV, K), 1.0)[:, None]
-            q1 *= tl.exp(_load_rows(cum_ptr, start1 + local, kc, HV * K, 1, valid1, K))
-        elif GATE == 1:
-            _, whole1 = _chunk_end_decays(cum_ptr, start1 + local, valid1, start1 + length1 - 1, kc, HV, K, GATE)
-            d1 = whole1[:, None]
-            q1 *= tl.exp(tl.load(cum_ptr + (start1 + local) * HV, mask=valid1, other=0.0))[:, None]
-        else:
-            d1 = tl.full([1, 1], 1.0, dtype=tl.float32)
-        b1 = scale * _dot(tl.trans(q1), do1, dot_dtype, DOT_PRECISION)
-        w2, kd2, a2, b2, d2 = _backward_chunk_terms(q_ptr, k_ptr, cum_ptr, w_ptr, scores_ptr, do_ptr, start2,
-                                                    length2, kc, vc, stride_qt, stride_qk, stride_kt, stride_kk,
-                                                    stride_dot, stride_dov, HV, K, V, scale, dot_dtype, GATE, BT,
-                                                    DOT_PRECISION)
-        _store_rows(dh_ptr + ((first_chunk + chunk1 + 1) * HV + head) * K * V, dstate, kc, vc, V, 1,
-                    kc < tl.where(length2 > 0, K, 0), V)
-        du2 = a2 + _dot(kd2, dstate, dot_dtype, DOT_PRECISION)
-        du1 = du1_base + _dot(kd1_start, dstate, dot_dtype, DOT_PRECISION)
-        _store_rows(du_ptr, du2, start2 + local, vc, HV * V, 1, local < length2, V)
-        _store_rows(du_ptr, du1, start1 + local, vc, HV * V, 1, valid1, V)
-        mid = d2 * dstate + b2 - _dot(tl.trans(w2), du2, dot_dtype, DOT_PRECISION)
-        _store_rows(dh_ptr + ((first_chunk + chunk1) * HV + head) * K * V, mid, kc, vc, V, 1, kc < K, V)
-        dstate = d1 * mid + b1 - _dot(tl.trans(w1), du1, dot_dtype, DOT_PRECISION)
-    if STORE_INITIAL_STATE_GRAD:
-        _store_rows(dh0_ptr + seq * stride_dh0n + head * stride_dh0h, dstate, kc, vc, stride_dh0k, stride_dh0v,
-                    kc < K, V)
+    def __init__(self, prepared: bool):
+        self.prepared = prepared
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            k, kg, cum, w, u_tilde, h0, h, u, ht = args[:9]
+            strides = args[9:21]
+            chunk_offsets, seqlens, T, NT, HV, GROUP, K, V = args[21:29]
+            w_pair, u_pair = w, u_tilde  # never read unless prepared
+            if self.prepared:
+                w_pair, u_pair = torch.empty_like(w), torch.empty_like(u_tilde)
+                common = {n: kwargs[n] for n in ("GATE", "BT", "IS_VARLEN", "DOT_PRECISION")}
+                triton_helpers.direct(_pair_prep_forward_kernel)[(grid[0], cdiv(cdiv(T, kwargs["BT"]), 2), HV)](
+                    k, kg, cum, w, u_tilde, w_pair, u_pair, *strides[:4], seqlens, T, HV, GROUP, K, V,
+                    BKF=kwargs["BKF"], BVF=max(16, triton.next_power_of_2(V)), num_warps=8, **common)
+            triton_helpers.direct(_state_forward_paired_kernel)[grid](
+                k, kg, cum, w, u_tilde, w_pair, u_pair, h0, h, u, ht, *strides, chunk_offsets, seqlens, T, NT, HV,
+                GROUP, K, V, PREPARED=self.prepared, **kwargs)
+        return launch
 
 
-class PreparedPairedBackward:
-    """Stands in for chunk.py's _state_backward_kernel (its positional arguments): the chunk-parallel prep, then
-    the paired backward sweep reading its results."""
+class PairedBackward:
+    """Stands in for chunk.py's _state_backward_kernel (its positional arguments): the paired backward sweep,
+    after the chunk-parallel prep when `prepared`."""
+
+    def __init__(self, prepared: bool):
+        self.prepared = prepared
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             q, k, cum, w, scores, do, dht, dh, du, dh0 = args[:10]
             strides = args[10:30]
             chunk_offsets, seqlens, T, NT, HV, GROUP, K, V, scale = args[30:39]
-            BT = kwargs["BT"]
-            kd_pair = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-            du_pair = torch.empty(du.shape, dtype=torch.float32, device=du.device)
-            common = {n: kwargs[n] for n in ("GATE", "BT", "IS_VARLEN", "DOT_PRECISION")}
-            triton_helpers.direct(_pair_prep_backward_kernel)[(grid[0], cdiv(cdiv(T, BT), 2), HV)](
-                q, k, cum, w, scores, do, kd_pair, du_pair, *strides[:12], seqlens, T, HV, GROUP, K, V, scale,
-                BKF=kwargs["BKF"], BVF=max(16, triton.next_power_of_2(V)), num_warps=8, **common)
-            triton_helpers.direct(_state_backward_paired_prep_kernel)[grid](
+            kd_pair, du_pair = w, du  # never read unless prepared
+            if self.prepared:
+                kd_pair = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+                du_pair = torch.empty(du.shape, dtype=torch.float32, device=du.device)
+                common = {n: kwargs[n] for n in ("GATE", "BT", "IS_VARLEN", "DOT_PRECISION")}
+                triton_helpers.direct(_pair_prep_backward_kernel)[(grid[0], cdiv(cdiv(T, kwargs["BT"]), 2), HV)](
+                    q, k, cum, w, scores, do, kd_pair, du_pair, *strides[:12], seqlens, T, HV, GROUP, K, V, scale,
+                    BKF=kwargs["BKF"], BVF=max(16, triton.next_power_of_2(V)), num_warps=8, **common)
+            triton_helpers.direct(_state_backward_paired_kernel)[grid](
                 q, k, cum, w, scores, do, kd_pair, du_pair, dht, dh, du, dh0, *strides, chunk_offsets, seqlens, T,
-                NT, HV, GROUP, K, V, scale, **kwargs)
+                NT, HV, GROUP, K, V, scale, PREPARED=self.prepared, **kwargs)
         return launch
 
 
@@ -645,10 +504,8 @@ def apply(variant: str) -> None:
     forward = kind in ("paired", "paired-both", "paired-prep", "paired-prep-both")
     backward = kind in ("paired-bwd", "paired-both", "paired-prep-bwd", "paired-prep-both")
     prep = kind.startswith("paired-prep")
-    chunk_kernels._state_forward_kernel = ((PreparedPairedForward() if prep else _state_forward_paired_kernel)
-                                           if forward else ORIGINAL_KERNEL)
-    chunk_kernels._state_backward_kernel = ((PreparedPairedBackward() if prep else _state_backward_paired_kernel)
-                                            if backward else ORIGINAL_BACKWARD_KERNEL)
+    chunk_kernels._state_forward_kernel = PairedForward(prep) if forward else ORIGINAL_KERNEL
+    chunk_kernels._state_backward_kernel = PairedBackward(prep) if backward else ORIGINAL_BACKWARD_KERNEL
     override = {("num_warps" if p[0] == "w" else "num_stages"): int(p[1:]) for p in parts[1:]
                 if p[0] in "ws" and p[1:].isdigit()}
     paired_directions = {d for d, on in (("forward", forward), ("backward", backward)) if on}
