@@ -69,7 +69,7 @@
 #   delta-profile  per-kernel GPU time of our GDN and KDA at B4 T4096 and B1 T32768 H16 D128 (no FLA: its
 #               first call autotunes for minutes)                                        (issue 20)
 #   gdn-tune  GDN's launch options one kernel at a time against the defaults, fwd+bwd at B1 T32768 H16 D128:
-#               wy_bwd's dL from bf16 A (WY_BWD_HALF_DL), the output kernel's 64-wide value tile, and the
+#               wy_bwd's dL from the fp32 A (WY_BWD_HALF_DL off), the output kernel's 64-wide value tile, and the
 #               options of wy_bwd, dqkw, output and state_forward (session 45 took their best: wy_bwd 1 stage,
 #               dqkw 3)     (issue 20)
 #   kda-solve KDA at B4 and B1: decayed_scores with one program per chunk (scores_chunk.py) against one per
@@ -92,17 +92,8 @@
 #   l2norm-bw   the delta rule's l2norm kernel alone against the copy bandwidth and Inductor's l2norm, over
 #               rows per program and warps (analysis/l2norm_bandwidth.py; 1.1 TB/s in the step)   (issue 20)
 #   accuracy    GDN and KDA against the float64 recurrence (random and aligned keys, T 1000 D 128): ours, ours
-#               with wy_bwd's dL from bf16 A (half-dl: 1 % of GDN B1, session 45), fp32 intermediates, FLA
+#               with wy_bwd's dL from the fp32 A (fp32-dl: the default before session 46), fp32 intermediates, FLA
 #               (ACCURACY_IMPLS picks)                                                      (issue 20)
-#   paired-sweep  the state sweeps (forward, backward, both) walking two chunks per step, half the dependent
-#               products (analysis/paired_sweep.py; PAIRED_VARIANTS picks): each variant checked on the kernel
-#               tests' cases, then GDN and KDA fwd+bwd and both sweeps' times at B1 T32768 and B4 T4096  (issue 20)
-#   kda-wy-split  KDA's wy_backward split in two kernels as GDN's is (analysis/kda_wy_split.py; KDA_WY_VARIANTS
-#               picks): each variant checked on the kernel tests' KDA cases, then KDA fwd+bwd and the kernels'
-#               time at B1 T32768 and B4 T4096 (wy_backward 2.17 of 9.35 ms busy at B1, session 45)  (issue 20)
-#   kda-scores-bwd  KDA's decayed_scores_backward with one program per chunk (analysis/chunk_scores_backward.py;
-#               SCORES_BWD_VARIANTS picks): each variant checked on the kernel tests' KDA cases, then KDA fwd+bwd
-#               and the kernel's time at B1 T32768 and B4 T4096 (2.04 of 9.35 ms busy at B1, session 45)  (issue 20)
 #   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
 #               MIN_BACKWARD_SWEEP_TILE): the kernel tests' cases per variant (options, dh0's store), and the
 #               B1 T32768 GDN/KDA fwd+bwd with state_backward's time for those that pass (issue 20)
@@ -299,14 +290,8 @@ for run in ${RUNS:-delta host}; do
     l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
-    accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,half-dl,fp32,fla}" \
+    accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,fp32-dl,fp32,fla}" \
                   --out "$out/accuracy_$tag.jsonl" > "$out/diag_accuracy_$tag.txt" 2>&1 ;;
-    paired-sweep) cut_at python3 benchmarks/analysis/paired_sweep.py ${PAIRED_VARIANTS:+--variants $PAIRED_VARIANTS} \
-                      > "$out/diag_paired-sweep_$tag.txt" 2>&1 ;;
-    kda-wy-split) cut_at python3 benchmarks/analysis/kda_wy_split.py ${KDA_WY_VARIANTS:+--variants $KDA_WY_VARIANTS} \
-                      > "$out/diag_kda-wy-split_$tag.txt" 2>&1 ;;
-    kda-scores-bwd) cut_at python3 benchmarks/analysis/chunk_scores_backward.py \
-                        ${SCORES_BWD_VARIANTS:+--variants $SCORES_BWD_VARIANTS} > "$out/diag_kda-scores-bwd_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
     mhc-dump-pair) test -f .before/COMMIT || { echo "mhc-dump-pair: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
                    log="$out/diag_mhc-dump-pair_$tag.txt"

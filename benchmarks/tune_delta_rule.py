@@ -52,8 +52,9 @@ VARIANTS = {
     "FUSED_SCORES_BACKWARD": (kernel_plan, [False]),
     # GDN: wy.py's single wy_backward instead of the split
     "SPLIT_WY_BACKWARD": (kernel_plan, [False]),
-    # KDA: decayed_scores with one program per chunk (scores_chunk.py) instead of one per sub-chunk
-    "CHUNK_SCORE_PROGRAMS": (kernel_plan, [True]),
+    # KDA: decayed_scores and its backward with one program per sub-chunk instead of one per chunk (the
+    # default since sessions 45 and 46)
+    "CHUNK_SCORE_PROGRAMS": (kernel_plan, [False]),
     # KDA: wy_solve's substitution with a row load per step instead of L's diagonal blocks loaded once
     "REGISTER_DIAGONAL_BLOCKS": (kernel_plan, [False]),
     # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel
@@ -68,8 +69,9 @@ VARIANTS = {
     # (it gave wrong dbeta and dk on the H100: wy_bwd.py's note; this times it, the kernel tests judge it)
     "WY_BWD_BLOCK_K": (wy_bwd, [16, 32]),
     "WY_BWD_BLOCK_V": (wy_bwd, [32, 128]),
-    # wy_bwd's dL = -A^T dA A^T from bf16 A and dA (FLA's order) instead of tf32 products of the fp32 A
-    "WY_BWD_HALF_DL": (wy_bwd, [True]),
+    # wy_bwd's dL = -A^T dA A^T as tf32 products of the fp32 A instead of from bf16 A and dA (FLA's order,
+    # the default since session 46)
+    "WY_BWD_HALF_DL": (wy_bwd, [False]),
 }
 
 

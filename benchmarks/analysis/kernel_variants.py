@@ -1,5 +1,6 @@
-"""What the kernel-variant experiments share (narrow_backward_tile.py, chunk_scores_backward.py, kda_wy_split.py,
-paired_sweep.py; dqkw_split.py until its one-pass kernel became dqkw.py, session 44): the kernel tests' helpers
+"""What the kernel-variant experiments share (narrow_backward_tile.py; dqkw_split.py until its one-pass kernel
+became dqkw.py, session 44; chunk_scores_backward.py, kda_wy_split.py and paired_sweep.py until their timing in
+session 46, in git at 505844f): the kernel tests' helpers
 importable, with the interpreter's rounding as tests/conftest.py sets it; a kernel module rebuilt from its own
 source with text edits, so that a variant follows the kernel as it is in the tree; each variant checked, then
 the right ones timed on a GDN or KDA fwd+bwd with their kernels' GPU time.

@@ -3,7 +3,8 @@ plan.CHUNK_SCORE_PROGRAMS) against the float64 Kdot and P (reference.intra_chunk
 against scores.py's one program per sub-chunk, into NaN-poisoned outputs: chunk sizes 16/32/64 (one,
 two and four sub-chunks), T never a chunk multiple, varlen, GVA, key dims off the tiles, the diagonal
 blocks factored, split (the factor limit at 0) and, with strong gates, mixed; then the whole forward
-and backward with the switch on against the float64 recurrence."""
+and backward with the switch on against the float64 recurrence; decayed_scores_backward with one program
+per chunk against one per sub-chunk, bit for bit."""
 
 from __future__ import annotations
 
@@ -90,3 +91,38 @@ def test_forward_and_backward_with_chunk_programs_match_float64_recurrence(monke
     inputs, kwargs = build_case(sizes, "channel", {**options, "initial_state": True}, seed=sizes[1] + 9)
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
     assert launched, "the per-chunk score kernel was not launched"
+
+
+@requires_triton
+@pytest.mark.parametrize("limit", [None, 0.0], ids=["factored", "split"])
+@pytest.mark.parametrize("name, sizes, options, dtype, chunk", CASES, ids=IDS)
+def test_backward_chunk_programs_equal_the_sub_chunk_programs(monkeypatch, name, sizes, options, dtype, chunk,
+                                                              limit):
+    """decayed_scores_backward with one program per chunk (its sub-chunks one after another) against one
+    program per sub-chunk: each sub-chunk's body writes only its own rows, so the gradients it adds to dq,
+    dk and dG must be bit-for-bit those of the other layout; and it must have added them (no row left as
+    it was)."""
+    if limit is not None:
+        monkeypatch.setattr(score_kernels, "FACTOR_SPAN_LIMIT", limit)
+    plan, fwd, chunks, _ = _scores_inputs(sizes, options, dtype, chunk, seed=sizes[1] + 5)
+    batch, time, value_heads, _ = fwd.inverse.shape
+    key_dim = plan.problem.key_dim
+    gen = torch.Generator().manual_seed(sizes[1])
+    dkdot, dscores = (torch.randn(batch, time, value_heads, chunk, generator=gen) for _ in range(2))
+    start = [torch.randn(batch, time, value_heads, key_dim, generator=gen) for _ in range(3)]
+    table, seqlens = plan.chunk_args()
+    results = {}
+    for per_chunk in (True, False):
+        monkeypatch.setattr(kernel_plan, "CHUNK_SCORE_PROGRAMS", per_chunk)
+        dq, dk, dcum = (s.clone() for s in start)
+        score_kernels.launch_scores_backward(plan, fwd.q, fwd.k, fwd.cum, dkdot, dscores, dq, dk, dcum,
+                                             plan.num_chunks, table, seqlens)
+        results[per_chunk] = (dq, dk, dcum)
+    rows = torch.zeros(batch, time, dtype=torch.bool)
+    for b, first, length in chunks:
+        rows[b, first:first + length] = True
+    for label, per_chunk, per_sub_chunk, before in zip(("dq", "dk", "dG"), results[True], results[False], start):
+        assert torch.equal(per_chunk, per_sub_chunk), \
+            f"{label}: max difference {(per_chunk - per_sub_chunk).abs().max():.2e}"
+        changed = (per_chunk != before).flatten(2).any(-1)
+        assert changed[rows].all(), f"{label}: {(~changed[rows]).sum()} token rows left unwritten"

@@ -98,7 +98,11 @@ REGISTER_DIAGONAL_BLOCKS = True
 # decayed_scores for per-channel gates with one program per chunk (scores_chunk.py), loading the chunk's
 # key and gate tiles once for its sub-chunks, rather than one program per sub-chunk (scores.py). On one
 # H200 (session 45, tune_delta_rule.py, KDA fwd+bwd): B4 T4096 H16 D128 4.321 against 4.443 ms, B1
-# T32768 9.702 against 9.945. Read when a kernel is launched.
+# T32768 9.702 against 9.945. decayed_scores_backward likewise (scores.py's CHUNK_PROGRAM: a program
+# takes its chunk's sub-chunks one after another): on one H200 (session 46,
+# benchmarks/analysis/chunk_scores_backward.py, KDA fwd+bwd, at 4 warps) B1 T32768 9.189 against 9.386
+# ms (the kernel 1.838 against 2.051), B4 T4096 4.066 against 4.170; at 8 warps, or with key tiles of
+# 32, it was slower than one program per sub-chunk. Read when a kernel is launched.
 CHUNK_SCORE_PROGRAMS = True
 # The split backward's per-head key gradients (dqkw.py's complete dq, and dk's partial sum that
 # wy_bwd.py reads, adds its terms to and stores complete) in the half inputs' dtype rather than fp32,

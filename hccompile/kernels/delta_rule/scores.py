@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import plan as kernel_plan
 from .plan import GATE_CODES, SUB_CHUNK, Plan, block_size
 
 from .._triton import tl, triton
@@ -432,13 +433,17 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         HALF_DOTS: tl.constexpr,
+        CHUNK_PROGRAM: tl.constexpr,
     ):
         """Adds the gradients through Kdot and P to dq, dk, dG for the rows of sub-chunk b.
 
         Kdot[t,s] and P[t,s] pair row t with column s through e^(G_t - G_s), so sub-chunk b
         collects its row role (blocks (b, j <= b)) and its column role (blocks (i >= b, b)),
         and dG_t = q_t dq_t + k_t dk_t(rows) - k_t dk_t(columns) per channel. Without
-        per-channel gates the sub-chunk is the whole chunk (BC == BT).
+        per-channel gates the sub-chunk is the whole chunk (BC == BT). CHUNK_PROGRAM (per-channel
+        gates): one program per chunk takes its sub-chunks one after another (grid axis 2 of size 1),
+        the second to fourth reading the chunk's q, k and G tiles from L1/L2 rather than HBM; each
+        sub-chunk writes only its own rows, so the results are those of one program per sub-chunk.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         factor_limit = tl.cast(factor_limit, tl.float32)
@@ -464,7 +469,16 @@ if triton is not None:
         key_offset = (batch * T) * HV * K + head * K
         # As in decayed_scores: with HALF_DOTS, q and k are in the intermediates' dtype.
         dot_dtype = k_ptr.dtype.element_ty if HALF_DOTS else tl.float32
-        if block_b * BC < length:
+        if CHUNK_PROGRAM:
+            tl.static_assert(GATE == 2, "one program per chunk is the per-channel gates' layout")
+            for sub_chunk in tl.static_range(BT // BC):
+                if sub_chunk * BC < length:
+                    _sub_chunk_scores_backward(
+                        q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
+                        stride_qt, stride_qk, stride_kt, stride_kk, start, length, key_offset, sub_chunk, HV, K,
+                        factor_limit, dot_dtype, BT, BC, BK, DOT_PRECISION, HALF_DOTS,
+                    )
+        elif block_b * BC < length:
             if GATE == 2:
                 _sub_chunk_scores_backward(
                     q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
@@ -503,16 +517,20 @@ def scores_block_k(plan: Plan) -> int:
 
 def _score_launch(plan: Plan, num_chunks: int, table, seqlens, backward: bool):
     """(grid, trailing arguments and constants) of the two score kernels over `num_chunks` chunks
-    of `table`: one program per chunk, value head and row sub-chunk."""
+    of `table`: one program per chunk, value head and row sub-chunk; the backward's with per-channel
+    gates one per chunk and value head while plan.CHUNK_SCORE_PROGRAMS."""
     problem = plan.problem
     chunk = plan.chunk_size
     sub_chunk = SUB_CHUNK if problem.gate == "channel" else chunk
-    grid = (num_chunks, problem.value_heads, chunk // sub_chunk)
+    chunk_program = backward and problem.gate == "channel" and kernel_plan.CHUNK_SCORE_PROGRAMS
+    grid = (num_chunks, problem.value_heads, 1 if chunk_program else chunk // sub_chunk)
     args = (table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size,
             problem.key_dim, float(FACTOR_SPAN_LIMIT))
     constants = dict(GATE=plan.gate_code, BT=chunk, BC=sub_chunk, BK=scores_block_k(plan), IS_VARLEN=plan.varlen,
                      DOT_PRECISION=plan.dot_precision, HALF_DOTS=plan.scores_half_dots,
                      num_warps=_scores_warps(problem.gate, backward))
+    if backward:
+        constants["CHUNK_PROGRAM"] = chunk_program
     return grid, args, constants
 
 
