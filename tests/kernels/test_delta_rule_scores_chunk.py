@@ -108,8 +108,9 @@ def test_backward_chunk_programs_equal_the_sub_chunk_programs(monkeypatch, name,
     batch, time, value_heads, _ = fwd.inverse.shape
     key_dim = plan.problem.key_dim
     gen = torch.Generator().manual_seed(sizes[1])
-    dkdot, dscores = (torch.randn(batch, time, value_heads, chunk, generator=gen) for _ in range(2))
-    start = [torch.randn(batch, time, value_heads, key_dim, generator=gen) for _ in range(3)]
+    device = fwd.q.device
+    dkdot, dscores = (torch.randn(batch, time, value_heads, chunk, generator=gen).to(device) for _ in range(2))
+    start = [torch.randn(batch, time, value_heads, key_dim, generator=gen).to(device) for _ in range(3)]
     table, seqlens = plan.chunk_args()
     results = {}
     for per_chunk in (True, False):
@@ -118,7 +119,7 @@ def test_backward_chunk_programs_equal_the_sub_chunk_programs(monkeypatch, name,
         score_kernels.launch_scores_backward(plan, fwd.q, fwd.k, fwd.cum, dkdot, dscores, dq, dk, dcum,
                                              plan.num_chunks, table, seqlens)
         results[per_chunk] = (dq, dk, dcum)
-    rows = torch.zeros(batch, time, dtype=torch.bool)
+    rows = torch.zeros(batch, time, dtype=torch.bool, device=device)
     for b, first, length in chunks:
         rows[b, first:first + length] = True
     for label, per_chunk, per_sub_chunk, before in zip(("dq", "dk", "dG"), results[True], results[False], start):
