@@ -94,6 +94,10 @@
 #   accuracy    GDN and KDA against the float64 recurrence (random and aligned keys, T 1000 D 128): ours, ours
 #               with wy_bwd's dL from the fp32 A (fp32-dl: the default before session 46), fp32 intermediates, FLA
 #               (ACCURACY_IMPLS picks)                                                      (issue 20)
+#   kda-prepared-sweep  KDA's backward state sweep reading Q e^G and K e^(G_last - G) formed by a chunk-parallel
+#               prep kernel instead of forming them per step and value tile (analysis/kda_prepared_sweep.py;
+#               PREPARED_VARIANTS picks): KDA fwd+bwd, state_backward's and the prep's time at B1 T32768 and B4
+#               T4096, then each variant checked on the kernel tests' KDA cases (VARIANT_CHECK=off skips) (issue 20)
 #   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
 #               MIN_BACKWARD_SWEEP_TILE): the kernel tests' cases per variant (options, dh0's store), and the
 #               B1 T32768 GDN/KDA fwd+bwd with state_backward's time for those that pass (issue 20)
@@ -290,6 +294,8 @@ for run in ${RUNS:-delta host}; do
     l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
+    kda-prepared-sweep) cut_at python3 benchmarks/analysis/kda_prepared_sweep.py \
+                            ${PREPARED_VARIANTS:+--variants $PREPARED_VARIANTS} > "$out/diag_kda-prepared-sweep_$tag.txt" 2>&1 ;;
     accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,fp32-dl,fp32,fla}" \
                   --out "$out/accuracy_$tag.jsonl" > "$out/diag_accuracy_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
