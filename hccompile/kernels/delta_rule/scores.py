@@ -173,6 +173,30 @@ if triton is not None:
             _store_rows(dg_ptr, dg, tokens, kc, HV * K, 1, valid, K)
 
     @triton.jit
+    def _sub_chunk_products(q_ptr, k_ptr, cum_ptr, start, length, first, factored_end, kc, k_all, g_all,
+                            stride_qt, stride_qk, stride_kt, stride_kk, HV, K, dot_dtype, BT: tl.constexpr,
+                            BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One key tile's share of the Kdot and P rows [BC, BT] of the per-channel sub-chunk whose first
+        row is `first`, factored through that row, against the chunk's columns below `factored_end` and
+        right of the sub-chunk (k_all, g_all: the chunk's key and gate tiles [BT, BK], fp32, zero past
+        `length`). Both layouts' products: one program per sub-chunk here, one per chunk in
+        scores_chunk.py."""
+        sub = tl.arange(0, BC)
+        local = tl.arange(0, BT)
+        rows = first + sub
+        row_valid = rows < length
+        q_i = _load_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
+        k_i = _load_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
+        g_i = _load_rows(cum_ptr, start + rows, kc, HV * K, 1, row_valid, K)
+        g_first = _load_vector(cum_ptr, start + first, kc, HV * K, 1, first < length, K)
+        col_decay = tl.exp(tl.where(((local < factored_end) & (local < length))[:, None],
+                                    g_first[None, :] - g_all, float("-inf")))
+        row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_first[None, :], 0.0))
+        k_cols = tl.trans(k_all * col_decay)
+        return (_dot(k_i * row_decay, k_cols, dot_dtype, DOT_PRECISION),
+                _dot(q_i * row_decay, k_cols, dot_dtype, DOT_PRECISION))
+
+    @triton.jit
     def _decayed_scores_kernel(
         q_ptr, k_ptr, cum_ptr, kdot_ptr, scores_ptr,
         stride_qb, stride_qt, stride_qh, stride_qk,
@@ -239,18 +263,13 @@ if triton is not None:
             for k0 in range(0, K, BK):
                 kc = k0 + tl.arange(0, BK)
                 if GATE == 2:
-                    q_i = _load_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
-                    k_i = _load_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
-                    g_i = _load_rows(cum_ptr, start + rows, kc, HV * K, 1, row_valid, K)
                     k_all = _load_rows(k_ptr, start + local, kc, stride_kt, stride_kk, col_valid, K)
                     g_all = _load_rows(cum_ptr, start + local, kc, HV * K, 1, col_valid, K)
-                    g_first = _load_vector(cum_ptr, start + first, kc, HV * K, 1, first < length, K)
-                    col_decay = tl.exp(tl.where((local < factored_end)[:, None] & col_valid[:, None],
-                                                g_first[None, :] - g_all, float("-inf")))
-                    row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_first[None, :], 0.0))
-                    k_cols = tl.trans(k_all * col_decay)
-                    kdot += _dot(k_i * row_decay, k_cols, dot_dtype, DOT_PRECISION)
-                    scores += _dot(q_i * row_decay, k_cols, dot_dtype, DOT_PRECISION)
+                    kdot_part, scores_part = _sub_chunk_products(
+                        q_ptr, k_ptr, cum_ptr, start, length, first, factored_end, kc, k_all, g_all,
+                        stride_qt, stride_qk, stride_kt, stride_kk, HV, K, dot_dtype, BT, BC, DOT_PRECISION)
+                    kdot += kdot_part
+                    scores += scores_part
                 else:
                     q_i = _load_stored_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
                     k_i = _load_stored_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)

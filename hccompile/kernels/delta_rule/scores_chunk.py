@@ -19,30 +19,8 @@ from .plan import SUB_CHUNK, Plan
 from .._triton import tl, triton
 
 if triton is not None:
-    from .scores import _split_diagonal_scores, _store_columns, _sub_chunk_span
-    from .tiles import _dot, _gate_offset, _load_rows, _load_vector, _row_chunk_coords, _varlen_chunk_coords
-
-    @triton.jit
-    def _sub_chunk_products(q_ptr, k_ptr, cum_ptr, start, length, first, factored_end, kc, k_all, g_all,
-                            stride_qt, stride_qk, stride_kt, stride_kk, HV, K, dot_dtype, BT: tl.constexpr,
-                            BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One key tile's share of the Kdot and P rows [BC, BT] of the sub-chunk whose first row is
-        `first`, against the chunk's columns below `factored_end` and right of the sub-chunk (k_all,
-        g_all: the chunk's key and gate tiles [BT, BK], fp32, zero past `length`)."""
-        sub = tl.arange(0, BC)
-        local = tl.arange(0, BT)
-        rows = first + sub
-        row_valid = rows < length
-        q_i = _load_rows(q_ptr, start + rows, kc, stride_qt, stride_qk, row_valid, K)
-        k_i = _load_rows(k_ptr, start + rows, kc, stride_kt, stride_kk, row_valid, K)
-        g_i = _load_rows(cum_ptr, start + rows, kc, HV * K, 1, row_valid, K)
-        g_first = _load_vector(cum_ptr, start + first, kc, HV * K, 1, first < length, K)
-        col_decay = tl.exp(tl.where(((local < factored_end) & (local < length))[:, None],
-                                    g_first[None, :] - g_all, float("-inf")))
-        row_decay = tl.exp(tl.where(row_valid[:, None], g_i - g_first[None, :], 0.0))
-        k_cols = tl.trans(k_all * col_decay)
-        return (_dot(k_i * row_decay, k_cols, dot_dtype, DOT_PRECISION),
-                _dot(q_i * row_decay, k_cols, dot_dtype, DOT_PRECISION))
+    from .scores import _split_diagonal_scores, _store_columns, _sub_chunk_products, _sub_chunk_span
+    from .tiles import _gate_offset, _load_rows, _row_chunk_coords, _varlen_chunk_coords
 
     @triton.jit
     def _store_sub_chunk(q_ptr, k_ptr, cum_ptr, kdot_ptr, scores_ptr, kdot, scores, start, length, first,
