@@ -72,13 +72,15 @@ def main() -> None:
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--impls", default="ours,fp32,fla",
                    help="ours (default), fp32 (fp32 intermediates), fp32-dl (GDN's wy_bwd forming dL from the fp32 A "
-                        "at tf32: wy_bwd.WY_BWD_HALF_DL off, the default until session 46), fla")
+                        "at tf32: wy_bwd.WY_BWD_HALF_DL off, the default until session 46), half-keys (the split backward's "
+                        "per-head dq and dk in bf16: plan.HALF_KEY_GRADIENTS), fla")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu runs ours under TRITON_INTERPRET=1 (a smoke test)")
     args = p.parse_args()
     device = args.device
     bf16_default = kernel_plan.BF16_INTERMEDIATES
     half_dl_default = wy_bwd_kernels.WY_BWD_HALF_DL
+    half_keys_default = kernel_plan.HALF_KEY_GRADIENTS
     import hccompile
 
     for op in args.ops.split(","):
@@ -97,9 +99,10 @@ def main() -> None:
 
             ref = run(reference, rounded, do.double())
             for impl in args.impls.split(","):
-                if impl in ("ours", "fp32", "fp32-dl"):
+                if impl in ("ours", "fp32", "fp32-dl", "half-keys"):
                     kernel_plan.BF16_INTERMEDIATES = impl != "fp32"
                     wy_bwd_kernels.WY_BWD_HALF_DL = False if impl == "fp32-dl" else half_dl_default
+                    kernel_plan.HALF_KEY_GRADIENTS = impl == "half-keys" or half_keys_default
                     f = hccompile.chunk_gated_delta_rule if gate == "scalar" else hccompile.chunk_kda
 
                     def fn(q, k, v, g, beta, f=f):
@@ -123,6 +126,7 @@ def main() -> None:
                 finally:
                     kernel_plan.BF16_INTERMEDIATES = bf16_default
                     wy_bwd_kernels.WY_BWD_HALF_DL = half_dl_default
+                    kernel_plan.HALF_KEY_GRADIENTS = half_keys_default
                 print(f"{op} {kind:7s} {impl:4s} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
                 if args.out:
                     with open(args.out, "a") as fh:

@@ -92,7 +92,7 @@
 #   l2norm-bw   the delta rule's l2norm kernel alone against the copy bandwidth and Inductor's l2norm, over
 #               rows per program and warps (analysis/l2norm_bandwidth.py; 1.1 TB/s in the step)   (issue 20)
 #   accuracy    GDN and KDA against the float64 recurrence (random and aligned keys, T 1000 D 128): ours, ours
-#               with wy_bwd's dL from the fp32 A (fp32-dl: the default before session 46), fp32 intermediates, FLA
+#               with half key gradients (half-keys; fp32-dl: wy_bwd's dL from the fp32 A), fp32 intermediates, FLA
 #               (ACCURACY_IMPLS picks)                                                      (issue 20)
 #   kda-prepared-sweep  KDA's backward state sweep reading Q e^G and K e^(G_last - G) formed by a chunk-parallel
 #               prep kernel instead of forming them per step and value tile (analysis/kda_prepared_sweep.py;
@@ -296,7 +296,7 @@ for run in ${RUNS:-delta host}; do
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
     kda-prepared-sweep) cut_at python3 benchmarks/analysis/kda_prepared_sweep.py \
                             ${PREPARED_VARIANTS:+--variants $PREPARED_VARIANTS} > "$out/diag_kda-prepared-sweep_$tag.txt" 2>&1 ;;
-    accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,fp32-dl,fp32,fla}" \
+    accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,half-keys,fp32,fla}" \
                   --out "$out/accuracy_$tag.jsonl" > "$out/diag_accuracy_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
     mhc-dump-pair) test -f .before/COMMIT || { echo "mhc-dump-pair: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }
