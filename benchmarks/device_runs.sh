@@ -98,6 +98,10 @@
 #               prep kernel instead of forming them per step and value tile (analysis/kda_prepared_sweep.py;
 #               PREPARED_VARIANTS picks): KDA fwd+bwd, state_backward's and the prep's time at B1 T32768 and B4
 #               T4096, then each variant checked on the kernel tests' KDA cases (VARIANT_CHECK=off skips) (issue 20)
+#   sweep-overlap  how much chunk-parallel work could hide under the state sweeps: one GDN and one KDA fwd+bwd's
+#               launches recorded, then the sweep and its consumers (output; dqkw + wy_bwd, or wy_backward +
+#               decayed_scores_backward) replayed alone, in order and side by side on two streams, B1 T32768 and
+#               B4 T4096 (analysis/sweep_overlap.py)                                     (issue 20)
 #   narrow-tile whether the delta rule's backward state sweep can run 16-wide value tiles (state.py's
 #               MIN_BACKWARD_SWEEP_TILE): the kernel tests' cases per variant (options, dh0's store), and the
 #               B1 T32768 GDN/KDA fwd+bwd with state_backward's time for those that pass (issue 20)
@@ -296,6 +300,7 @@ for run in ${RUNS:-delta host}; do
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
     kda-prepared-sweep) cut_at python3 benchmarks/analysis/kda_prepared_sweep.py \
                             ${PREPARED_VARIANTS:+--variants $PREPARED_VARIANTS} > "$out/diag_kda-prepared-sweep_$tag.txt" 2>&1 ;;
+    sweep-overlap) cut_at python3 benchmarks/analysis/sweep_overlap.py > "$out/diag_sweep-overlap_$tag.txt" 2>&1 ;;
     accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,half-keys,fp32,fla}" \
                   --out "$out/accuracy_$tag.jsonl" > "$out/diag_accuracy_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;

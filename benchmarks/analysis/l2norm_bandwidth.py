@@ -1,6 +1,10 @@
 """How close the delta rule's in-kernel l2norm (kernels/delta_rule/qk_l2norm.py) runs to the copy bandwidth
 (issue 20): at B4 T4096 H16 D128 it took 0.062 ms forward and 0.124 ms backward for q and k (H200, session 41's
-delta-profile), about 1.1 TB/s of the bytes each moves, 0.186 of GDN's 1.96 ms busy (0.368 of 4.67 at B1). The
+delta-profile), 0.186 of GDN's 1.96 ms busy (0.368 of 4.67 at B1). Counted in bytes (session 46) that is already
+near the H200's copy bandwidth: the forward reads q and k and writes their bf16 rows, 4 x 67 MB in 0.062 ms = 4.3
+TB/s; the backward reads q, k and the fp32 dq, dk sums and writes dq, dk, 537 MB in 0.124 ms = 4.3 TB/s. (The
+1.1 TB/s this docstring said before counted elements, not bytes.) Only fewer bytes can make it faster: half
+key gradients (a third less in the backward), or the norm folded into the kernels that read q and k. The
 launch options changed the step by under 1 % on the H100 (BENCHMARKS.md, run 12): this times the kernel alone.
 
 For each shape: a clone of the same bytes (the copy floor), our forward and backward at the defaults and at
