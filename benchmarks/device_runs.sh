@@ -98,6 +98,10 @@
 #               prep kernel instead of forming them per step and value tile (analysis/kda_prepared_sweep.py;
 #               PREPARED_VARIANTS picks): KDA fwd+bwd, state_backward's and the prep's time at B1 T32768 and B4
 #               T4096, then each variant checked on the kernel tests' KDA cases (VARIANT_CHECK=off skips) (issue 20)
+#   pipelined   the forward's output kernel beside its state sweep (plan.PIPELINED_OUTPUT, chunk counters and
+#               programmatic dependent launch): GDN and KDA at B1 T32768 and B4 T4096, bit for bit against the
+#               forward after the sweep (a race would differ), then forward and fwd+bwd times, with the output
+#               kernel's value tile 64 and two stages (analysis/pipelined_output.py)       (issue 20)
 #   sweep-overlap  how much chunk-parallel work could hide under the state sweeps: one GDN and one KDA fwd+bwd's
 #               launches recorded, then the sweep and its consumers (output; dqkw + wy_bwd, or wy_backward +
 #               decayed_scores_backward) replayed alone, in order and side by side on two streams, B1 T32768 and
@@ -300,6 +304,7 @@ for run in ${RUNS:-delta host}; do
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
     kda-prepared-sweep) cut_at python3 benchmarks/analysis/kda_prepared_sweep.py \
                             ${PREPARED_VARIANTS:+--variants $PREPARED_VARIANTS} > "$out/diag_kda-prepared-sweep_$tag.txt" 2>&1 ;;
+    pipelined) cut_at python3 benchmarks/analysis/pipelined_output.py > "$out/diag_pipelined_$tag.txt" 2>&1 ;;
     sweep-overlap) cut_at python3 benchmarks/analysis/sweep_overlap.py > "$out/diag_sweep-overlap_$tag.txt" 2>&1 ;;
     accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,half-keys,fp32,fla}" \
                   --out "$out/accuracy_$tag.jsonl" > "$out/diag_accuracy_$tag.txt" 2>&1 ;;

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from hccompile.kernels.delta_rule import dqkw, output, wy, wy_bwd  # noqa: E402
 
 T, H, D = 32768, 16, 128
-VALUES = dict(T=T, NT=T // 64, HV=H, GROUP=1, K=D, V=D, sweep_tiles=1)
+VALUES = dict(T=T, NT=T // 64, HV=H, GROUP=1, K=D, V=D, flag_tiles=2, flag_threads=128)
 for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", D), ("b", 1), ("db", 1)):
     last = {"q": "k", "k": "k", "v": "v", "do": "v", "dv": "v", "o": "v", "b": "h", "db": "h"}[prefix]
     VALUES.update({f"stride_{prefix}b": T * H * width, f"stride_{prefix}t": H * width,

@@ -14,13 +14,16 @@ the point). CUDA events time each replay, median of --reps.
     saved = (sweep alone + consumers alone) - (side by side)
 
 is the most a per-chunk pipeline could save: it starts its consumers later (chunk c after its state) and its
-sweep may have to leave SMs free. Rows are printed per op and shape (GDN and KDA, forward and backward groups).
+sweep may have to leave SMs free. Rows are printed per op and shape (GDN and KDA, forward and backward groups),
+with the sweeps narrowed as today (one program per SM at B1 H16) and not narrowed (fewer, wider sweep programs,
+slower alone, more room beside them).
 
     python benchmarks/analysis/sweep_overlap.py [--shapes B1T32768H16D128,B4T4096H16D128] [--reps 20]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -91,27 +94,35 @@ def main() -> None:
     p.add_argument("--ops", default="gdn,kda")
     p.add_argument("--shapes", default="B1T32768H16D128,B4T4096H16D128")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--sweep-min-programs", default="default,0",
+                   help="plan.SWEEP_MIN_PROGRAMS per pass: default (the SM count: sweeps narrowed to fill the GPU) "
+                        "or a number (0: never narrowed, fewer sweep programs and more room beside them)")
     a = p.parse_args()
     side = torch.cuda.Stream()
-    for shape in a.shapes.split(","):
-        for op in a.ops.split(","):
-            launches = [(getattr(kernel, "__name__", None) or kernel.fn.__name__, (kernel, grid, args, kwargs))
-                         for kernel, grid, args, kwargs in record_step(op, shape)]
-            names = [name for name, _ in launches]
-            print(f"{op} {shape}: {len(launches)} launches: {' '.join(names)}", flush=True)
-            for group, producer_names, consumer_names in GROUPS[op]:
-                producers = [x for name, x in launches if any(n in name for n in producer_names)]
-                consumers = [x for name, x in launches if any(n in name for n in consumer_names)]
-                if not producers or not consumers:
-                    print(f"  {group}: producers {len(producers)}, consumers {len(consumers)}: skipped", flush=True)
-                    continue
-                alone_p = timed(lambda: replay(producers), a.reps)
-                alone_c = timed(lambda: replay(consumers), a.reps)
-                both = timed(side_by_side(producers, consumers, side), a.reps)
-                in_order = timed(lambda: (replay(producers), replay(consumers)), a.reps)
-                print(f"  {group}: sweep {alone_p:.3f} ms, consumers {alone_c:.3f} ms "
-                      f"({'+'.join(sorted(consumer_names))}), in order {in_order:.3f}, "
-                      f"side by side {both:.3f}: at most {in_order - both:.3f} ms to save", flush=True)
+    from hccompile.kernels.delta_rule import plan as kernel_plan
+
+    default_min = kernel_plan.SWEEP_MIN_PROGRAMS
+    for shape, op, narrowing in itertools.product(a.shapes.split(","), a.ops.split(","),
+                                                  a.sweep_min_programs.split(",")):
+        kernel_plan.SWEEP_MIN_PROGRAMS = default_min if narrowing == "default" else int(narrowing)
+        print(f"SWEEP_MIN_PROGRAMS {narrowing}", flush=True)
+        launches = [(getattr(kernel, "__name__", None) or kernel.fn.__name__, (kernel, grid, args, kwargs))
+                    for kernel, grid, args, kwargs in record_step(op, shape)]
+        names = [name for name, _ in launches]
+        print(f"{op} {shape}: {len(launches)} launches: {' '.join(names)}", flush=True)
+        for group, producer_names, consumer_names in GROUPS[op]:
+            producers = [x for name, x in launches if any(n in name for n in producer_names)]
+            consumers = [x for name, x in launches if any(n in name for n in consumer_names)]
+            if not producers or not consumers:
+                print(f"  {group}: producers {len(producers)}, consumers {len(consumers)}: skipped", flush=True)
+                continue
+            alone_p = timed(lambda: replay(producers), a.reps)
+            alone_c = timed(lambda: replay(consumers), a.reps)
+            both = timed(side_by_side(producers, consumers, side), a.reps)
+            in_order = timed(lambda: (replay(producers), replay(consumers)), a.reps)
+            print(f"  {group}: sweep {alone_p:.3f} ms, consumers {alone_c:.3f} ms "
+                  f"({'+'.join(sorted(consumer_names))}), in order {in_order:.3f}, "
+                  f"side by side {both:.3f}: at most {in_order - both:.3f} ms to save", flush=True)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,9 @@ def recorded_launches(gate: str, key_dim: int, dtype: torch.dtype, varlen: bool)
 def _signature_key(kernel, args, kwargs):
     """What the compile depends on: the kernel, its constexprs and launch options, the dtypes of its
     tensors and which integers are 1 or 16-divisible (data values do not matter)."""
-    parts = [kernel.__name__, repr(sorted(kwargs.items()))]  # constexprs and launch options, by value
+    # constexprs and launch options by value; a tensor passed by keyword by its dtype
+    parts = [kernel.__name__, repr(sorted((name, str(value.dtype) if isinstance(value, torch.Tensor) else value)
+                                          for name, value in kwargs.items()))]
     constexpr = {p.name for p in kernel.params if p.is_constexpr}
     for name, value in zip(kernel.arg_names, args):
         if name in constexpr:

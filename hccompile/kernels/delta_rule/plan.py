@@ -104,6 +104,13 @@ REGISTER_DIAGONAL_BLOCKS = True
 # ms (the kernel 1.838 against 2.051), B4 T4096 4.066 against 4.170; at 8 warps, or with key tiles of
 # 32, it was slower than one program per sub-chunk. Read when a kernel is launched.
 CHUNK_SCORE_PROGRAMS = True
+# The forward's output kernel beside its state sweep (pipeline.py): state_forward sets a flag per chunk
+# once it has stored the chunk's state and corrected values, and the output kernel, launched with
+# programmatic dependent launch on a Hopper GPU (after the sweep elsewhere), waits per chunk for its
+# flags, so that it runs in the SM room the sweep leaves instead of after it. Eager launches only
+# (a traced op launches through Inductor, which knows no dependent launch). Off until timed:
+# HCCOMPILE_DELTA_RULE_PIPELINED_OUTPUT=1 (read at import) turns it on; read when a forward launches.
+PIPELINED_OUTPUT = os.environ.get("HCCOMPILE_DELTA_RULE_PIPELINED_OUTPUT", "0") == "1"
 # The split backward's per-head key gradients (dqkw.py's complete dq, and dk's partial sum that
 # wy_bwd.py reads, adds its terms to and stores complete) in the half inputs' dtype rather than fp32,
 # as FLA stores them (R6a of benchmarks/analysis/gdn_traffic_2026-11-26.md): the l2norm backward

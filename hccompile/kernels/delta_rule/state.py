@@ -39,6 +39,9 @@ MIN_BACKWARD_SWEEP_TILE = MIN_DOT_DIM
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents
+
+    from .pipeline import _signal_chunk
     from .tiles import (_channel_decays, _chunk_end_decay, _chunk_end_decays, _dot, _gate_offset, _load_rows,
                         _load_stored_rows, _row_bounds, _store_rows, _varlen_bounds)
 
@@ -58,6 +61,10 @@ if triton is not None:
         STORE_FINAL_STATE: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        flags_ptr=None,
+        SIGNAL: tl.constexpr = False,
+        TRIGGER_DEPENDENTS: tl.constexpr = False,
+        SIGNAL_THREADS: tl.constexpr = 32,
     ):
         """Walks one sequence's chunks for one value head and value tile.
 
@@ -65,7 +72,12 @@ if triton is not None:
         U = U~ - W h; S_end = e^G_last S + (K e^(G_last - G))^T U. The state is fp32; h, U and
         the products' operands are in the intermediates' dtype (h's). A channel gate's decayed
         keys K e^(G_last - G) come from wy_solve (kg_ptr, [B, T, HV, K]); k_ptr is unused then.
+        SIGNAL: each chunk's counter in flags_ptr counted once h and U are stored (pipeline.py;
+        SIGNAL_THREADS: the launch's threads), for an output kernel running beside the sweep;
+        TRIGGER_DEPENDENTS: that kernel, launched with programmatic dependent launch, may start at once.
         """
+        if TRIGGER_DEPENDENTS:
+            gdc_launch_dependents()
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
@@ -94,7 +106,13 @@ if triton is not None:
                                kc < K, V)
         else:
             state = tl.zeros([BKF, BV], dtype=tl.float32)
-        for chunk in range(0, tl.cdiv(eos - bos, BT)):
+        num_chunks = tl.cdiv(eos - bos, BT)
+        for chunk in range(0, num_chunks):
+            if SIGNAL:
+                if chunk > 0:
+                    # the chunk before: its stores were issued a step ago
+                    _signal_chunk(flags_ptr, (first_chunk + chunk - 1) * HV + head, pid_v, tl.num_programs(2),
+                                  SIGNAL_THREADS)
             start = bos + chunk * BT
             length = tl.minimum(eos - start, BT)
             tokens = start + local
@@ -121,6 +139,11 @@ if triton is not None:
         if STORE_FINAL_STATE:
             _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv,
                         kc < K, V)
+        if SIGNAL:
+            if num_chunks > 0:
+                # after the final state's store: a consumer of the last chunk has every write of the sweep
+                _signal_chunk(flags_ptr, (first_chunk + num_chunks - 1) * HV + head, pid_v, tl.num_programs(2),
+                              SIGNAL_THREADS)
 
     @triton.jit
     def _state_backward_kernel(

@@ -1,0 +1,124 @@
+"""The forward's output kernel beside its state sweep (plan.PIPELINED_OUTPUT, kernels/delta_rule/pipeline.py),
+on the GPU: first right, then fast (issue 20).
+
+Right: the pipelined forward's o and final state, and the fwd+bwd's gradients, against the forward without it,
+bit for bit (the kernels are deterministic, so any difference is a race: a program that read a chunk's state
+before the sweep had stored it), --repeats times at each shape. Fast: GDN and KDA forward and fwd+bwd
+(do_bench) both ways, with state_forward's and the output kernel's GPU time (profiler), and the pipelined forward
+with the output kernel's value tile at 64 and its launch at two stages, which take less shared memory beside
+the sweep's (sm_90, Triton 3.6: the sweep ~110 KiB, the output kernel at 128 wide and three stages 192 KiB).
+
+    python benchmarks/analysis/pipelined_output.py [--shapes B1T32768H16D128,B4T4096H16D128] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kernel_variants import delta_rule_step, time_step, use_kernel_tests  # noqa: E402
+
+use_kernel_tests()
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from hccompile.kernels.delta_rule import output as output_kernels  # noqa: E402
+from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
+from tune_delta_rule import launch_override  # noqa: E402
+
+# name -> (PIPELINED_OUTPUT, OUTPUT_BLOCK_V, the output kernel's launch options or None)
+VARIANTS = {
+    "after": (False, None, None),
+    "pipelined": (True, None, None),
+    "pipelined-bv64": (True, 64, None),
+    "pipelined-s2": (True, None, dict(num_stages=2)),
+    "pipelined-bv64-s2": (True, 64, dict(num_stages=2)),
+}
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    pipelined, block_v, options = VARIANTS[name]
+    saved = kernel_plan.PIPELINED_OUTPUT, output_kernels.OUTPUT_BLOCK_V
+    kernel_plan.PIPELINED_OUTPUT = pipelined
+    if block_v is not None:
+        output_kernels.OUTPUT_BLOCK_V = block_v
+    override = launch_override(output_kernels._output_kernel, options) if options else contextlib.nullcontext()
+    try:
+        with override:
+            yield
+    finally:
+        kernel_plan.PIPELINED_OUTPUT, output_kernels.OUTPUT_BLOCK_V = saved
+
+
+def case(op: str, shape: str):
+    """(op function, its inputs, the output gradient): bf16, the in-kernel l2norm, seeded alike every call."""
+    import hccompile
+    from shapes import bthd
+
+    B, T, H, D = bthd(shape)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
+    beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
+                                                   device="cuda")).requires_grad_()
+    do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
+    f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+    return (lambda *x: f(*x, use_qk_l2norm_in_kernel=True, output_final_state=True)), (q, k, v, g, beta), do
+
+
+def results(op: str, shape: str) -> list[torch.Tensor]:
+    """o, the final state and every input's gradient of one fwd+bwd."""
+    f, leaves, do = case(op, shape)
+    o, state = f(*leaves)[:2]
+    o.backward(do)
+    torch.cuda.synchronize()
+    return [o.detach(), state] + [leaf.grad for leaf in leaves]
+
+
+def forward_ms(op: str, shape: str) -> float:
+    f, leaves, _ = case(op, shape)
+    with torch.no_grad():
+        return do_bench(lambda: f(*leaves))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="gdn,kda")
+    p.add_argument("--shapes", default="B1T32768H16D128,B4T4096H16D128")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    names = a.variants.split(",")
+    for shape in a.shapes.split(","):
+        for op in a.ops.split(","):
+            with variant("after"):
+                reference = results(op, shape)
+            for name in names:
+                if name == "after":
+                    continue
+                with variant(name):
+                    for repeat in range(a.repeats):
+                        got = results(op, shape)
+                        labels = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta")
+                        wrong = [label for label, x, y in zip(labels, got, reference) if not torch.equal(x, y)]
+                        if wrong:
+                            print(f"{op} {shape} {name}: repeat {repeat}: {', '.join(wrong)} differ from the "
+                                  f"forward after the sweep (a race)", flush=True)
+                            break
+                    else:
+                        print(f"{op} {shape} {name}: bit for bit equal in {a.repeats} fwd+bwd", flush=True)
+            for name in names:
+                with variant(name):
+                    fwd = forward_ms(op, shape)
+                    ms, kernels = time_step(*delta_rule_step(op, shape), ("state_forward", "_output_kernel"))
+                print(f"{op} {shape} {name}: forward {fwd:.3f} ms, fwd+bwd {ms:.3f} ms, state_forward "
+                      f"{kernels['state_forward']:.3f} ms, output {kernels['_output_kernel']:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
