@@ -40,7 +40,8 @@ for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", 
 BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_ptr", "h_ptr", "dh_ptr", "dw_ptr",
                  "dv_ptr", "dbeta_ptr", "w_ptr", "kg_ptr", "o_ptr"}
 # name: (kernel, constexprs beyond the common ones, pointers whose dtype differs from BF16_POINTERS')
-OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False}
+OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False, "WAIT": False, "FLAG_TILES": 1,
+          "MAX_SPINS": 0}
 KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False}, {}),
            "wy_bwd": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2, "HALF_DL": True}, {}),
            "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),

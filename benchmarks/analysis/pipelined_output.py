@@ -6,7 +6,8 @@ bit for bit (the kernels are deterministic, so any difference is a race: a progr
 before the sweep had stored it), --repeats times at each shape. Fast: GDN and KDA forward and fwd+bwd
 (do_bench) both ways, with state_forward's and the output kernel's GPU time (profiler), and the pipelined forward
 with the output kernel's value tile at 64 and its launch at two stages, which take less shared memory beside
-the sweep's (sm_90, Triton 3.6: the sweep ~110 KiB, the output kernel at 128 wide and three stages 192 KiB).
+the sweep's (sm_90, Triton 3.6: the sweep ~110 KiB, the output kernel at 128 wide and three stages 96 KiB: one
+of each fits an SM's 227 KiB).
 
     python benchmarks/analysis/pipelined_output.py [--shapes B1T32768H16D128,B4T4096H16D128] [--repeats 3]
 """

@@ -44,7 +44,7 @@ from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
 from .scores_chunk import launch_chunk_scores
-from .state import state_backward_block_v, state_forward_block_v, state_launch_options
+from .state import chunk_signal_arguments, state_backward_block_v, state_forward_block_v, state_launch_options
 from .dqkw import launch_dqkw
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
 from .wy_bwd import launch_wy_bwd
@@ -262,9 +262,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     dependent = pipelined and dependent_launch_available(device)
     sweep_options = sweep_launch_options(plan, block_k_full, k.dtype, "forward")
     threads = sweep_options["num_warps"] * 32
-    # explicit either way: a traced launch hands Inductor every argument
-    signal = dict(flags_ptr=flags if pipelined else plan.dummy, SIGNAL=pipelined, TRIGGER_DEPENDENTS=dependent,
-                  SIGNAL_THREADS=threads)
+    signal = chunk_signal_arguments(flags, plan.dummy, threads, dependent)
     if problem.num_sequences and (final_state is not None or plan.num_chunks):
         plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, sweep_tiles)](
             k, local.k_decayed, cum_arg, local.w, local.u_tilde, h0, h, u, ht, *k.stride(), *h0_strides,

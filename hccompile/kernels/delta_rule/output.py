@@ -47,12 +47,12 @@ if triton is not None:
         FORM_SCORES: tl.constexpr,
         STORE_SCORES: tl.constexpr,
         SCORES_ONLY: tl.constexpr,
-        flags_ptr=None,
-        flag_tiles=1,
-        flag_threads=1,
-        WAIT: tl.constexpr = False,
-        FLAG_TILES: tl.constexpr = 1,
-        MAX_SPINS: tl.constexpr = 0,
+        flags_ptr,
+        flag_tiles,
+        flag_threads,
+        WAIT: tl.constexpr,
+        FLAG_TILES: tl.constexpr,
+        MAX_SPINS: tl.constexpr,
     ):
         """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile; grid (chunks x value
         tiles, value heads).

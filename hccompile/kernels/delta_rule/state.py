@@ -61,10 +61,10 @@ if triton is not None:
         STORE_FINAL_STATE: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        flags_ptr=None,
-        SIGNAL: tl.constexpr = False,
-        TRIGGER_DEPENDENTS: tl.constexpr = False,
-        SIGNAL_THREADS: tl.constexpr = 32,
+        flags_ptr,
+        SIGNAL: tl.constexpr,
+        TRIGGER_DEPENDENTS: tl.constexpr,
+        SIGNAL_THREADS: tl.constexpr,
     ):
         """Walks one sequence's chunks for one value head and value tile.
 
@@ -263,6 +263,17 @@ def state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device
     """BV of state_backward (and CP's backward sweep)."""
     widest = min(block_size(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
     return narrow_for_occupancy(widest, walks, value_dim, device, floor=MIN_BACKWARD_SWEEP_TILE)
+
+
+def chunk_signal_arguments(flags, dummy, threads: int, dependent: bool) -> dict:
+    """state_forward's chunk-counter arguments (pipeline.py): with `flags` (zeroed int32, a counter per
+    chunk, value head and value tile) the sweep counts each chunk done, one per thread of its `threads`
+    (the launch's num_warps x 32), and with `dependent` lets a dependent launch start at once; None counts
+    nothing (`dummy` stands in, and `threads` is not read: one specialization for every launch without).
+    Named at every launch: a traced launch hands Inductor every argument."""
+    if flags is None:
+        return dict(flags_ptr=dummy, SIGNAL=False, TRIGGER_DEPENDENTS=False, SIGNAL_THREADS=0)
+    return dict(flags_ptr=flags, SIGNAL=True, TRIGGER_DEPENDENTS=dependent, SIGNAL_THREADS=threads)
 
 
 def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: tuple[bool, str] | None = None,
