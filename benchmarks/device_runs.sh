@@ -94,10 +94,9 @@
 #   accuracy    GDN and KDA against the float64 recurrence (random and aligned keys, T 1000 D 128): ours, ours
 #               with half key gradients (half-keys; fp32-dl: wy_bwd's dL from the fp32 A), fp32 intermediates, FLA
 #               (ACCURACY_IMPLS picks)                                                      (issue 20)
-#   kda-prepared-sweep  KDA's backward state sweep reading Q e^G and K e^(G_last - G) formed by a chunk-parallel
-#               prep kernel instead of forming them per step and value tile (analysis/kda_prepared_sweep.py;
-#               PREPARED_VARIANTS picks): KDA fwd+bwd, state_backward's and the prep's time at B1 T32768 and B4
-#               T4096, then each variant checked on the kernel tests' KDA cases (VARIANT_CHECK=off skips) (issue 20)
+#   kda-prepared  KDA's backward sweep on decayed queries and keys formed before it (plan.PREPARED_CHANNEL_SWEEP,
+#               decayed_keys.py) against the defaults, fwd+bwd at B4 T4096 and B1 T32768; then, with it on, the
+#               sweep's launch options (4 / 8 warps, 1 / 3 stages) at B1 (tune_delta_rule.py)        (issue 20)
 #   pipelined   the forward's output kernel beside its state sweep (plan.PIPELINED_OUTPUT, chunk counters and
 #               programmatic dependent launch): GDN and KDA at B1 T32768 and B4 T4096, bit for bit against the
 #               forward after the sweep (a race would differ), then forward and fwd+bwd times, with the output
@@ -302,8 +301,13 @@ for run in ${RUNS:-delta host}; do
     l2norm-bw) cut_at python3 benchmarks/analysis/l2norm_bandwidth.py > "$out/diag_l2norm-bw_$tag.txt" 2>&1 ;;
     narrow-tile) cut_at python3 benchmarks/analysis/narrow_backward_tile.py ${NARROW_VARIANTS:+--variants $NARROW_VARIANTS} \
                      > "$out/diag_narrow-tile_$tag.txt" 2>&1 ;;
-    kda-prepared-sweep) cut_at python3 benchmarks/analysis/kda_prepared_sweep.py \
-                            ${PREPARED_VARIANTS:+--variants $PREPARED_VARIANTS} > "$out/diag_kda-prepared-sweep_$tag.txt" 2>&1 ;;
+    kda-prepared) for shape in B4T4096H16D128 B1T32768H16D128; do
+                      cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape "$shape" \
+                          --kernels PREPARED_CHANNEL_SWEEP --out "$out/diag_kda-prepared_$tag.jsonl"
+                  done
+                  cut_at env HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=1 python3 benchmarks/tune_delta_rule.py --ops kda \
+                      --modes default --shape B1T32768H16D128 --kernels _state_backward_kernel \
+                      --out "$out/diag_kda-prepared-options_$tag.jsonl" ;;
     pipelined) cut_at python3 benchmarks/analysis/pipelined_output.py > "$out/diag_pipelined_$tag.txt" 2>&1 ;;
     sweep-overlap) cut_at python3 benchmarks/analysis/sweep_overlap.py > "$out/diag_sweep-overlap_$tag.txt" 2>&1 ;;
     accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,half-keys,fp32,fla}" \

@@ -43,6 +43,7 @@ from .output import launch_output, launch_scores_only
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
+from .decayed_keys import launch_decayed_keys
 from .scores_chunk import launch_chunk_scores
 from .state import chunk_signal_arguments, state_backward_block_v, state_forward_block_v, state_launch_options
 from .dqkw import launch_dqkw
@@ -533,6 +534,12 @@ def chunk_delta_rule_bwd(
     common = dict(GATE=plan.gate_code, BT=chunk, IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision)
     no_strides = (0, 0, 0, 0)
 
+    # a channel gate's decayed queries and keys formed before the sweep (kernel_plan.PREPARED_CHANNEL_SWEEP)
+    prepared = problem.gate == "channel" and kernel_plan.PREPARED_CHANNEL_SWEEP and bool(plan.num_chunks)
+    qg = kg = plan.dummy
+    if prepared:
+        qg, kg = (buffer(batch, time, value_heads, key_dim, dtype=plan.intermediate_dtype) for _ in range(2))
+        launch_decayed_keys(plan, fwd.q, fwd.k, cum_arg, qg, kg, plan.num_chunks, table, seqlens)
     if problem.num_sequences and (plan.num_chunks or dh0 is not None):
         grid = (problem.num_sequences, value_heads, cdiv(value_dim, block_v_state))
         plan.launch(_state_backward_kernel)[grid](
@@ -545,6 +552,7 @@ def chunk_delta_rule_bwd(
             BKF=block_k_full, BV=block_v_state,
             HAS_FINAL_STATE_GRAD=dht is not None, STORE_INITIAL_STATE_GRAD=dh0 is not None,
             **sweep_launch_options(plan, block_k_full, fwd.k.dtype, "backward"), **common,
+            qg_ptr=qg, kg_ptr=kg, PREPARED=prepared,
         )
     if plan.num_chunks and plan.split_wy_backward:
         launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,

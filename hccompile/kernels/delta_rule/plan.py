@@ -104,6 +104,12 @@ REGISTER_DIAGONAL_BLOCKS = True
 # ms (the kernel 1.838 against 2.051), B4 T4096 4.066 against 4.170; at 8 warps, or with key tiles of
 # 32, it was slower than one program per sub-chunk. Read when a kernel is launched.
 CHUNK_SCORE_PROGRAMS = True
+# KDA's backward state sweep reading Q e^G and K e^(G_last - G) formed chunk-parallel before it
+# (decayed_keys.py) instead of forming them in every step of every value-tile program (an fp32 [BT, K]
+# gate tile and 2 BT K exps a step, repeated by a head's eight 16-wide value tiles): sm_90, Triton 3.6,
+# 140 registers for the sweep where the other takes 253. The same results bit for bit. Off until timed:
+# HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=1 (read at import) turns it on; read when a backward launches.
+PREPARED_CHANNEL_SWEEP = os.environ.get("HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP", "0") == "1"
 # The forward's output kernel beside its state sweep (pipeline.py): state_forward sets a flag per chunk
 # once it has stored the chunk's state and corrected values, and the output kernel, launched with
 # programmatic dependent launch on a Hopper GPU (after the sweep elsewhere), waits per chunk for its

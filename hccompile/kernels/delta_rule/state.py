@@ -163,6 +163,9 @@ if triton is not None:
         STORE_INITIAL_STATE_GRAD: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        qg_ptr,
+        kg_ptr,
+        PREPARED: tl.constexpr,
     ):
         """Walks one sequence's chunks backwards for one value head and value tile.
 
@@ -170,9 +173,10 @@ if triton is not None:
         gradient of the corrected values dU = scale P^T dO + (K e^(G_last - G)) dS, and
         passes dS_start = scale (Q e^G)^T dO + e^G_last dS - W^T dU to the chunk before.
         dS is fp32; dh, dU and the products' operands are in the intermediates' dtype (w's).
-        A channel gate's decayed keys are formed here, not read from wy_solve's kg as
-        state_forward does: reading them measured 44 % slower on the H100 (B1 T32768 KDA, 2.52 ->
-        3.64 ms, 12b5e54), though it loads less.
+        A channel gate's decayed queries and keys are formed here, or with PREPARED read from
+        decayed_keys.py's qg and kg ([B, T, HV, K], the intermediates' dtype), leaving only e^G_last to
+        load per step (plan.PREPARED_CHANNEL_SWEEP). Reading wy_solve's kg alone, while still loading G to
+        form Q e^G, measured 44 % slower on the H100 (B1 T32768 KDA, 2.52 -> 3.64 ms, 12b5e54).
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -195,6 +199,10 @@ if triton is not None:
         w_ptr += (batch * T) * HV * K + head * K
         scores_ptr += (batch * T) * HV * BT + head * BT
         du_ptr += (batch * T) * HV * V + head * V
+        if PREPARED:
+            tl.static_assert(GATE == 2, "the prepared decayed queries and keys are the per-channel gates'")
+            qg_ptr += (batch * T) * HV * K + head * K
+            kg_ptr += (batch * T) * HV * K + head * K
 
         dot_dtype = w_ptr.dtype.element_ty
         kc = tl.arange(0, BKF)
@@ -220,14 +228,19 @@ if triton is not None:
             scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
             scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
             du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
-            if GATE == 2:
+            if PREPARED:
+                k_tile = _load_stored_rows(kg_ptr, tokens, kc, HV * K, 1, valid, K)
+                q_tile = _load_stored_rows(qg_ptr, tokens, kc, HV * K, 1, valid, K)
+            elif GATE == 2:
                 k_tile = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 q_tile = _load_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
             else:
                 k_tile = _load_stored_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
                 q_tile = _load_stored_rows(q_ptr, tokens, kc, stride_qt, stride_qk, valid, K)
             q_do = do_tile
-            if GATE == 2:
+            if PREPARED:
+                whole = _chunk_end_decay(cum_ptr, start + length - 1, kc, HV, K)
+            elif GATE == 2:
                 g, to_end, whole = _channel_decays(cum_ptr, tokens, valid, start + length - 1, kc, HV, K)
                 k_tile *= to_end
                 q_tile *= tl.exp(g)
