@@ -81,9 +81,10 @@ def right_variants(variants: list[str], check) -> list[str]:
     return passed
 
 
-def delta_rule_step(op: str, shape: str):
-    """(step, leaves): one eager fwd+bwd of hccompile's GDN (op "gdn") or KDA ("kda") on CUDA bf16 inputs of
-    shape B<b>T<t>H<h>D<d>, with the in-kernel l2norm, as the variant scripts time it."""
+def delta_rule_case(op: str, shape: str, output_final_state: bool = False):
+    """(f, leaves, do): hccompile's GDN (op "gdn") or KDA ("kda") with the in-kernel l2norm as `f(*leaves)`, its
+    CUDA bf16 inputs of shape B<b>T<t>H<h>D<d> (fp32 log-gates) requiring grad, and an output gradient, seeded
+    alike every call."""
     import torch
 
     import hccompile
@@ -96,12 +97,22 @@ def delta_rule_step(op: str, shape: str):
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
                                                    device="cuda")).requires_grad_()
     do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
-    f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+    op_function = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+
+    def f(*leaves):
+        return op_function(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=output_final_state)
+
+    return f, [q, k, v, g, beta], do
+
+
+def delta_rule_step(op: str, shape: str):
+    """(step, leaves): one eager fwd+bwd of delta_rule_case(op, shape), as the variant scripts time it."""
+    f, leaves, do = delta_rule_case(op, shape)
 
     def step():
-        f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
+        f(*leaves)[0].backward(do)
 
-    return step, [q, k, v, g, beta]
+    return step, leaves
 
 
 def time_step(step, leaves, kernel_names: tuple[str, ...]) -> tuple[float, dict[str, float]]:

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernel_variants import delta_rule_step, time_step, use_kernel_tests  # noqa: E402
+from kernel_variants import delta_rule_case, delta_rule_step, time_step, use_kernel_tests  # noqa: E402
 
 use_kernel_tests()
 
@@ -56,25 +56,9 @@ def variant(name: str):
         kernel_plan.PIPELINED_OUTPUT, output_kernels.OUTPUT_BLOCK_V = saved
 
 
-def case(op: str, shape: str):
-    """(op function, its inputs, the output gradient): bf16, the in-kernel l2norm, seeded alike every call."""
-    import hccompile
-    from shapes import bthd
-
-    B, T, H, D = bthd(shape)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
-    beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
-                                                   device="cuda")).requires_grad_()
-    do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
-    f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
-    return (lambda *x: f(*x, use_qk_l2norm_in_kernel=True, output_final_state=True)), (q, k, v, g, beta), do
-
-
 def results(op: str, shape: str) -> list[torch.Tensor]:
     """o, the final state and every input's gradient of one fwd+bwd."""
-    f, leaves, do = case(op, shape)
+    f, leaves, do = delta_rule_case(op, shape, output_final_state=True)
     o, state = f(*leaves)[:2]
     o.backward(do)
     torch.cuda.synchronize()
@@ -82,7 +66,7 @@ def results(op: str, shape: str) -> list[torch.Tensor]:
 
 
 def forward_ms(op: str, shape: str) -> float:
-    f, leaves, _ = case(op, shape)
+    f, leaves, _ = delta_rule_case(op, shape, output_final_state=True)
     with torch.no_grad():
         return do_bench(lambda: f(*leaves))
 

@@ -39,10 +39,14 @@ from hccompile.kernels.launch_recorder import recording_launches  # noqa: E402
 
 # (group name, producer kernel names, consumer kernel names) per op; a name matches a kernel whose __name__
 # contains it.
+# The first group of each op is the other way round: the chunk-parallel wy_solve feeding the forward sweep,
+# which a sweep waiting per chunk on wy_solve's programs could overlap the same way.
 GROUPS = {
-    "gdn": [("forward", ("_state_forward_kernel",), ("_output_kernel",)),
+    "gdn": [("solve-sweep", ("_wy_solve_kernel",), ("_state_forward_kernel",)),
+            ("forward", ("_state_forward_kernel",), ("_output_kernel",)),
             ("backward", ("_state_backward_kernel",), ("_dqkw_kernel", "_wy_bwd_kernel"))],
-    "kda": [("forward", ("_state_forward_kernel",), ("_output_kernel",)),
+    "kda": [("solve-sweep", ("_wy_solve_kernel",), ("_state_forward_kernel",)),
+            ("forward", ("_state_forward_kernel",), ("_output_kernel",)),
             ("backward", ("_state_backward_kernel",), ("_wy_backward_kernel", "_decayed_scores_backward_kernel"))],
 }
 
@@ -120,7 +124,8 @@ def main() -> None:
             alone_c = timed(lambda: replay(consumers), a.reps)
             both = timed(side_by_side(producers, consumers, side), a.reps)
             in_order = timed(lambda: (replay(producers), replay(consumers)), a.reps)
-            print(f"  {group}: sweep {alone_p:.3f} ms, consumers {alone_c:.3f} ms "
+            print(f"  {group}: producers ({len(producers)} launches) {alone_p:.3f} ms, consumers ({len(consumers)}) "
+                  f"{alone_c:.3f} ms "
                   f"({'+'.join(sorted(consumer_names))}), in order {in_order:.3f}, "
                   f"side by side {both:.3f}: at most {in_order - both:.3f} ms to save", flush=True)
 
