@@ -216,13 +216,18 @@ bench-gpu: bench-gpu-install
 # so many files: session 44 lost gdn-tune's rows so).
 RUNS_GPU0 ?=
 RUNS_GPU1 ?=
+# each card's per-run limit (device_runs.sh's RUN_LIMIT_S; default RUN_LIMIT_S, else 240 s)
+RUN_LIMIT_S_GPU0 ?=
+RUN_LIMIT_S_GPU1 ?=
 .PHONY: bench-gpu-split
 bench-gpu-split: bench-gpu-install
 	out=$${OUT:-benchmarks/results}; mkdir -p $$out/gpu0 $$out/gpu1; \
 	for g in 0 1; do \
 		if test $$g = 0; then runs="$(RUNS_GPU0)"; else runs="$(RUNS_GPU1)"; fi; \
 		test -n "$$runs" || continue; \
+		if test $$g = 0; then limit="$(RUN_LIMIT_S_GPU0)"; else limit="$(RUN_LIMIT_S_GPU1)"; fi; \
 		( CUDA_VISIBLE_DEVICES=$$g OUT=$$out/gpu$$g RUNS="$$runs" COMMIT=$(COMMIT) $(BENCH_PATH) \
+		  RUN_LIMIT_S=$${limit:-$${RUN_LIMIT_S:-240}} \
 		  sh benchmarks/device_runs.sh > $$out/gpu$$g/log.txt 2>&1; echo "gpu$$g: exit $$?" ) & \
 	done; wait; tail -n 5 $$out/gpu0/log.txt $$out/gpu1/log.txt; \
 	for g in 0 1; do test -d $$out/gpu$$g && tar czf $$out/gpu$$g.tgz -C $$out gpu$$g && rm -rf $$out/gpu$$g; done; true
