@@ -4,7 +4,8 @@ on the GPU: first right, then fast (issue 20).
 Right: the pipelined forward's o and final state, and the fwd+bwd's gradients, against the forward without it,
 bit for bit (the kernels are deterministic, so any difference is a race: a program that read a chunk's state
 before the sweep had stored it), --repeats times at each shape. Fast: GDN and KDA forward and fwd+bwd
-(do_bench) both ways, with state_forward's and the output kernel's GPU time (profiler), and the pipelined forward
+(do_bench) both ways (and with the counters but no dependent launch: what counting costs the sweep), with
+state_forward's and the output kernel's GPU time (profiler), and the pipelined forward
 with the output kernel's value tile at 64 and its launch at two stages, which take less shared memory beside
 the sweep's (sm_90, Triton 3.6: the sweep ~110 KiB, the output kernel at 128 wide and three stages 96 KiB: one
 of each fits an SM's 227 KiB).
@@ -27,33 +28,39 @@ use_kernel_tests()
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
 from hccompile.kernels.delta_rule import output as output_kernels  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 from tune_delta_rule import launch_override  # noqa: E402
 
-# name -> (PIPELINED_OUTPUT, OUTPUT_BLOCK_V, the output kernel's launch options or None)
+# name -> (PIPELINED_OUTPUT, OUTPUT_BLOCK_V, the output kernel's launch options or None, dependent launch).
+# "pipelined-after": the counters and waits without programmatic dependent launch, so the output kernel starts
+# after the sweep as before: what the counting costs the sweep.
 VARIANTS = {
-    "after": (False, None, None),
-    "pipelined": (True, None, None),
-    "pipelined-bv64": (True, 64, None),
-    "pipelined-s2": (True, None, dict(num_stages=2)),
-    "pipelined-bv64-s2": (True, 64, dict(num_stages=2)),
+    "after": (False, None, None, True),
+    "pipelined-after": (True, None, None, False),
+    "pipelined": (True, None, None, True),
+    "pipelined-bv64": (True, 64, None, True),
+    "pipelined-s2": (True, None, dict(num_stages=2), True),
+    "pipelined-bv64-s2": (True, 64, dict(num_stages=2), True),
 }
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    pipelined, block_v, options = VARIANTS[name]
-    saved = kernel_plan.PIPELINED_OUTPUT, output_kernels.OUTPUT_BLOCK_V
+    pipelined, block_v, options, dependent = VARIANTS[name]
+    saved = (kernel_plan.PIPELINED_OUTPUT, output_kernels.OUTPUT_BLOCK_V, chunk_kernels.dependent_launch_available)
     kernel_plan.PIPELINED_OUTPUT = pipelined
     if block_v is not None:
         output_kernels.OUTPUT_BLOCK_V = block_v
+    if not dependent:
+        chunk_kernels.dependent_launch_available = lambda device: False
     override = launch_override(output_kernels._output_kernel, options) if options else contextlib.nullcontext()
     try:
         with override:
             yield
     finally:
-        kernel_plan.PIPELINED_OUTPUT, output_kernels.OUTPUT_BLOCK_V = saved
+        kernel_plan.PIPELINED_OUTPUT, output_kernels.OUTPUT_BLOCK_V, chunk_kernels.dependent_launch_available = saved
 
 
 def results(op: str, shape: str) -> list[torch.Tensor]:
