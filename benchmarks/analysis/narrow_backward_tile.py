@@ -29,11 +29,9 @@ import os
 import sys
 import traceback
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_variants import check_cases, edited_module, right_variants, use_kernel_tests  # noqa: E402
-from shapes import bthd  # noqa: E402
+from kernel_variants import (check_cases, delta_rule_step, edited_module, right_variants, time_step,  # noqa: E402
+                             use_kernel_tests)
 
 use_kernel_tests()
 
@@ -107,35 +105,10 @@ def check(variant: str, repeats: int) -> list[str]:
 
 
 def time_variant(shape: str) -> str:
-
-    import hccompile
-    from triton.testing import do_bench
-
-    B, T, H, D = bthd(shape)
-    gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for op in ("gdn", "kda"):
-        q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(3))
-        beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
-        g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, *(() if op == "gdn" else (D,)), generator=gen,
-                                                       device="cuda")).requires_grad_()
-        do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
-        f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
-        leaves = [q, k, v, g, beta]
-
-        def step():
-            f(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
-
-        step()
-        ms = do_bench(step, grad_to_none=leaves)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        kernel_us = sum(e.device_time_total for e in prof.key_averages() if "state_backward" in e.key) / 3
-        out.append(f"{op} fwd+bwd {ms:.3f} ms, state_backward {kernel_us / 1e3:.3f} ms")
+        ms, kernels = time_step(*delta_rule_step(op, shape), ("state_backward",))
+        out.append(f"{op} fwd+bwd {ms:.3f} ms, state_backward {kernels['state_backward']:.3f} ms")
     return "; ".join(out)
 
 
