@@ -53,10 +53,10 @@ OURS_SCORES_KERNEL = "ours, decayed_scores forward"
 SCORES_KERNEL_NOTE = ("plan.FUSED_SCORES_FORWARD=False (HCCOMPILE_DELTA_RULE_FUSED_SCORES_FORWARD=0): the forward "
                       "launches decayed_scores (Kdot and P through memory, fp32) instead of forming Kdot in wy_solve "
                       "and P in the output kernel")
-OURS_HALF_KEYS = "ours, half key gradients"
-HALF_KEYS_NOTE = ("plan.HALF_KEY_GRADIENTS=True (HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS=1): the split backward's "
-                  "dq heads and completed dk heads in the input dtype (dk's partial sums stay fp32), as FLA "
-                  "stores them; the l2norm backward reads half the bytes")
+OURS_FP32_KEYS = "ours, fp32 key gradients"
+FP32_KEYS_NOTE = ("plan.HALF_KEY_GRADIENTS=False (HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS=0): the split backward's "
+                  "dq heads and completed dk heads in fp32 (the default until session 47; the default stores them "
+                  "in the input dtype, as FLA does)")
 OURS_WIDE = "ours, widest sweep tiles"
 WIDE_NOTE = ("plan.SWEEP_MIN_PROGRAMS=0: the state sweeps keep their widest value tiles even though the grid "
              "fills at most half the SMs (the default narrows them)")
@@ -214,7 +214,7 @@ def kernel_rows(args, meta) -> list[dict]:
                 OURS_TWO_KERNELS: (kernel_plan, "FUSED_SCORES_BACKWARD", False),
                 OURS_SINGLE_WY: (kernel_plan, "SPLIT_WY_BACKWARD", False),
                 OURS_SCORES_KERNEL: (kernel_plan, "FUSED_SCORES_FORWARD", False),
-                OURS_HALF_KEYS: (kernel_plan, "HALF_KEY_GRADIENTS", True)}
+                OURS_FP32_KEYS: (kernel_plan, "HALF_KEY_GRADIENTS", False)}
     have_fla, fla_note = True, ""
     try:
         import fla
@@ -239,7 +239,7 @@ def kernel_rows(args, meta) -> list[dict]:
                 variants.append((OURS_TWO_KERNELS, ours(gate), TWO_KERNELS_NOTE))
                 variants.append((OURS_SINGLE_WY, ours(gate), SINGLE_WY_NOTE))
                 variants.append((OURS_SCORES_KERNEL, ours(gate), SCORES_KERNEL_NOTE))
-                variants.append((OURS_HALF_KEYS, ours(gate), HALF_KEYS_NOTE))
+                variants.append((OURS_FP32_KEYS, ours(gate), FP32_KEYS_NOTE))
             if dtype == torch.bfloat16:
                 variants.append((OURS_FP32, ours(gate), FP32_NOTE))
             if 2 * shape["B"] * shape["H"] * -(-shape["D"] // 32) <= torch.cuda.get_device_properties(0).multi_processor_count:
@@ -254,7 +254,7 @@ def kernel_rows(args, meta) -> list[dict]:
                     variants.append((f"plain {how}", plain(gate, how), ""))
             kinds = {"ours": "ours", OURS_RECOMPUTE: "recompute", OURS_TWO_KERNELS: "unfused",
                      OURS_SINGLE_WY: "single-wy", OURS_SCORES_KERNEL: "scores-kernel", OURS_FP32: "fp32",
-                     OURS_WIDE: "wide", OURS_HALF_KEYS: "half-keys", "FLA": "fla"}
+                     OURS_WIDE: "wide", OURS_FP32_KEYS: "fp32-keys", "FLA": "fla"}
             wanted = set(args.impls.split(","))
             if "plain" in wanted:
                 wanted |= {"plain-eager", "plain-inductor", "plain-hc"}
@@ -385,7 +385,7 @@ def main() -> None:
                         "unfused (GDN: decayed_scores_backward apart from wy_backward), single-wy (GDN: wy.py's single "
                         "wy_backward instead of the split dqkw + wy_bwd), scores-kernel (GDN: the forward's "
                         "decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel), "
-                        "half-keys (GDN: the split backward's dq and dk heads in the input dtype), "
+                        "fp32-keys (GDN: the split backward's dq and dk heads in fp32, the default until session 47), "
                         "fp32 (fp32 intermediates "
                         "for bf16 inputs), wide (widest sweep "
                         "tiles, where ours narrows them), fla, plain (eager, Inductor and hc, at --plain-shapes) "

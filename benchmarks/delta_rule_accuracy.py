@@ -72,8 +72,8 @@ def main() -> None:
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--impls", default="ours,fp32,fla",
                    help="ours (default), fp32 (fp32 intermediates), fp32-dl (GDN's wy_bwd forming dL from the fp32 A "
-                        "at tf32: wy_bwd.WY_BWD_HALF_DL off, the default until session 46), half-keys (the split backward's "
-                        "per-head dq and dk in bf16: plan.HALF_KEY_GRADIENTS), fla")
+                        "at tf32: wy_bwd.WY_BWD_HALF_DL off, the default until session 46), fp32-keys (the split backward's "
+                        "per-head dq and dk in fp32: plan.HALF_KEY_GRADIENTS off, the default until session 47), fla")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu runs ours under TRITON_INTERPRET=1 (a smoke test)")
     args = p.parse_args()
@@ -99,10 +99,10 @@ def main() -> None:
 
             ref = run(reference, rounded, do.double())
             for impl in args.impls.split(","):
-                if impl in ("ours", "fp32", "fp32-dl", "half-keys"):
+                if impl in ("ours", "fp32", "fp32-dl", "fp32-keys"):
                     kernel_plan.BF16_INTERMEDIATES = impl != "fp32"
                     wy_bwd_kernels.WY_BWD_HALF_DL = False if impl == "fp32-dl" else half_dl_default
-                    kernel_plan.HALF_KEY_GRADIENTS = impl == "half-keys" or half_keys_default
+                    kernel_plan.HALF_KEY_GRADIENTS = impl != "fp32-keys" and half_keys_default
                     f = hccompile.chunk_gated_delta_rule if gate == "scalar" else hccompile.chunk_kda
 
                     def fn(q, k, v, g, beta, f=f):

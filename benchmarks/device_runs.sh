@@ -92,15 +92,13 @@
 #   l2norm-bw   the delta rule's l2norm kernel alone against the copy bandwidth and Inductor's l2norm, over
 #               rows per program and warps (analysis/l2norm_bandwidth.py; 1.1 TB/s in the step)   (issue 20)
 #   accuracy    GDN and KDA against the float64 recurrence (random and aligned keys, T 1000 D 128): ours, ours
-#               with half key gradients (half-keys; fp32-dl: wy_bwd's dL from the fp32 A), fp32 intermediates, FLA
-#               (ACCURACY_IMPLS picks)                                                      (issue 20)
+#               with fp32 key gradients (fp32-keys; fp32-dl: wy_bwd's dL from the fp32 A), fp32 intermediates, FLA
+#               (ACCURACY_IMPLS and ACCURACY_OPS pick)                                                      (issue 20)
 #   kda-prepared  KDA's backward sweep on decayed queries and keys formed before it (plan.PREPARED_CHANNEL_SWEEP,
 #               decayed_keys.py) against the defaults, fwd+bwd at B4 T4096 and B1 T32768; then, with it on, the
 #               sweep's launch options (4 / 8 warps, 1 / 3 stages) at B1 (tune_delta_rule.py)        (issue 20)
-#   pipelined   the forward's output kernel beside its state sweep (plan.PIPELINED_OUTPUT, chunk counters and
-#               programmatic dependent launch): GDN and KDA at B1 T32768 and B4 T4096, bit for bit against the
-#               forward after the sweep (a race would differ), then forward and fwd+bwd times, with the output
-#               kernel's value tile 64 and two stages (analysis/pipelined_output.py)       (issue 20)
+#   kda-gate-profile  KDA's per-kernel GPU time with the gate computed in the kernel against the precomputed
+#               gate and FLA's in-kernel gate, B1 T32768 H16 D128 (profile_ops.py)                  (issue 20)
 #   sweep-overlap  how much chunk-parallel work could hide under the state sweeps: one GDN and one KDA fwd+bwd's
 #               launches recorded, then the sweep and its consumers (output; dqkw + wy_bwd, or wy_backward +
 #               decayed_scores_backward) replayed alone, in order and side by side on two streams, B1 T32768 and
@@ -168,7 +166,7 @@ for run in ${RUNS:-delta host}; do
     echo "=== $run ($(date +%T), at most $limit s)"
     case $run in
     delta) cut_at python3 benchmarks/delta_rule.py --what kernels --ops "${DELTA_OPS:-gdn,kda}" \
-               --impls "${DELTA_IMPLS:-ours,half-keys,fla}" --rounds 2 \
+               --impls "${DELTA_IMPLS:-ours,fla}" --rounds 2 \
                --shapes "${DELTA_SHAPES:-B4T4096H16D128,B1T32768H16D128}" --out "$out/delta_rule_$tag.jsonl" ;;
     host) cut_at python3 benchmarks/host_overhead.py --ops floor,gdn,kda --compiled --static-launch --top 12 \
               --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
@@ -308,9 +306,10 @@ for run in ${RUNS:-delta host}; do
                   cut_at env HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=1 python3 benchmarks/tune_delta_rule.py --ops kda \
                       --modes default --shape B1T32768H16D128 --kernels _state_backward_kernel \
                       --out "$out/diag_kda-prepared-options_$tag.jsonl" ;;
-    pipelined) cut_at python3 benchmarks/analysis/pipelined_output.py > "$out/diag_pipelined_$tag.txt" 2>&1 ;;
+    kda-gate-profile) cut_at python3 benchmarks/profile_ops.py --ops kda,kda-gate,fla-kda-gate --shape B1T32768H16D128 \
+                          > "$out/diag_kda-gate-profile_$tag.txt" 2>&1 ;;
     sweep-overlap) cut_at python3 benchmarks/analysis/sweep_overlap.py > "$out/diag_sweep-overlap_$tag.txt" 2>&1 ;;
-    accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,half-keys,fp32,fla}" \
+    accuracy) cut_at python3 benchmarks/delta_rule_accuracy.py --impls "${ACCURACY_IMPLS:-ours,fp32-keys,fp32,fla}" --ops "${ACCURACY_OPS:-gdn,kda}" \
                   --out "$out/accuracy_$tag.jsonl" > "$out/diag_accuracy_$tag.txt" 2>&1 ;;
     sync-check) cut_at python3 benchmarks/analysis/sync_check.py > "$out/diag_sync-check_$tag.txt" 2>&1 ;;
     mhc-dump-pair) test -f .before/COMMIT || { echo "mhc-dump-pair: no .before tree (make before-tree REF=<commit>; carry .before)"; continue; }

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from hccompile.kernels.delta_rule import dqkw, output, wy, wy_bwd  # noqa: E402
 
 T, H, D = 32768, 16, 128
-VALUES = dict(T=T, NT=T // 64, HV=H, GROUP=1, K=D, V=D, flag_tiles=2, flag_threads=128)
+VALUES = dict(T=T, NT=T // 64, HV=H, GROUP=1, K=D, V=D)
 for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", D), ("b", 1), ("db", 1)):
     last = {"q": "k", "k": "k", "v": "v", "do": "v", "dv": "v", "o": "v", "b": "h", "db": "h"}[prefix]
     VALUES.update({f"stride_{prefix}b": T * H * width, f"stride_{prefix}t": H * width,
@@ -40,8 +40,7 @@ for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", 
 BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_ptr", "h_ptr", "dh_ptr", "dw_ptr",
                  "dv_ptr", "dbeta_ptr", "w_ptr", "kg_ptr", "o_ptr"}
 # name: (kernel, constexprs beyond the common ones, pointers whose dtype differs from BF16_POINTERS')
-OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False, "WAIT": False, "FLAG_TILES": 1,
-          "MAX_SPINS": 0}
+OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False}
 KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False}, {}),
            "wy_bwd": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2, "HALF_DL": True}, {}),
            "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),

@@ -57,8 +57,6 @@ VARIANTS = {
     "CHUNK_SCORE_PROGRAMS": (kernel_plan, [False]),
     # KDA: the backward sweep on decayed queries and keys formed before it (decayed_keys.py)
     "PREPARED_CHANNEL_SWEEP": (kernel_plan, [True]),
-    # the forward's output kernel beside its state sweep (pipeline.py)
-    "PIPELINED_OUTPUT": (kernel_plan, [True]),
     # KDA: wy_solve's substitution with a row load per step instead of L's diagonal blocks loaded once
     "REGISTER_DIAGONAL_BLOCKS": (kernel_plan, [False]),
     # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel

@@ -45,7 +45,7 @@ from .reference import check_delta_rule_inputs
 from .scores import launch_decayed_scores, launch_scores_backward
 from .decayed_keys import launch_decayed_keys
 from .scores_chunk import launch_chunk_scores
-from .state import chunk_signal_arguments, state_backward_block_v, state_forward_block_v, state_launch_options
+from .state import state_backward_block_v, state_forward_block_v, state_launch_options
 from .dqkw import launch_dqkw
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
 from .wy_bwd import launch_wy_bwd
@@ -255,23 +255,14 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     ht = final_state if final_state is not None else plan.dummy
     ht_strides = final_state.stride() if final_state is not None else (0, 0, 0, 0)
-    sweep_tiles = cdiv(value_dim, block_v_state)
-    # the output kernel beside the sweep (kernel_plan.PIPELINED_OUTPUT, pipeline.py): eager launches only
-    pipelined = (kernel_plan.PIPELINED_OUTPUT and o is not None and bool(plan.num_chunks)
-                 and problem.num_sequences > 0 and plan.launch is direct)
-    flags = chunk_flags(plan.num_chunks * value_heads * sweep_tiles, device) if pipelined else None
-    dependent = pipelined and dependent_launch_available(device)
-    sweep_options = sweep_launch_options(plan, block_k_full, k.dtype, "forward")
-    threads = sweep_options["num_warps"] * 32
-    signal = chunk_signal_arguments(flags, plan.dummy, threads, dependent)
     if problem.num_sequences and (final_state is not None or plan.num_chunks):
-        plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, sweep_tiles)](
+        plan.launch(_state_forward_kernel)[(problem.num_sequences, value_heads, cdiv(value_dim, block_v_state))](
             k, local.k_decayed, cum_arg, local.w, local.u_tilde, h0, h, u, ht, *k.stride(), *h0_strides,
             *ht_strides, plan.chunk_offsets if plan.chunk_offsets is not None else plan.dummy, seqlens,
             time, nt, value_heads, group, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BKF=block_k_full, BV=block_v_state,
             HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-            DOT_PRECISION=plan.dot_precision, **sweep_options, **common, **signal,
+            DOT_PRECISION=plan.dot_precision, **sweep_launch_options(plan, block_k_full, k.dtype, "forward"), **common,
         )
     form_scores = local.scores is None  # the output kernel forms P (plan.fused_scores_forward)
     if form_scores and keep_states:
@@ -279,8 +270,7 @@ def _forward(plan: Plan, q, k, v, beta, g, scale, initial_state, final_state, o,
     if o is not None and plan.num_chunks:
         launch_output(plan, q, k, cum_arg, h, local.scores if local.scores is not None else plan.dummy, u, o,
                       plan.num_chunks, table, seqlens, scale, form_scores=form_scores,
-                      store_scores=form_scores and keep_states, flags=flags, flag_tiles=sweep_tiles,
-                      flag_threads=threads, dependent=dependent)
+                      store_scores=form_scores and keep_states)
     return _Forward(**vars(local), u=u, h=h)
 
 
@@ -289,16 +279,6 @@ def sweep_launch_options(plan: Plan, block_k_full: int, k_dtype: torch.dtype, di
     rule), here and in cp.py's sweeps of the same kernels."""
     return state_launch_options(block_k_full, k_dtype, timed_sweep=(plan.gate_code == GATE_CODES["channel"], direction),
                                 intermediates=plan.intermediate_dtype)
-
-
-def chunk_flags(count: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 chunk counters for a pipelined forward (pipeline.py); the tests wrap it to read them."""
-    return torch.zeros(count, dtype=torch.int32, device=device)
-
-
-def dependent_launch_available(device: torch.device) -> bool:
-    """Whether kernels on `device` can be launched with programmatic dependent launch (Hopper on)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def plan_kept_state_rows(plan: Plan):

@@ -59,7 +59,7 @@ from .plan import (GATE_CODES, MAX_HEAD_DIM, MIN_DOT_DIM, Plan, block_size, chec
 from .qk_l2norm import l2norm_backward
 from .reference import DeltaRuleProblem, check_delta_rule_inputs
 from .scores import launch_scores_backward
-from .state import (STATE_TILE_ELEMENTS, chunk_signal_arguments, state_backward_block_v, state_forward_block_v,
+from .state import (STATE_TILE_ELEMENTS, state_backward_block_v, state_forward_block_v,
                     state_launch_options)
 from .wy import WY_BACKWARD_OPTIONS
 
@@ -673,7 +673,6 @@ def _sweep_forward(local: _Local, intra: _Intra, initial_states, h, u, final_sta
         problem.value_dim, GATE=kplan.gate_code, BT=kplan.chunk_size, BKF=block_k_full, BV=block_v,
         HAS_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision,
         **sweep_launch_options(kplan, block_k_full, intra.k.dtype, "forward"),
-        **chunk_signal_arguments(None, kplan.dummy, 0, False),
     )
 
 

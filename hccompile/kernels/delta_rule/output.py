@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .plan import Plan, block_size
 
-from .._triton import cdiv, next_power_of_2, tl, triton
+from .._triton import cdiv, tl, triton
 
 
 def output_grid(num_chunks, value_heads: int, value_dim: int, block_v: int) -> tuple:
@@ -26,7 +26,6 @@ def output_grid(num_chunks, value_heads: int, value_dim: int, block_v: int) -> t
 
 
 if triton is not None:
-    from .pipeline import _wait_chunk
     from .tiles import (_dot, _gate_offset, _load_rows, _load_stored_rows, _pair_decays, _row_chunk_coords,
                         _store_rows, _varlen_chunk_coords)
 
@@ -47,12 +46,6 @@ if triton is not None:
         FORM_SCORES: tl.constexpr,
         STORE_SCORES: tl.constexpr,
         SCORES_ONLY: tl.constexpr,
-        flags_ptr,
-        flag_tiles,
-        flag_threads,
-        WAIT: tl.constexpr,
-        FLAG_TILES: tl.constexpr,
-        MAX_SPINS: tl.constexpr,
     ):
         """O = scale ((Q e^G) h + P U) for one chunk, value head and value tile; grid (chunks x value
         tiles, value heads).
@@ -61,11 +54,7 @@ if triton is not None:
         a scalar one) formed from q and k (k_ptr, [B, T, H, K] like q) and the pair decays; with
         STORE_SCORES the program of the first value tile stores it to scores_ptr (its dtype). With
         SCORES_ONLY (and FORM_SCORES) the grid is (chunks, value heads) and P is all it forms and
-        stores: h, u and o are not touched; the products' operands take scores_ptr's dtype.
-
-        WAIT: the program waits until its chunk's `flag_tiles` counters in flags_ptr (one per sweep value
-        tile; FLAG_TILES a power of 2 not below) reach `flag_threads` (pipeline.py) before it reads h and
-        U: state_forward runs beside it."""
+        stores: h, u and o are not touched; the products' operands take scores_ptr's dtype."""
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
         if SCORES_ONLY:
@@ -81,8 +70,6 @@ if triton is not None:
             pid_chunk = tl.program_id(0) // value_tiles
             pid_v = tl.program_id(0) % value_tiles
         head = tl.program_id(1).to(tl.int64)
-        if WAIT:
-            ready = _wait_chunk(flags_ptr, pid_chunk * HV + head, flag_tiles, flag_threads, FLAG_TILES, MAX_SPINS)
         if IS_VARLEN:
             seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
             chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
@@ -139,8 +126,6 @@ if triton is not None:
                 acc *= tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))[:, None]
             u = _load_stored_rows(u_ptr + (batch * T) * HV * V + head * V, tokens, vc, HV * V, 1, valid, V)
             acc += _dot(scores, u, dot_dtype, DOT_PRECISION)
-            if WAIT:
-                acc = tl.where(ready, acc, float("nan"))  # flags never set (the interpreter's bounded wait)
             _store_rows(o_ptr + batch * stride_ob + head * stride_oh, acc * scale, tokens, vc, stride_ot, stride_ov,
                         valid, V)
 
@@ -160,15 +145,11 @@ OUTPUT_BLOCK_V = 128
 
 
 def launch_output(plan: Plan, q, k, cum, h, scores, u, o, num_chunks, table, seqlens, scale: float, *,
-                  form_scores: bool, store_scores: bool = False, flags=None, flag_tiles: int = 0,
-                  flag_threads: int = 0, dependent: bool = False) -> None:
+                  form_scores: bool, store_scores: bool = False) -> None:
     """_output_kernel on `num_chunks` chunks (the first `table` lists, varlen; `h` starts at the first):
     O into `o`. `form_scores`: P formed in the kernel (plan.fused_scores_forward) rather than read from
     `scores`; `store_scores`: then also stored into `scores` (chunk.py's forward keeping its
     intermediates). chunk.py and cp.py launch it.
-    `flags`: each program waits until its chunk's `flag_tiles` counters (one per sweep value tile) reach
-    `flag_threads`, as state_forward counts them up (pipeline.py); `dependent`: launched with programmatic
-    dependent launch.
 
     Triton's default launch options (4 warps, 3 stages), untimed with FORM_SCORES: compiled for sm_90
     (B1 T32768 H16 D128 bf16 GDN's specialization, benchmarks/sm90_registers.py, Triton 3.9 / 3.6) the
@@ -181,20 +162,8 @@ def launch_output(plan: Plan, q, k, cum, h, scores, u, o, num_chunks, table, seq
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, float(scale), GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim),
         BV=block_v, IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision, FORM_SCORES=form_scores,
-        STORE_SCORES=store_scores, SCORES_ONLY=False, **_wait_options(plan, flags, flag_tiles, flag_threads, dependent),
+        STORE_SCORES=store_scores, SCORES_ONLY=False,
     )
-
-
-def _wait_options(plan: Plan, flags, flag_tiles: int, flag_threads: int, dependent: bool) -> dict:
-    """The output kernel's arguments for waiting on state_forward's chunk counters; explicit without them
-    too (a traced launch hands Inductor every argument)."""
-    if flags is None:
-        return dict(flags_ptr=plan.dummy, flag_tiles=1, flag_threads=1, WAIT=False, FLAG_TILES=1, MAX_SPINS=0)
-    options = dict(flags_ptr=flags, flag_tiles=flag_tiles, flag_threads=flag_threads, WAIT=True,
-                   FLAG_TILES=next_power_of_2(flag_tiles), MAX_SPINS=0 if flags.is_cuda else 1)
-    if dependent:
-        options["launch_pdl"] = True
-    return options
 
 
 def launch_scores_only(plan: Plan, q, k, cum, scores, num_chunks, table, seqlens) -> None:
@@ -208,5 +177,5 @@ def launch_scores_only(plan: Plan, q, k, cum, scores, num_chunks, table, seqlens
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, 1.0, GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim),
         BV=block_size(problem.value_dim), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-        FORM_SCORES=True, STORE_SCORES=False, SCORES_ONLY=True, **_wait_options(plan, None, 0, 0, False),
+        FORM_SCORES=True, STORE_SCORES=False, SCORES_ONLY=True,
     )

@@ -107,25 +107,21 @@ CHUNK_SCORE_PROGRAMS = True
 # KDA's backward state sweep reading Q e^G and K e^(G_last - G) formed chunk-parallel before it
 # (decayed_keys.py) instead of forming them in every step of every value-tile program (an fp32 [BT, K]
 # gate tile and 2 BT K exps a step, repeated by a head's eight 16-wide value tiles): sm_90, Triton 3.6,
-# 140 registers for the sweep where the other takes 253. The same results bit for bit. Off until timed:
-# HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=1 (read at import) turns it on; read when a backward launches.
-PREPARED_CHANNEL_SWEEP = os.environ.get("HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP", "0") == "1"
-# The forward's output kernel beside its state sweep (pipeline.py): state_forward sets a flag per chunk
-# once it has stored the chunk's state and corrected values, and the output kernel, launched with
-# programmatic dependent launch on a Hopper GPU (after the sweep elsewhere), waits per chunk for its
-# flags, so that it runs in the SM room the sweep leaves instead of after it. Eager launches only
-# (a traced op launches through Inductor, which knows no dependent launch). Off until timed:
-# HCCOMPILE_DELTA_RULE_PIPELINED_OUTPUT=1 (read at import) turns it on; read when a forward launches.
-PIPELINED_OUTPUT = os.environ.get("HCCOMPILE_DELTA_RULE_PIPELINED_OUTPUT", "0") == "1"
+# 140 registers for the sweep where the other takes 253. The same results bit for bit. On one H200
+# (session 47, tune_delta_rule.py, KDA fwd+bwd) B1 T32768 H16 D128 8.991 against 9.624 ms (0.934x), B4
+# T4096 4.133 against 4.319 (0.957x). HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=0 (read at import)
+# turns it off; read when a backward launches.
+PREPARED_CHANNEL_SWEEP = os.environ.get("HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP", "1") == "1"
 # The split backward's per-head key gradients (dqkw.py's complete dq, and dk's partial sum that
 # wy_bwd.py reads, adds its terms to and stores complete) in the half inputs' dtype rather than fp32,
 # as FLA stores them (R6a of benchmarks/analysis/gdn_traffic_2026-11-26.md): the l2norm backward
 # reads half the bytes, and without the in-kernel l2norm they are written into the op's dq and dk
 # themselves (no copy). Only without GVA (the value heads' sum stays fp32) and with the split
-# backward. Off until it is timed on the H100 (benchmarks/delta_rule.py's "half-key-grads" row):
-# HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS=1 (read at import) turns it on; the attribute is read when
-# a Plan is made.
-HALF_KEY_GRADIENTS = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS", "0") == "1"
+# backward. On one H200 (session 47, benchmarks/delta_rule.py, GDN fwd+bwd, two rounds) B1 T32768 H16
+# D128 3.729 / 3.736 against 3.807 / 3.817 ms, B4 T4096 1.570 / 1.569 against 1.611 / 1.609; gradients
+# 2.8e-3 (relative RMS) from the fp32 heads', FLA's 4.0e-3. HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS=0
+# (read at import) turns it off; the attribute is read when a Plan is made.
+HALF_KEY_GRADIENTS = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS", "1") == "1"
 
 
 def check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:

@@ -39,9 +39,6 @@ MIN_BACKWARD_SWEEP_TILE = MIN_DOT_DIM
 
 
 if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents
-
-    from .pipeline import _signal_chunk
     from .tiles import (_channel_decays, _chunk_end_decay, _chunk_end_decays, _dot, _gate_offset, _load_rows,
                         _load_stored_rows, _row_bounds, _store_rows, _varlen_bounds)
 
@@ -61,10 +58,6 @@ if triton is not None:
         STORE_FINAL_STATE: tl.constexpr,
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        flags_ptr,
-        SIGNAL: tl.constexpr,
-        TRIGGER_DEPENDENTS: tl.constexpr,
-        SIGNAL_THREADS: tl.constexpr,
     ):
         """Walks one sequence's chunks for one value head and value tile.
 
@@ -72,12 +65,7 @@ if triton is not None:
         U = U~ - W h; S_end = e^G_last S + (K e^(G_last - G))^T U. The state is fp32; h, U and
         the products' operands are in the intermediates' dtype (h's). A channel gate's decayed
         keys K e^(G_last - G) come from wy_solve (kg_ptr, [B, T, HV, K]); k_ptr is unused then.
-        SIGNAL: each chunk's counter in flags_ptr counted once h and U are stored (pipeline.py;
-        SIGNAL_THREADS: the launch's threads), for an output kernel running beside the sweep;
-        TRIGGER_DEPENDENTS: that kernel, launched with programmatic dependent launch, may start at once.
         """
-        if TRIGGER_DEPENDENTS:
-            gdc_launch_dependents()
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         pid_v = tl.program_id(2)
@@ -106,13 +94,7 @@ if triton is not None:
                                kc < K, V)
         else:
             state = tl.zeros([BKF, BV], dtype=tl.float32)
-        num_chunks = tl.cdiv(eos - bos, BT)
-        for chunk in range(0, num_chunks):
-            if SIGNAL:
-                if chunk > 0:
-                    # the chunk before: its stores were issued a step ago
-                    _signal_chunk(flags_ptr, (first_chunk + chunk - 1) * HV + head, pid_v, tl.num_programs(2),
-                                  SIGNAL_THREADS)
+        for chunk in range(0, tl.cdiv(eos - bos, BT)):
             start = bos + chunk * BT
             length = tl.minimum(eos - start, BT)
             tokens = start + local
@@ -139,11 +121,6 @@ if triton is not None:
         if STORE_FINAL_STATE:
             _store_rows(ht_ptr + seq * stride_htn + head * stride_hth, state, kc, vc, stride_htk, stride_htv,
                         kc < K, V)
-        if SIGNAL:
-            if num_chunks > 0:
-                # after the final state's store: a consumer of the last chunk has every write of the sweep
-                _signal_chunk(flags_ptr, (first_chunk + num_chunks - 1) * HV + head, pid_v, tl.num_programs(2),
-                              SIGNAL_THREADS)
 
     @triton.jit
     def _state_backward_kernel(
@@ -276,17 +253,6 @@ def state_backward_block_v(block_k_full: int, value_dim: int, walks: int, device
     """BV of state_backward (and CP's backward sweep)."""
     widest = min(block_size(value_dim), max(MIN_DOT_DIM, STATE_TILE_ELEMENTS // block_k_full))
     return narrow_for_occupancy(widest, walks, value_dim, device, floor=MIN_BACKWARD_SWEEP_TILE)
-
-
-def chunk_signal_arguments(flags, dummy, threads: int, dependent: bool) -> dict:
-    """state_forward's chunk-counter arguments (pipeline.py): with `flags` (zeroed int32, a counter per
-    chunk, value head and value tile) the sweep counts each chunk done, one per thread of its `threads`
-    (the launch's num_warps x 32), and with `dependent` lets a dependent launch start at once; None counts
-    nothing (`dummy` stands in, and `threads` is not read: one specialization for every launch without).
-    Named at every launch: a traced launch hands Inductor every argument."""
-    if flags is None:
-        return dict(flags_ptr=dummy, SIGNAL=False, TRIGGER_DEPENDENTS=False, SIGNAL_THREADS=0)
-    return dict(flags_ptr=flags, SIGNAL=True, TRIGGER_DEPENDENTS=dependent, SIGNAL_THREADS=threads)
 
 
 def state_launch_options(block_k_full: int, dtype: torch.dtype, *, timed_sweep: tuple[bool, str] | None = None,
