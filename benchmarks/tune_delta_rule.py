@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hccompile.kernels.delta_rule import chunk, dqkw, output, qk_l2norm, scores, wy_bwd  # noqa: E402
+from hccompile.kernels.delta_rule import chunk, dqkw, gate_cumsum, output, qk_l2norm, scores, wy_bwd  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 from profile_ops import parse_shape  # noqa: E402
 
@@ -74,6 +74,14 @@ VARIANTS = {
     # wy_bwd's dL = -A^T dA A^T as tf32 products of the fp32 A instead of from bf16 A and dA (FLA's order,
     # the default since session 46)
     "WY_BWD_HALF_DL": (wy_bwd, [False]),
+    # KDA with the gate in the kernel (--ops kda-gate): gate_backward's key tile and warps (default 32 and 8)
+    "GATE_BACKWARD_BLOCK_K": (gate_cumsum, [64]),
+    "GATE_BACKWARD_WARPS": (gate_cumsum, [4]),
+    # KDA: the score kernels' gate span past which a diagonal block is split (default 40): what the split
+    # blocks cost (with FLA's gate initialisation 3.5 % of the sub-chunks pass 40, 0.02 % pass 60; factoring
+    # them loses accuracy in bf16: Kdot 5.8e-3 and P 5.9e-3 against float64 always factored, 4.0e-3 and 2.6e-3
+    # at 40, 3.8e-3 and 1.7e-3 always split, in the strong-gate test case)
+    "FACTOR_SPAN_LIMIT": (scores, [60.0, float("inf")]),
 }
 
 
@@ -120,11 +128,19 @@ def step_fn(op: str, shape: dict, compiled: bool = False):
     q, k, v = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
     beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
     g_shape = (B, T, H) if op == "gdn" else (B, T, H, D)
-    g = torch.nn.functional.logsigmoid(torch.randn(*g_shape, generator=gen, device="cuda")).requires_grad_()
     f = hccompile.chunk_gated_delta_rule if op == "gdn" else hccompile.chunk_kda
+    if op == "kda-gate":  # the gate activation in the kernel, raw g and FLA's KDA initialisation (delta_rule.py)
+        from delta_rule import kda_gate_parameters
+
+        g = randn(*g_shape)
+        A_log, dt_bias = (t.requires_grad_() for t in kda_gate_parameters(H, D, gen))
+        gate = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    else:
+        g = torch.nn.functional.logsigmoid(torch.randn(*g_shape, generator=gen, device="cuda")).requires_grad_()
+        gate = {}
     do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
 
-    call = (lambda *a: f(*a, use_qk_l2norm_in_kernel=True)[0])
+    call = (lambda *a: f(*a, use_qk_l2norm_in_kernel=True, **gate)[0])
     if compiled:  # Inductor's code launches the kernels (issue 24); one graph for every length
         call = torch.compile(call, fullgraph=True, dynamic=True)
 
