@@ -1,121 +1,84 @@
-"""KDA's in-kernel gate backward (gate_cumsum.py's _gate_backward_kernel) alone, on the GPU: where its
-time goes (issue 20). At B1 T32768 H16 K128 bf16 it took 0.401 ms on the H200 (BK 32, 8 warps) where
-its bytes (dG fp32 in, g bf16 in, dg bf16 out: 537 MB) move in ~0.13 ms.
+"""KDA's in-kernel gate backward (gate_cumsum.py's _gate_backward_kernel) inside a KDA fwd+bwd with the
+gate in the kernel (FLA's initialisation), on the GPU: its GPU time (profiler) over its key tile, warps
+and chunks per program (GATE_BACKWARD_BLOCK_K / _WARPS / _CHUNKS), each setting's g, A_log and dt_bias
+gradients against the defaults' (dg bit for bit; the parameter sums in another order) (issue 20).
 
-Variants of a copy of the kernel, each checked against the hccompile kernel's dg, dA_log and dt_bias
-partials (except the timing-only bound), then timed (do_bench, median):
-  reverse   the reverse chunk sum by tl.cumsum(reverse=True) instead of total - cumsum + dG
-  nopartial no dA_log / dt_bias partial sums (timing only: wrong partials)
-  copy      dG read and dg written, nothing else (the bytes' floor in this layout)
-over BK 16 / 32 / 64 / 128 and 2 / 4 / 8 / 16 warps.
+Session 47's first form took 0.553 ms at B1 T32768 H16 K128 on the H200 (BK 64, 4 warps, partial sums
+per chunk), its bytes ~0.13: alone, the partial sums across warps cost as much as the rest.
 
-    python benchmarks/analysis/gate_backward_variants.py
+    python benchmarks/analysis/gate_backward_variants.py [--shape B1T32768H16D128]
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
-from triton.testing import do_bench
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from _profile import profile_step  # noqa: E402
+from delta_rule import kda_gate_parameters  # noqa: E402
+from profile_ops import parse_shape  # noqa: E402
+
+import hccompile  # noqa: E402
 from hccompile.kernels.delta_rule import gate_cumsum  # noqa: E402
-from hccompile.kernels.delta_rule.gate_cumsum import _softplus  # noqa: E402
 
-
-@triton.jit
-def _variant_kernel(dcum_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, dA_log_partial_ptr, dt_bias_partial_ptr,
-                    T, NT, HV, GK, MODE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    pid_chunk = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    pid_k = tl.program_id(2)
-    batch = pid_chunk // NT
-    start = (pid_chunk % NT) * BT
-    length = tl.minimum(T - start, BT)
-    local = tl.arange(0, BT)
-    cols = pid_k * BK + tl.arange(0, BK)
-    valid = local < length
-    row = HV * GK
-    offsets = (batch * T + start + local[:, None]).to(tl.int64) * row + head * GK + cols[None, :]
-    mask = valid[:, None] & (cols[None, :] < GK)
-    dcum = tl.load(dcum_ptr + offsets, mask=mask, other=0.0)
-    if MODE == 3:  # copy
-        tl.store(dg_ptr + offsets, dcum.to(dg_ptr.dtype.element_ty), mask=mask)
-    else:
-        if MODE == 1:
-            dgate = tl.cumsum(dcum, axis=0, reverse=True)
-        else:
-            dgate = tl.sum(dcum, axis=0)[None, :] - tl.cumsum(dcum, axis=0) + dcum
-        g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        rate = tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
-        x = g + tl.load(dt_bias_ptr + head * GK + cols, mask=cols < GK, other=0.0).to(tl.float32)[None, :]
-        slope = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
-        dx = tl.where(mask, -rate * slope * dgate, 0.0)
-        tl.store(dg_ptr + offsets, dx.to(dg_ptr.dtype.element_ty), mask=mask)
-        if MODE != 2:
-            dA_log = tl.where(mask, -rate * _softplus(x) * dgate, 0.0)
-            partial_row = (pid_chunk * HV + head).to(tl.int64)
-            tl.store(dA_log_partial_ptr + partial_row * tl.num_programs(2) + pid_k,
-                     tl.sum(tl.sum(dA_log, axis=1), axis=0))
-            tl.store(dt_bias_partial_ptr + partial_row * GK + cols, tl.sum(dx, axis=0), mask=cols < GK)
-
-
-MODES = {"current": 0, "reverse": 1, "nopartial": 2, "copy": 3}
-# the reference (current at BK 32, 8 warps) first
-BLOCKS = (32, 16, 64, 128)
-WARPS = (8, 2, 4, 16)
+# (BK, warps, chunks per program); the first is the defaults'
+SETTINGS = [(gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS, gate_cumsum.GATE_BACKWARD_CHUNKS),
+            (32, 4, 1), (32, 4, 2), (32, 4, 4), (32, 4, 8), (32, 8, 4), (32, 8, 8), (32, 2, 4), (64, 4, 4),
+            (64, 8, 4), (64, 8, 8), (16, 4, 4)]
 
 
 def main() -> None:
-    B, T, H, K, BT = 1, int(os.environ.get("GATE_T", 32768)), 16, 128, 64
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test under TRITON_INTERPRET=1
-    torch.manual_seed(0)
-    dcum = torch.randn(B, T, H, K, device=device)
-    g = torch.randn(B, T, H, K, device=device).bfloat16()
-    A_log = torch.rand(H, device=device) * 2
-    dt_bias = torch.randn(H * K, device=device) - 4
-    chunks = B * T // BT
-    print(f"bytes {(dcum.numel() * 4 + g.numel() * 4) / 1e6:.0f} MB", flush=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="B1T32768H16D128")
+    args = p.parse_args()
+    s = parse_shape(args.shape)
+    B, T, H, D = s["B"], s["T"], s["H"], s["D"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
 
-    want_dg = torch.empty_like(g)
-    for bk in BLOCKS:
-        tiles = K // bk
-        dA = torch.empty(chunks, H, tiles, device=device)
-        dt = torch.empty(chunks, H, K, device=device)
-        for warps in WARPS:
-            for name, mode in MODES.items():
-                dg = torch.empty_like(g)
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").bfloat16().requires_grad_()
 
-                def launch():
-                    _variant_kernel[(chunks, H, tiles)](dcum, g, A_log, dt_bias, dg, dA, dt, T, T // BT, H, K,
-                                                        MODE=mode, BT=BT, BK=bk, num_warps=warps)
+    q, k, v, g = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
+    beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+    A_log, dt_bias = (t.requires_grad_() for t in kda_gate_parameters(H, D, gen))
+    do = torch.randn(B, T, H, D, generator=gen, device="cuda").bfloat16()
+    leaves = (q, k, v, g, beta, A_log, dt_bias)
 
-                try:
-                    launch()
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                except Exception as error:  # noqa: BLE001 - a config past the GPU's resources
-                    print(f"BK {bk:3d} warps {warps:2d} {name:9s}: failed {str(error).splitlines()[0][:100]}")
-                    continue
-                note = ""
-                if mode in (0, 1):
-                    if name == "current" and bk == 32 and warps == 8:
-                        want_dg.copy_(dg)
-                        want = (dA.sum((0, 2)).clone(), dt.sum(0).clone())
-                    elif want_dg.abs().sum() > 0:
-                        note = (f" dg max diff {(dg.float() - want_dg.float()).abs().max().item():.1e}"
-                                f" dA_log {(dA.sum((0, 2)) - want[0]).abs().max().item():.1e}"
-                                f" dt_bias {(dt.sum(0) - want[1]).abs().max().item():.1e}")
-                if device != "cuda":
-                    print(f"BK {bk:3d} warps {warps:2d} {name:9s}: ran{note}", flush=True)
-                    continue
-                ms = do_bench(launch, warmup=25, rep=200, return_mode="median")
-                print(f"BK {bk:3d} warps {warps:2d} {name:9s}: {ms * 1e3:7.1f} us{note}", flush=True)
-    print("hccompile's BK / warps:", gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS)
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        o = hccompile.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                A_log=A_log, dt_bias=dt_bias)[0]
+        o.backward(do)
+
+    saved = (gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS, gate_cumsum.GATE_BACKWARD_CHUNKS)
+    reference = None
+    for setting in SETTINGS:
+        (gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS,
+         gate_cumsum.GATE_BACKWARD_CHUNKS) = setting
+        try:
+            step()
+            torch.cuda.synchronize()
+            grads = [g.grad.clone(), A_log.grad.clone(), dt_bias.grad.clone()]
+            _, summary = profile_step(step, steps=5, top=40)
+        finally:
+            (gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS,
+             gate_cumsum.GATE_BACKWARD_CHUNKS) = saved
+        kernel_ms = sum(row["ms"] for row in summary["top"] if "_gate_backward_kernel" in row["kernel"])
+        note = ""
+        if reference is None:
+            reference = grads
+        else:
+            dg_equal = torch.equal(grads[0], reference[0])
+            rel = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads[1:], reference[1:])]
+            note = f"  dg {'equal' if dg_equal else 'DIFFERS'}, dA_log {rel[0]:.1e}, dt_bias {rel[1]:.1e}"
+        print(f"{args.shape} BK {setting[0]:3d} warps {setting[1]:2d} chunks {setting[2]}: gate_backward "
+              f"{kernel_ms:.3f} ms, step GPU {summary['gpu_busy_ms']:.3f} ms{note}", flush=True)
 
 
 if __name__ == "__main__":
