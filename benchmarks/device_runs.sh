@@ -99,8 +99,8 @@
 #               sweep's launch options (4 / 8 warps, 1 / 3 stages) at B1 (tune_delta_rule.py)        (issue 20)
 #   kda-gate-tune  KDA with the gate in the kernel: gate_backward's key tile and warps, and the score kernels'
 #               FACTOR_SPAN_LIMIT at 60 and inf (what the split diagonal blocks cost), fwd+bwd at B1 T32768 and B4 T4096 (tune_delta_rule.py) (issue 20)
-#   gate-bwd    KDA's in-kernel gate backward in a fwd+bwd at B1 T32768: its GPU time over key tiles, warps and
-#               chunks per program, the gradients against the defaults' (analysis/gate_backward_variants.py) (issue 20)
+#   gate-bwd    KDA's in-kernel gate backward in a fwd+bwd at B1 T32768: its GPU time over key tiles and warps,
+#               the gradients against the defaults' (analysis/gate_backward_variants.py) (issue 20)
 #   kda-gate-profile  KDA's per-kernel GPU time with the gate computed in the kernel against the precomputed
 #               gate and FLA's in-kernel gate, B1 T32768 H16 D128 (profile_ops.py)                  (issue 20)
 #   sweep-overlap  how much chunk-parallel work could hide under the state sweeps: one GDN and one KDA fwd+bwd's

@@ -1,10 +1,8 @@
 """KDA's in-kernel gate backward (gate_cumsum.py's _gate_backward_kernel) inside a KDA fwd+bwd with the
-gate in the kernel (FLA's initialisation), on the GPU: its GPU time (profiler) over its key tile, warps
-and chunks per program (GATE_BACKWARD_BLOCK_K / _WARPS / _CHUNKS), each setting's g, A_log and dt_bias
-gradients against the defaults' (dg bit for bit; the parameter sums in another order) (issue 20).
-
-Session 47's first form took 0.553 ms at B1 T32768 H16 K128 on the H200 (BK 64, 4 warps, partial sums
-per chunk), its bytes ~0.13: alone, the partial sums across warps cost as much as the rest.
+gate in the kernel (FLA's initialisation), on the GPU: its GPU time (profiler) over its key tile and
+warps (GATE_BACKWARD_BLOCK_K / _WARPS), each setting's g, A_log and dt_bias gradients against the
+defaults' (issue 20). Session 47's first form took 0.553 ms at B1 T32768 H16 K128 on the H200, its
+bytes ~0.13.
 
     python benchmarks/analysis/gate_backward_variants.py [--shape B1T32768H16D128]
 """
@@ -26,10 +24,9 @@ from profile_ops import parse_shape  # noqa: E402
 import hccompile  # noqa: E402
 from hccompile.kernels.delta_rule import gate_cumsum  # noqa: E402
 
-# (BK, warps, chunks per program); the first is the defaults'
-SETTINGS = [(gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS, gate_cumsum.GATE_BACKWARD_CHUNKS),
-            (32, 4, 1), (32, 4, 2), (32, 4, 4), (32, 4, 8), (32, 8, 4), (32, 8, 8), (32, 2, 4), (64, 4, 4),
-            (64, 8, 4), (64, 8, 8), (16, 4, 4)]
+# (BK, warps); the first is the defaults'
+SETTINGS = [(gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS), (32, 2), (32, 8), (16, 4), (16, 8),
+            (64, 4), (64, 8)]
 
 
 def main() -> None:
@@ -56,19 +53,17 @@ def main() -> None:
                                 A_log=A_log, dt_bias=dt_bias)[0]
         o.backward(do)
 
-    saved = (gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS, gate_cumsum.GATE_BACKWARD_CHUNKS)
+    saved = (gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS)
     reference = None
     for setting in SETTINGS:
-        (gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS,
-         gate_cumsum.GATE_BACKWARD_CHUNKS) = setting
+        gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS = setting
         try:
             step()
             torch.cuda.synchronize()
             grads = [g.grad.clone(), A_log.grad.clone(), dt_bias.grad.clone()]
             _, summary = profile_step(step, steps=5, top=40)
         finally:
-            (gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS,
-             gate_cumsum.GATE_BACKWARD_CHUNKS) = saved
+            gate_cumsum.GATE_BACKWARD_BLOCK_K, gate_cumsum.GATE_BACKWARD_WARPS = saved
         kernel_ms = sum(row["ms"] for row in summary["top"] if "_gate_backward_kernel" in row["kernel"])
         note = ""
         if reference is None:
@@ -77,7 +72,7 @@ def main() -> None:
             dg_equal = torch.equal(grads[0], reference[0])
             rel = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads[1:], reference[1:])]
             note = f"  dg {'equal' if dg_equal else 'DIFFERS'}, dA_log {rel[0]:.1e}, dt_bias {rel[1]:.1e}"
-        print(f"{args.shape} BK {setting[0]:3d} warps {setting[1]:2d} chunks {setting[2]}: gate_backward "
+        print(f"{args.shape} BK {setting[0]:3d} warps {setting[1]:2d}: gate_backward "
               f"{kernel_ms:.3f} ms, step GPU {summary['gpu_busy_ms']:.3f} ms{note}", flush=True)
 
 

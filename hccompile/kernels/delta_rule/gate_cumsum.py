@@ -92,65 +92,53 @@ if triton is not None:
         dcum_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, dA_log_partial_ptr, dt_bias_partial_ptr,
         stride_gb, stride_gt, stride_gh, stride_gk,
         chunk_table_ptr, cu_seqlens_ptr,
-        T, NT, HV, GK, lower_bound, num_chunks,
+        T, NT, HV, GK, lower_bound,
         ACTIVATION: tl.constexpr,
         BT: tl.constexpr,
         BK: tl.constexpr,
         IS_VARLEN: tl.constexpr,
-        CHUNKS: tl.constexpr,
     ):
         """dg_raw = act'(g_raw) * (reverse chunk-local sum of dG), stored in g's dtype, contiguous
-        [B, T, HV, GK], for CHUNKS consecutive chunks of `num_chunks` (grid axis 0 their groups);
-        the group's sums of the A_log and dt_bias gradients go to the partial buffers [groups, HV,
-        cdiv(GK, BK)] and [groups, HV, GK] (summed by the host: deterministic, unlike atomics). The
-        sums are taken once per group from elementwise accumulators: each is a reduction across the
-        program's warps, which cost as much as the rest of the kernel when taken once per chunk."""
+        [B, T, HV, GK]; this chunk's sums of the A_log and dt_bias gradients go to the partial
+        buffers [chunks, HV, cdiv(GK, BK)] and [chunks, HV, GK] (summed by the host: deterministic,
+        unlike atomics)."""
         lower_bound = tl.cast(lower_bound, tl.float32)
+        pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         pid_k = tl.program_id(2)
+        if IS_VARLEN:
+            seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
+            chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
+            batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
+                                                        tl.load(cu_seqlens_ptr + seq + 1), BT)
+        else:
+            batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
         local = tl.arange(0, BT)
         cols = pid_k * BK + tl.arange(0, BK)
+        valid = local < length
         row = HV * GK
-        acc_dx = tl.zeros([BT, BK], dtype=tl.float32)
-        acc_dA_log = tl.zeros([BT, BK], dtype=tl.float32)
-        # a loop, not unrolled: unrolled, every chunk's loads were issued at once (255 registers and spills)
-        for i in range(CHUNKS):
-            pid_chunk = tl.program_id(0) * CHUNKS + i
-            live = pid_chunk < num_chunks
-            pid_chunk = tl.minimum(pid_chunk, num_chunks - 1)
-            if IS_VARLEN:
-                seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
-                chunk = tl.load(chunk_table_ptr + 2 * pid_chunk + 1)
-                batch, start, length = _varlen_chunk_coords(chunk, tl.load(cu_seqlens_ptr + seq),
-                                                            tl.load(cu_seqlens_ptr + seq + 1), BT)
-            else:
-                batch, start, length = _row_chunk_coords(pid_chunk, T, NT, BT)
-            # a block comparison, not `& live` (tiles._load_vector: a splat scalar mask breaks Triton 3.9's interpreter)
-            valid = local < tl.where(live, length, 0)
-            dcum = _load_rows(dcum_ptr + (batch * T) * row + head * GK, start + local, cols, row, 1, valid, GK)
-            dgate = tl.cumsum(dcum, axis=0, reverse=True)
-            g = _load_rows(g_ptr + batch * stride_gb + head * stride_gh, start + local, cols,
-                           stride_gt, stride_gk, valid, GK)
-            rate, x = _activation_input(g, A_log_ptr, dt_bias_ptr, head, cols, GK)
-            if ACTIVATION == 1:
-                # gate = -rate softplus(x); softplus' = sigmoid, 1 above 20 (torch's threshold)
-                slope = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
-                dx = -rate * slope * dgate
-                dA_log = -rate * _softplus(x) * dgate  # d gate / d A_log = gate
-            else:
-                # gate = b sigmoid(rate x)
-                s = tl.sigmoid(rate * x)
-                dz = lower_bound * s * (1.0 - s) * dgate
-                dx = rate * dz
-                dA_log = rate * x * dz
-            dx = tl.where(valid[:, None], dx, 0.0)
-            acc_dx += dx
-            acc_dA_log += tl.where(valid[:, None], dA_log, 0.0)
-            _store_rows(dg_ptr + (batch * T) * row + head * GK, dx, start + local, cols, row, 1, valid, GK)
-        partial_row = (tl.program_id(0) * HV + head).to(tl.int64)
-        tl.store(dA_log_partial_ptr + partial_row * tl.num_programs(2) + pid_k,
-                 tl.sum(tl.sum(acc_dA_log, axis=1), axis=0))
-        tl.store(dt_bias_partial_ptr + partial_row * GK + cols, tl.sum(acc_dx, axis=0), mask=cols < GK)
+        dcum = _load_rows(dcum_ptr + (batch * T) * row + head * GK, start + local, cols, row, 1, valid, GK)
+        dgate = tl.cumsum(dcum, axis=0, reverse=True)
+        g = _load_rows(g_ptr + batch * stride_gb + head * stride_gh, start + local, cols,
+                       stride_gt, stride_gk, valid, GK)
+        rate, x = _activation_input(g, A_log_ptr, dt_bias_ptr, head, cols, GK)
+        if ACTIVATION == 1:
+            # gate = -rate softplus(x); softplus' = sigmoid, 1 above 20 (torch's threshold)
+            slope = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
+            dx = -rate * slope * dgate
+            dA_log = -rate * _softplus(x) * dgate  # d gate / d A_log = gate
+        else:
+            # gate = b sigmoid(rate x)
+            s = tl.sigmoid(rate * x)
+            dz = lower_bound * s * (1.0 - s) * dgate
+            dx = rate * dz
+            dA_log = rate * x * dz
+        dx = tl.where(valid[:, None], dx, 0.0)
+        dA_log = tl.where(valid[:, None], dA_log, 0.0)
+        _store_rows(dg_ptr + (batch * T) * row + head * GK, dx, start + local, cols, row, 1, valid, GK)
+        partial_row = (pid_chunk * HV + head).to(tl.int64)
+        tl.store(dA_log_partial_ptr + partial_row * tl.num_programs(2) + pid_k, tl.sum(tl.sum(dA_log, axis=1), axis=0))
+        tl.store(dt_bias_partial_ptr + partial_row * GK + cols, tl.sum(dx, axis=0), mask=cols < GK)
 
 
 def gate_activation(problem, lower_bound) -> int:
@@ -183,16 +171,15 @@ def launch_gate_cumsum(plan: Plan, g: torch.Tensor, activation: int, A_log, dt_b
     return out
 
 
-# gate_backward's key tile, warps and chunks per program. Alone on one H200 at B1 T32768 H16 K128
-# (analysis/gate_backward_variants.py; moving its bytes takes 0.104-0.147 ms): BK 64, 4 warps, one chunk a
-# program and the partial sums per chunk 0.376 ms (the in-step profile: 0.553), BK 32 and 8 warps 0.397,
-# BK 32 and 4 warps 0.275; without the partial sums 0.194-0.200 at BK 64 or 32 and 4 warps; the reverse
-# sum by a reverse scan 0.007-0.037 faster than total - scan + dG. Hence the scan, 4 warps, and the
-# partial sums once per GATE_BACKWARD_CHUNKS chunks (elementwise accumulators between). Registers at
-# sm_90 (Triton 3.9), one chunk a program: BK 64 and 4 warps 204, BK 32 and 4 warps 113.
+# gate_backward's key tile and warps. In a KDA fwd+bwd with the gate in the kernel on one H200 (B1 T32768
+# H16 K128, analysis/gate_backward_variants.py, session 47; moving its bytes takes 0.104-0.147 ms): BK 64
+# and 4 warps with the reverse sum as total - scan + dG 0.553 ms (204 registers at sm_90), BK 32 and 8
+# warps 0.401; with the reverse scan BK 32 and 4 warps 0.324 (79 registers), 8 warps ~0.39, 2 warps ~0.57,
+# BK 64 0.58-0.71, BK 16 0.38. Taking four chunks a program, to reduce the partial sums across warps once
+# per four (elementwise accumulators between), was slower in the step (0.432 ms, 141 registers) although
+# the partial sums cost 0.08-0.18 ms of the kernel alone.
 GATE_BACKWARD_BLOCK_K = 32
 GATE_BACKWARD_WARPS = 4
-GATE_BACKWARD_CHUNKS = 4
 
 
 def gate_backward(plan: Plan, dcum: torch.Tensor, g_raw: torch.Tensor, activation: int, A_log, dt_bias,
@@ -205,19 +192,17 @@ def gate_backward(plan: Plan, dcum: torch.Tensor, g_raw: torch.Tensor, activatio
     block_k = min(block_size(width), GATE_BACKWARD_BLOCK_K)
     tiles = cdiv(width, block_k)
     chunks, heads = plan.num_chunks, problem.value_heads
-    groups = cdiv(chunks, GATE_BACKWARD_CHUNKS)  # a group past the last chunk masks its loads and stores
     device = dcum.device
     direct = out is not None and out.dtype == g_raw.dtype and out.is_contiguous()
     dg = out if direct else torch.empty(g_raw.shape, dtype=g_raw.dtype, device=device)  # [B, T, HV, K]
-    dA_log_partial = torch.empty(groups, heads, tiles, dtype=torch.float32, device=device)
-    dt_bias_partial = torch.empty(groups, heads, width, dtype=torch.float32, device=device)
+    dA_log_partial = torch.empty(chunks, heads, tiles, dtype=torch.float32, device=device)
+    dt_bias_partial = torch.empty(chunks, heads, width, dtype=torch.float32, device=device)
     table, seqlens = plan.chunk_args()
-    plan.launch(_gate_backward_kernel)[(groups, heads, tiles)](
+    plan.launch(_gate_backward_kernel)[(chunks, heads, tiles)](
         dcum, g_raw, A_log, dt_bias, dg, dA_log_partial, dt_bias_partial, *g_raw.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, heads, width,
-        float(lower_bound) if lower_bound is not None else 0.0, chunks,
-        ACTIVATION=activation, BT=plan.chunk_size, BK=block_k, IS_VARLEN=plan.varlen, CHUNKS=GATE_BACKWARD_CHUNKS,
-        num_warps=GATE_BACKWARD_WARPS,
+        float(lower_bound) if lower_bound is not None else 0.0,
+        ACTIVATION=activation, BT=plan.chunk_size, BK=block_k, IS_VARLEN=plan.varlen, num_warps=GATE_BACKWARD_WARPS,
     )
     if out is not None and not direct:
         dg = out.copy_(dg)
