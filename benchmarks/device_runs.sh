@@ -98,9 +98,12 @@
 #               decayed_keys.py) against the defaults, fwd+bwd at B4 T4096 and B1 T32768; then, with it on, the
 #               sweep's launch options (4 / 8 warps, 1 / 3 stages) at B1 (tune_delta_rule.py)        (issue 20)
 #   kda-gate-tune  KDA with the gate in the kernel: gate_backward's key tile and warps, and the score kernels'
-#               FACTOR_SPAN_LIMIT at 60 and inf (what the split diagonal blocks cost), fwd+bwd at B1 T32768 and B4 T4096 (tune_delta_rule.py) (issue 20)
+#               FACTOR_SPAN_LIMIT at 60 and inf (what the split diagonal blocks cost), fwd+bwd at B1 T32768 and B4 T4096
+#               (tune_delta_rule.py; KDA_GATE_KERNELS and KDA_GATE_SHAPES pick)                                 (issue 20)
 #   gate-bwd    KDA's in-kernel gate backward in a fwd+bwd at B1 T32768: its GPU time over key tiles and warps,
 #               the gradients against the defaults' (analysis/gate_backward_variants.py) (issue 20)
+#   split-cost  KDA's score kernels' GPU time with the gate in the kernel and with logsigmoid gates, one program per
+#               chunk or per sub-chunk, FACTOR_SPAN_LIMIT 40 / 60 / 0 (analysis/split_cost.py)           (issue 20)
 #   kda-gate-profile  KDA's per-kernel GPU time with the gate computed in the kernel against the precomputed
 #               gate and FLA's in-kernel gate, B1 T32768 H16 D128 (profile_ops.py)                  (issue 20)
 #   sweep-overlap  how much chunk-parallel work could hide under the state sweeps: one GDN and one KDA fwd+bwd's
@@ -310,12 +313,13 @@ for run in ${RUNS:-delta host}; do
                   cut_at env HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=1 python3 benchmarks/tune_delta_rule.py --ops kda \
                       --modes default --shape B1T32768H16D128 --kernels _state_backward_kernel \
                       --out "$out/diag_kda-prepared-options_$tag.jsonl" ;;
-    kda-gate-tune) for shape in B1T32768H16D128 B4T4096H16D128; do
+    kda-gate-tune) for shape in ${KDA_GATE_SHAPES:-B1T32768H16D128 B4T4096H16D128}; do
                        cut_at python3 benchmarks/tune_delta_rule.py --ops kda-gate --modes default --shape "$shape" \
-                           --kernels GATE_BACKWARD_BLOCK_K,GATE_BACKWARD_WARPS,FACTOR_SPAN_LIMIT \
+                           --kernels "${KDA_GATE_KERNELS:-GATE_BACKWARD_BLOCK_K,GATE_BACKWARD_WARPS,FACTOR_SPAN_LIMIT}" \
                            --out "$out/diag_kda-gate-tune_$tag.jsonl"
                    done ;;
     gate-bwd) cut_at python3 benchmarks/analysis/gate_backward_variants.py > "$out/diag_gate-bwd_$tag.txt" 2>&1 ;;
+    split-cost) cut_at python3 benchmarks/analysis/split_cost.py > "$out/diag_split-cost_$tag.txt" 2>&1 ;;
     kda-gate-profile) cut_at python3 benchmarks/profile_ops.py --ops kda,kda-gate,fla-kda-gate --shape B1T32768H16D128 \
                           > "$out/diag_kda-gate-profile_$tag.txt" 2>&1 ;;
     sweep-overlap) cut_at python3 benchmarks/analysis/sweep_overlap.py > "$out/diag_sweep-overlap_$tag.txt" 2>&1 ;;
