@@ -105,7 +105,8 @@
 #   split-cost  KDA's score kernels' GPU time with the gate in the kernel and with logsigmoid gates, one program per
 #               chunk or per sub-chunk, FACTOR_SPAN_LIMIT 40 / 60 / 0 (analysis/split_cost.py)           (issue 20)
 #   split-apart KDA's backward score kernel with the split diagonal blocks apart from the key loop and / or the chunk
-#               program's sub-chunks in a loop, kda-gate and kda, limits 40 and 0 (analysis/split_apart_proto.py) (issue 20)
+#               program's sub-chunks in a loop, kda-gate and kda, limits 40 and 0 (analysis/split_apart_proto.py;
+#               SPLIT_SHAPES, SPLIT_OPS pick: kda-strong is the in-kernel gate at four times FLA's A)      (issue 20)
 #   kda-gate-profile  KDA's per-kernel GPU time with the gate computed in the kernel against the precomputed
 #               gate and FLA's in-kernel gate, B1 T32768 H16 D128 (profile_ops.py)                  (issue 20)
 #   sweep-overlap  how much chunk-parallel work could hide under the state sweeps: one GDN and one KDA fwd+bwd's
@@ -322,7 +323,8 @@ for run in ${RUNS:-delta host}; do
                    done ;;
     gate-bwd) cut_at python3 benchmarks/analysis/gate_backward_variants.py > "$out/diag_gate-bwd_$tag.txt" 2>&1 ;;
     split-cost) cut_at python3 benchmarks/analysis/split_cost.py > "$out/diag_split-cost_$tag.txt" 2>&1 ;;
-    split-apart) cut_at python3 benchmarks/analysis/split_apart_proto.py > "$out/diag_split-apart_$tag.txt" 2>&1 ;;
+    split-apart) cut_at python3 benchmarks/analysis/split_apart_proto.py --shapes "${SPLIT_SHAPES:-B1T32768H16D128}" \
+                     --ops "${SPLIT_OPS:-kda-gate,kda}" > "$out/diag_split-apart_$tag.txt" 2>&1 ;;
     kda-gate-profile) cut_at python3 benchmarks/profile_ops.py --ops kda,kda-gate,fla-kda-gate --shape B1T32768H16D128 \
                           > "$out/diag_kda-gate-profile_$tag.txt" 2>&1 ;;
     sweep-overlap) cut_at python3 benchmarks/analysis/sweep_overlap.py > "$out/diag_sweep-overlap_$tag.txt" 2>&1 ;;

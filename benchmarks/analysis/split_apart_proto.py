@@ -7,7 +7,9 @@ _split_diagonal_backward), and the chunk program's sub-chunks in a loop instead 
 built from hccompile's own source with those lines changed (nothing in hccompile is modified), each
 variant's gradients against the default's.
 
-    python benchmarks/analysis/split_apart_proto.py [--shape B1T32768H16D128]
+    python benchmarks/analysis/split_apart_proto.py [--shapes B1T32768H16D128,B4T4096H16D128] [--ops kda-gate,kda,kda-strong]
+
+kda-strong: the in-kernel gate with A four times FLA's initialisation (A in [4, 64]): most sub-chunks split.
 """
 from __future__ import annotations
 
@@ -64,9 +66,15 @@ def variant_module(apart: bool, loop: bool):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="B1T32768H16D128")
+    p.add_argument("--shapes", default="B1T32768H16D128")
+    p.add_argument("--ops", default="kda-gate,kda")
     args = p.parse_args()
-    s = parse_shape(args.shape)
+    for shape in args.shapes.split(","):
+        run_shape(shape, args.ops.split(","))
+
+
+def run_shape(shape_text: str, ops: list[str]) -> None:
+    s = parse_shape(shape_text)
     B, T, H, D = s["B"], s["T"], s["H"], s["D"]
     from delta_rule import kda_gate_parameters
 
@@ -74,7 +82,7 @@ def main() -> None:
     variants = {"joined (default)": None}
     for name, apart, loop in (("apart", True, False), ("loop", False, True), ("apart+loop", True, True)):
         variants[name] = variant_module(apart, loop)._decayed_scores_backward_kernel
-    for op in ("kda-gate", "kda"):
+    for op in ops:
         gen = torch.Generator(device="cuda").manual_seed(0)
 
         def randn(*shape):
@@ -82,9 +90,12 @@ def main() -> None:
 
         q, k, v = randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D)
         beta = torch.rand(B, T, H, generator=gen, device="cuda").bfloat16().requires_grad_()
-        if op == "kda-gate":
+        if op in ("kda-gate", "kda-strong"):
             g = randn(B, T, H, D)
-            A_log, dt_bias = (t.requires_grad_() for t in kda_gate_parameters(H, D, gen))
+            A_log, dt_bias = kda_gate_parameters(H, D, gen)
+            if op == "kda-strong":
+                A_log = A_log + torch.log(torch.tensor(4.0, device="cuda"))
+            A_log, dt_bias = A_log.requires_grad_(), dt_bias.requires_grad_()
             gate = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
             leaves = (q, k, v, g, beta, A_log, dt_bias)
         else:
@@ -123,7 +134,7 @@ def main() -> None:
                 else:
                     worst = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(grads, reference))
                     note = f", gradients {worst:.1e} from the default's (worst input)"
-                print(f"{op} {args.shape} limit {limit:3.0f} {name:17s}: decayed_scores_backward {ms:.3f} ms, "
+                print(f"{op} {shape_text} limit {limit:3.0f} {name:17s}: decayed_scores_backward {ms:.3f} ms, "
                       f"GPU {summary['gpu_busy_ms']:.3f} ms{note}", flush=True)
 
 
