@@ -3,7 +3,8 @@ time when every diagonal block is split (3.825 against 1.782 ms at B1 T32768 H16
 per sub-chunk 1.35x (split_cost.py, session 47), and with FLA's gate initialisation (3.5 % of the sub-chunks
 split) the difference costs 0.34 ms of the kda-gate fwd+bwd. With bf16 inputs the split joins the main key
 loop (scores._sub_chunk_scores_backward); this times it apart, after the key loop (the fp32 inputs' pass,
-_split_diagonal_backward), and the chunk program's sub-chunks in a loop instead of unrolled, each variant
+_split_diagonal_backward), and the chunk program's sub-chunk loop flipped (looped in hccompile since session 47: the
+prototype unrolls it), each variant
 built from hccompile's own source with those lines changed (nothing in hccompile is modified), each
 variant's gradients against the default's.
 
@@ -38,6 +39,7 @@ JOINED = """        if HALF_DOTS:
 APART_LATER = """    if not HALF_DOTS:
         if span > factor_limit:"""
 UNROLLED = "for sub_chunk in tl.static_range(BT // BC):"
+LOOPED = "for sub_chunk in range(BT // BC):"
 
 
 def variant_module(apart: bool, loop: bool):
@@ -49,9 +51,10 @@ def variant_module(apart: bool, loop: bool):
         assert JOINED in helper and APART_LATER in helper
         helper = helper.replace(JOINED, JOINED.replace("if HALF_DOTS:", "if False:"))
         helper = helper.replace(APART_LATER, APART_LATER.replace("if not HALF_DOTS:", "if True:"))
+    # `loop` flips the chunk program's sub-chunk loop from hccompile's form (looped since session 47) to the other
     if loop:
-        assert UNROLLED in kernel
-        kernel = kernel.replace(UNROLLED, "for sub_chunk in range(BT // BC):")
+        assert (UNROLLED in kernel) != (LOOPED in kernel)
+        kernel = kernel.replace(UNROLLED, LOOPED) if UNROLLED in kernel else kernel.replace(LOOPED, UNROLLED)
     source = ("import hccompile.kernels.delta_rule.scores as _scores\n"
               "globals().update({k: v for k, v in vars(_scores).items() if not k.startswith('__')})\n"
               "import triton\nimport triton.language as tl\n\n\n" + helper + "\n\n" + kernel)  # (their @triton.jit lines)
@@ -80,7 +83,8 @@ def run_shape(shape_text: str, ops: list[str]) -> None:
 
     default_kernel = scores._decayed_scores_backward_kernel
     variants = {"joined (default)": None}
-    for name, apart, loop in (("apart", True, False), ("loop", False, True), ("apart+loop", True, True)):
+    flipped = "unrolled" if LOOPED in inspect.getsource(scores._decayed_scores_backward_kernel.fn) else "loop"
+    for name, apart, loop in (("apart", True, False), (flipped, False, True), (f"apart+{flipped}", True, True)):
         variants[name] = variant_module(apart, loop)._decayed_scores_backward_kernel
     for op in ops:
         gen = torch.Generator(device="cuda").manual_seed(0)

@@ -490,7 +490,11 @@ if triton is not None:
         dot_dtype = k_ptr.dtype.element_ty if HALF_DOTS else tl.float32
         if CHUNK_PROGRAM:
             tl.static_assert(GATE == 2, "one program per chunk is the per-channel gates' layout")
-            for sub_chunk in tl.static_range(BT // BC):
+            # A loop, not unrolled: unrolled, a sub-chunk whose diagonal block splits cost the program far more
+            # (one H200, B1 T32768 H16 K128, benchmarks/analysis/split_apart_proto.py: every block split 3.821
+            # ms unrolled against 2.636 looped; FLA-initialised in-kernel gates, 3.5 % split, 2.215 against
+            # 1.964; logsigmoid gates, none split, 1.799 against 1.894). The same results bit for bit.
+            for sub_chunk in range(BT // BC):
                 if sub_chunk * BC < length:
                     _sub_chunk_scores_backward(
                         q_ptr, k_ptr, cum_ptr, dkdot_ptr, dscores_ptr, dq_ptr, dk_ptr, dg_ptr,
