@@ -6,7 +6,7 @@ at B1 T32768 H16 D128 bf16 (unit strides and GROUP = 1 constant, 16-divisible si
     python benchmarks/sm90_registers.py --kernels wy_solve,wy_solve_kdot --configs 64,64,2,3
     python benchmarks/sm90_registers.py --kernels output,output_store,output_scores,output_read --configs 64,64,4,3
 
-A config is BK,BV,num_warps,num_stages. The kernels (plan.FUSED_SCORES_FORWARD's pairs): wy_solve forms
+A config is BK,BV,num_warps,num_stages. dqkw_fastest is dqkw with dqkw.DQKW_KEY_TILES_FASTEST's grid. The kernels (plan.FUSED_SCORES_FORWARD's pairs): wy_solve forms
 Kdot's blocks from the keys, wy_solve_kdot reads decayed_scores' Kdot; output forms P, output_store
 also stores it (bf16), output_scores is the P-only mode, output_read reads decayed_scores' fp32 P.
 TRITON_INTERPRET must be unset (it is cleared here).
@@ -41,7 +41,8 @@ BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_p
                  "dv_ptr", "dbeta_ptr", "w_ptr", "kg_ptr", "o_ptr"}
 # name: (kernel, constexprs beyond the common ones, pointers whose dtype differs from BF16_POINTERS')
 OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False}
-KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False}, {}),
+KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False, "KEY_TILES_FASTEST": False}, {}),
+           "dqkw_fastest": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False, "KEY_TILES_FASTEST": True}, {}),
            "wy_bwd": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2, "HALF_DL": True}, {}),
            "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),
            "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": True, "REGISTER_DIAGONAL": True},

@@ -112,6 +112,38 @@ def test_dqkw_matches_float64(monkeypatch, name, sizes, gate, options, dtype, ch
         assert error < gate_grad_tol, f"dG partial: relative RMS error {error:.2e}"
 
 
+TWO_KEY_TILE_CASES = [c for c in SPLIT_CASES if cdiv(c[1][4], dqkw.dqkw_key_block(c[1][4])) == 2]
+
+
+@requires_triton
+@pytest.mark.parametrize("via_memory", [False, True], ids=["scores-in-registers", "scores-via-memory"])
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", TWO_KEY_TILE_CASES,
+                         ids=[c[0] for c in TWO_KEY_TILE_CASES])
+def test_dqkw_key_tile_order_gives_the_same_results(monkeypatch, name, sizes, gate, options, dtype, chunk, via_memory):
+    """dqkw.DQKW_KEY_TILES_FASTEST only reorders the programs (a chunk's key tiles side by side in the
+    launch): every output bit for bit as with the key tile as the grid's slowest axis, dS's scratch slots
+    included (via memory)."""
+    monkeypatch.setattr(dqkw, "DQKW_SCORES_VIA_MEMORY", via_memory)
+    x = _kernel_inputs(sizes, gate, options, dtype, chunk, seed=sizes[1] + 23)
+    plan = x["plan"]
+    batch, time, value_heads, _ = x["do"].shape
+    key_dim = x["q"].shape[3]
+    table, seqlens = plan.chunk_args()
+    cum = x["cum"] if x["cum"] is not None else plan.dummy
+    results = []
+    for fastest in (False, True):
+        monkeypatch.setattr(dqkw, "DQKW_KEY_TILES_FASTEST", fastest)
+        dq, dk = _nan(batch, time, value_heads, key_dim), _nan(batch, time, value_heads, key_dim)
+        dw = _nan(batch, time, value_heads, key_dim, dtype=plan.intermediate_dtype)
+        dcum = _nan(batch, time, value_heads, 1) if gate != "none" else plan.dummy
+        second = launch_dqkw(plan, x["q"], x["k"], x["do"], cum, x["u"], x["du"], x["h"], x["dh"], dq, dk, dw, dcum,
+                             plan.num_chunks, table, seqlens, x["scale"])
+        results.append([dq, dk, dw] + ([dcum, second] if gate != "none" else []))
+    for label, slowest, fastest in zip(("dq", "dk", "dw", "dcum", "dcum second"), *results):
+        assert torch.isfinite(slowest).all(), label
+        assert torch.equal(slowest, fastest), label
+
+
 def test_dqkw_key_tiles_are_at_most_two():
     """dG's rows are stored per key tile, and wy_bwd adds two at most: every K takes one or two tiles."""
     for key_dim in (16, 32, 60, 64, 100, 128, 200, 256):

@@ -113,8 +113,11 @@ if triton is not None:
         IS_VARLEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         SCORES_VIA_MEMORY: tl.constexpr,
+        KEY_TILES_FASTEST: tl.constexpr,
     ):
-        """One program per (chunk, value head, key tile): see the module docstring. dq, dk (partial) and
+        """One program per (chunk, value head, key tile): see the module docstring. KEY_TILES_FASTEST: the
+        grid is (chunks x key tiles, value heads, 1), a chunk's key tiles neighbouring programs (so the second
+        reads the chunk's dO, U and dU from L2), else (chunks, value heads, key tiles). dq, dk (partial) and
         dW are [B, T, HV, K] (dq, dk fp32, dW the intermediates' dtype); dG's partial rows, fp32
         [B, T, HV, 1], go to dg_ptr from the first key tile and to dg_second_ptr from the second.
         With SCORES_VIA_MEMORY, dS makes a round trip through ds_ptr ([chunks, HV, key tiles, BT, BT] in
@@ -124,7 +127,14 @@ if triton is not None:
         tl.static_assert(GATE != 2, "per-channel gates take wy.py's wy_backward and scores.py's backward")
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
-        pid_chunk = tl.program_id(0)
+        if KEY_TILES_FASTEST:
+            key_tiles = (K + BK - 1) // BK
+            pid_chunk = tl.program_id(0) // key_tiles
+            key_tile = tl.program_id(0) % key_tiles
+        else:
+            key_tiles = tl.num_programs(2)
+            pid_chunk = tl.program_id(0)
+            key_tile = tl.program_id(2)
         head = tl.program_id(1).to(tl.int64)
         if IS_VARLEN:
             seq = tl.load(chunk_table_ptr + 2 * pid_chunk)
@@ -157,7 +167,6 @@ if triton is not None:
         last = start + length - 1
         dot_dtype = h_ptr.dtype.element_ty
 
-        key_tile = tl.program_id(2)
         kc = key_tile * BK + tl.arange(0, BK)
         d_scores, dq_state, dk_to_end, dw, dg_whole = _dqkw_value_pass(
             do_ptr, u_ptr, du_ptr, h_ptr, dh_ptr, tokens, valid, kc, stride_dot, stride_dov, HV, K, V,
@@ -168,7 +177,7 @@ if triton is not None:
         d_scores = d_scores.to(dot_dtype)
         d_scores_t = d_scores
         if SCORES_VIA_MEMORY:
-            ds_ptr += ((pid_chunk.to(tl.int64) * HV + head) * tl.num_programs(2) + key_tile) * BT * BT
+            ds_ptr += ((pid_chunk.to(tl.int64) * HV + head) * key_tiles + key_tile) * BT * BT
             tl.store(ds_ptr + local[:, None] * BT + local[None, :], d_scores)
             # the loads below read elements other threads of this program stored
             tl.debug_barrier()
@@ -212,6 +221,13 @@ DQKW_OTHER_WARPS = 8
 # errors above: on the H100 (Triton 3.6, BK 32, 4 warps) it was wrong too (dq 1.3 relative RMS) and
 # then made an illegal memory access (benchmarks/diag_wy_split.py, session 24). Read at launch time.
 DQKW_SCORES_VIA_MEMORY = False
+# A chunk's two key-tile programs next to each other in the launch (grid axis 0 chunks x key tiles), so that
+# the second reads the chunk's dO, U and dU (3 of its ~16 bf16 [T, HV, 128]-sized reads at GDN B1) from L2:
+# with the key tile as the grid's slowest axis the two are 8192 programs apart at B1 T32768 H16 and the
+# second reads them from DRAM again (benchmarks/analysis/gdn_traffic_2026-11-30_h200.md, item 3: -0.05 to
+# -0.09 ms predicted). The same results bit for bit. Off until timed (tune_delta_rule.py's
+# DQKW_KEY_TILES_FASTEST). Read at launch time.
+DQKW_KEY_TILES_FASTEST = False
 
 
 def dqkw_key_block(key_dim: int) -> int:
@@ -244,13 +260,15 @@ def launch_dqkw(plan: Plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw,
                if via_memory else plan.dummy)
     second = (torch.empty(dcum.shape, dtype=torch.float32, device=q.device)
               if plan.gate_code == 1 and key_tiles == 2 else None)
-    plan.launch(_dqkw_kernel)[(num_chunks, problem.value_heads, key_tiles)](
+    fastest = DQKW_KEY_TILES_FASTEST
+    grid = (num_chunks * key_tiles, problem.value_heads, 1) if fastest else (num_chunks, problem.value_heads, key_tiles)
+    plan.launch(_dqkw_kernel)[grid](
         q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, second if second is not None else plan.dummy,
         scratch, *q.stride(), *k.stride(), *do.stride(), table, seqlens,
         problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size, problem.key_dim,
         problem.value_dim, scale,
         GATE=plan.gate_code, BT=plan.chunk_size, BK=block_k, BV=block_size(problem.value_dim, DQKW_BLOCK_V),
         IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision, SCORES_VIA_MEMORY=via_memory,
-        **dqkw_launch_options(block_k),
+        KEY_TILES_FASTEST=fastest, **dqkw_launch_options(block_k),
     )
     return second
