@@ -69,8 +69,9 @@
 #   delta-profile  per-kernel GPU time of our GDN and KDA at B4 T4096 and B1 T32768 H16 D128 (no FLA: its
 #               first call autotunes for minutes)                                        (issue 20)
 #   gdn-tune  GDN's launch options one kernel at a time against the defaults, fwd+bwd at B1 T32768 H16 D128
-#               (GDN_TUNE_SHAPE, GDN_TUNE_KERNELS pick): the options of wy_solve, output, both sweeps, wy_bwd and
-#               dqkw (session 45 took wy_bwd 1 stage, dqkw 3); add DQKW_KEY_TILES_FASTEST once d8bc4d2 is back (issue 20)
+#               (GDN_TUNE_SHAPE, GDN_TUNE_KERNELS pick): dqkw's key tiles side by side (DQKW_KEY_TILES_FASTEST,
+#               session 47, off until timed), and the options of wy_solve, output, both sweeps, wy_bwd and dqkw
+#               (session 45 took wy_bwd 1 stage, dqkw 3)                                             (issue 20)
 #   kda-solve KDA at B4 and B1: decayed_scores with one program per chunk (scores_chunk.py) against one per
 #               sub-chunk (the default), wy_solve's substitution with L's diagonal blocks in registers (the default)
 #               against a row load per step, and its warps and stages (session 45 on the H200: 2 warps, 1 stage
@@ -282,7 +283,7 @@ for run in ${RUNS:-delta host}; do
                   --kernels SWEEP_MIN_PROGRAMS,_state_backward_kernel,_state_forward_kernel,_decayed_scores_backward_kernel \
                   --out "$out/diag_kda-tune_$tag.jsonl" ;;
     gdn-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape "${GDN_TUNE_SHAPE:-B1T32768H16D128}" \
-                  --kernels "${GDN_TUNE_KERNELS:-_wy_solve_kernel,_output_kernel,_state_forward_kernel,_state_backward_kernel,_wy_bwd_kernel,_dqkw_kernel}" \
+                  --kernels "${GDN_TUNE_KERNELS:-DQKW_KEY_TILES_FASTEST,_wy_solve_kernel,_output_kernel,_state_forward_kernel,_state_backward_kernel,_wy_bwd_kernel,_dqkw_kernel}" \
                   --out "$out/diag_gdn-tune_$tag.jsonl" ;;
     kda-solve) for shape in B4T4096H16D128 B1T32768H16D128; do
                    cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape "$shape" \
