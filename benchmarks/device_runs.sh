@@ -69,8 +69,8 @@
 #   delta-profile  per-kernel GPU time of our GDN and KDA at B4 T4096 and B1 T32768 H16 D128 (no FLA: its
 #               first call autotunes for minutes)                                        (issue 20)
 #   gdn-tune  GDN's launch options one kernel at a time against the defaults, fwd+bwd at B1 T32768 H16 D128
-#               (GDN_TUNE_SHAPE, GDN_TUNE_KERNELS pick): dqkw's key tiles side by side (DQKW_KEY_TILES_FASTEST,
-#               session 47, off until timed), and the options of wy_solve, output, both sweeps, wy_bwd and dqkw
+#               (GDN_TUNE_SHAPE, GDN_TUNE_KERNELS pick): dqkw's key-tile order (DQKW_KEY_TILES_FASTEST=False,
+#               the default since session 48), and the options of wy_solve, output, both sweeps, wy_bwd and dqkw
 #               (session 45 took wy_bwd 1 stage, dqkw 3)                                             (issue 20)
 #   kda-solve KDA at B4 and B1: decayed_scores with one program per chunk (scores_chunk.py) against one per
 #               sub-chunk (the default), wy_solve's substitution with L's diagonal blocks in registers (the default)

@@ -67,8 +67,9 @@ VARIANTS = {
     # dqkw's key tile: 128 puts K 128 in one program per chunk and head (at DQKW_OTHER_WARPS); narrower tiles
     # are widened until K takes at most two (dqkw.dqkw_key_block)
     "DQKW_BLOCK_K": (dqkw, [128]),
-    # GDN: a chunk's two dqkw key-tile programs next to each other in the launch (off by default until timed)
-    "DQKW_KEY_TILES_FASTEST": (dqkw, [True]),
+    # GDN: a chunk's two dqkw key-tile programs next to each other in the launch (the default since session 48,
+    # 0.980x at B1; False: the key tile as the grid's slowest axis)
+    "DQKW_KEY_TILES_FASTEST": (dqkw, [False]),
     # wy_bwd's tiles (4 warps, 2 stages): BK 32 compiles without the 104 bytes of spills BK 64 has on Triton 3.6
     # (it gave wrong dbeta and dk on the H100: wy_bwd.py's note; this times it, the kernel tests judge it)
     "WY_BWD_BLOCK_K": (wy_bwd, [16, 32]),

@@ -225,9 +225,10 @@ DQKW_SCORES_VIA_MEMORY = False
 # the second reads the chunk's dO, U and dU (3 of its ~16 bf16 [T, HV, 128]-sized reads at GDN B1) from L2:
 # with the key tile as the grid's slowest axis the two are 8192 programs apart at B1 T32768 H16 and the
 # second reads them from DRAM again (benchmarks/analysis/gdn_traffic_2026-11-30_h200.md, item 3: -0.05 to
-# -0.09 ms predicted). The same results bit for bit. Off until timed (tune_delta_rule.py's
-# DQKW_KEY_TILES_FASTEST). Read at launch time.
-DQKW_KEY_TILES_FASTEST = False
+# -0.09 ms predicted). The same results bit for bit. Timed on the H200 (tune_delta_rule.py's
+# DQKW_KEY_TILES_FASTEST, GDN B1 T32768 H16 D128 fwd+bwd, session 48): 4.029 -> 3.947 ms (0.980x). Read at
+# launch time.
+DQKW_KEY_TILES_FASTEST = True
 
 
 def dqkw_key_block(key_dim: int) -> int:
