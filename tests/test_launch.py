@@ -175,3 +175,65 @@ def test_launch_analysis_cache_key():
     assert compat._access_key(kernel, {"x": a, "C": 64}, {"x": ("stable", ([8, 8],))}) is None
     foreign = type("Foreign", (), {"fn": (lambda x: x)})()  # a kernel defined outside hccompile
     assert compat._access_key(foreign, {"x": a}, {}) is None
+
+
+def test_backward_mark_is_read_once():
+    """call_backward_op marks the host function it reaches as its forward's backward; the first read
+    clears the mark, so nothing the host function calls in turn, and no later call, sees it."""
+    seen = []
+
+    def host():
+        seen.extend([_launch.checked_by_forward(), _launch.checked_by_forward()])
+
+    _launch.call_backward_op(host)  # not a registered op: call_op calls it as it is
+    host()
+    assert seen == [True, False, False, False]
+
+
+def _gdn_inputs(device):
+    gen = torch.Generator(device=device).manual_seed(4)
+    q, k, v = (torch.randn(1, 40, 2, 32, generator=gen, device=device) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 40, 2, generator=gen, device=device))
+    beta = torch.rand(1, 40, 2, generator=gen, device=device)
+    return q, k, v, g, beta
+
+
+def test_backward_of_a_checked_forward_skips_the_checks(monkeypatch):
+    """The delta rule's and lightning's eager backwards, called by their forwards' autograd, do not check
+    their arguments again (the host time before a backward's first launch is GPU idle time); the same
+    backward ops called directly still check everything, and name a wrong argument."""
+    from hccompile.kernels.delta_rule import chunk as delta_chunk
+    from hccompile.lowering import delta_rule as delta_lowering
+    from hccompile.lowering import lightning as lightning_lowering
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, g, beta = _gdn_inputs(device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    o, _ = hccompile.chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)
+    do = torch.randn_like(o)
+    want = torch.autograd.grad(o, leaves, do)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checked again")
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    o, _ = hccompile.chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)
+    qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+    lightning_o, _ = hccompile.lightning_attn(*qkv)
+    for module, name in ((delta_chunk, "_validate"), (delta_chunk, "_checked_intermediates"),
+                         (delta_lowering, "_check_options"), (lightning_lowering, "_check_eager")):
+        monkeypatch.setattr(module, name, refuse)
+    for a, b in zip(torch.autograd.grad(o, leaves, do), want):
+        assert torch.equal(a, b)
+    torch.autograd.grad(lightning_o, qkv, torch.randn_like(lightning_o))
+    with pytest.raises(AssertionError, match="checked again"):  # the forwards check
+        hccompile.lightning_attn(*qkv)
+    monkeypatch.undo()
+
+    wrong = torch.ones(1, 39, 2, 32, device=device)
+    with pytest.raises(ValueError, match="do"):
+        delta_lowering.chunk_delta_rule_backward_op(q, k, v, beta, g, None, None, None, None, wrong, None,
+                                                    "scalar", 0.3, True, None, 64)
+    with pytest.raises(ValueError, match="do"):
+        lightning_lowering.lightning_attn_backward_op(q, k, v, torch.zeros(2, device=device), None, wrong, None,
+                                                      0.3)

@@ -32,7 +32,7 @@ from torch.library import triton_op, wrap_triton
 from ..compat import cache_triton_access_analysis, plain_eager
 from ._symbols import reraise_explained
 
-__all__ = ["HEADS", "RUNTIME_CHECKS", "call_op", "fix_sizes", "kernel_op", "launched_by", "launched_op",
+__all__ = ["HEADS", "RUNTIME_CHECKS", "call_backward_op", "call_op", "checked_by_forward", "fix_sizes", "kernel_op", "launched_by", "launched_op",
            "references", "references_only", "register_autograd", "runtime_check", "traced_launch", "wrap_triton"]
 
 cache_triton_access_analysis()  # torch's per-call-site analysis of a traced launch, once per key
@@ -285,3 +285,31 @@ def call_op(op: Any, *args: Any) -> Any:
     if direct.autograd is None:
         return op(*args)
     return _DirectFunction.apply(*args, direct)
+
+
+# An eager backward's host work before its first launch is time the GPU sits idle: after autograd
+# hands the backward to its device thread (0.3-0.6 ms of host on the H200's host, BENCHMARKS.md
+# session 38) the GPU has only the forward's tail queued. Re-checking arguments there is waste when
+# the backward op was called by its own forward's autograd: the forward checked the same tensors
+# (autograd's version counters refuse them if changed since), and the engine gives the incoming
+# gradients the forward outputs' shapes, dtypes and device.
+_BACKWARD_OF_CHECKED_FORWARD = threading.local()
+
+
+def call_backward_op(op: Any, *args: Any) -> Any:
+    """call_op(op, *args) from an op's registered autograd backward: the backward op's eager host
+    function may skip the checks its forward ran (checked_by_forward)."""
+    _BACKWARD_OF_CHECKED_FORWARD.on = True
+    try:
+        return call_op(op, *args)
+    finally:
+        _BACKWARD_OF_CHECKED_FORWARD.on = False
+
+
+def checked_by_forward() -> bool:
+    """In a backward op's eager host function: whether it was called by call_backward_op, i.e. its
+    inputs are its forward's, checked there. Read once: the mark is cleared, so that nothing the
+    host function calls in turn sees it."""
+    on = getattr(_BACKWARD_OF_CHECKED_FORWARD, "on", False)
+    _BACKWARD_OF_CHECKED_FORWARD.on = False
+    return on

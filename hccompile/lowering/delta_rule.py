@@ -71,7 +71,8 @@ from ..kernels.delta_rule.wy import _wy_backward_kernel
 from ..kernels.delta_rule.wy_bwd import _wy_bwd_kernel
 from ..kernels.delta_rule.reference import GATE_KINDS
 from ..kernels.value_checks import checks_on_gpu, values_checked
-from ._launch import HEADS, call_op, kernel_op, register_autograd, runtime_check, wrap_triton
+from ._launch import (HEADS, call_backward_op, call_op, checked_by_forward, kernel_op, register_autograd,
+                      runtime_check, wrap_triton)
 
 __all__ = [
     "chunk_delta_rule",
@@ -535,11 +536,12 @@ def _reference_backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_b
     return result
 
 
-def _kernel_backward(q, k, v, beta, do, dht, intermediates=None, **args) -> dict[str, Tensor | None]:
-    """Gradients by the Triton backward kernels."""
+def _kernel_backward(q, k, v, beta, do, dht, intermediates=None, checked=False, **args) -> dict[str, Tensor | None]:
+    """Gradients by the Triton backward kernels; `checked`: as chunk_delta_rule_bwd's."""
     with _autograd_recording():
         return chunk_delta_rule_bwd(q, k, v, beta, **args, do=do.to(v.dtype),
-                                    dht=None if dht is None else dht.to(torch.float32), intermediates=intermediates)
+                                    dht=None if dht is None else dht.to(torch.float32), intermediates=intermediates,
+                                    checked=checked)
 
 
 def _chunk_delta_rule_backward_host(
@@ -553,21 +555,23 @@ def _chunk_delta_rule_backward_host(
     """Gradients of the forward op's inputs; kdot, scores, inverse are its kept matrices (scores and
     inverse or none; kdot zero-size where the forward formed it in wy_solve), q_normed and k_normed its
     kept l2-normed q and k (both or none), cum its gate's kept cumulative sum, w, u, h its kept state
-    sweep (all three or none); reused by the kernel backward instead of recomputed."""
+    sweep (all three or none); reused by the kernel backward instead of recomputed. Called by the
+    forward's autograd (call_backward_op), it skips the argument checks the forward ran."""
+    checked = checked_by_forward()
+    intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum, w, u, h)
     parallel = _context_parallel.backward(q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias, do, dht, gate,
                                           scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size,
-                                          intermediates=_kept_intermediates(kdot, scores, inverse, q_normed,
-                                                                            k_normed, cum, w, u, h))
+                                          intermediates=intermediates)
     if parallel is not None:
         return parallel
-    _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
+    if not checked:
+        _check_options(q, k, v, beta, g, initial_state, A_log, dt_bias, chunk_size)
     args = dict(g=g, gate=gate, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
                 lower_bound=lower_bound, chunk_size=chunk_size)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q, k, v, beta, g, initial_state, A_log, dt_bias):
-        intermediates = _kept_intermediates(kdot, scores, inverse, q_normed, k_normed, cum, w, u, h)
-        grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, intermediates=intermediates, **args)
+        grads = _kernel_backward(q, k, v, beta, do=do, dht=dht, intermediates=intermediates, checked=checked, **args)
     else:
         grads = _reference_backward(q, k, v, beta, do=do, dht=dht, **args)
     return _backward_outputs(q, k, v, beta, g, initial_state, A_log, dt_bias, grads)
@@ -713,8 +717,9 @@ def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None, *kept_grads):
         do = torch.zeros(q.shape[:2] + v.shape[2:], dtype=v.dtype, device=v.device)
     # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
     dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
-    grads = call_op(chunk_delta_rule_backward_op, q, k, v, beta, g, initial_state, cu_seqlens, A_log, dt_bias,
-                    do.contiguous(), dht, gate, scale, use_qk_l2norm_in_kernel, lower_bound, chunk_size, *kept)
+    grads = call_backward_op(chunk_delta_rule_backward_op, q, k, v, beta, g, initial_state, cu_seqlens, A_log,
+                             dt_bias, do.contiguous(), dht, gate, scale, use_qk_l2norm_in_kernel, lower_bound,
+                             chunk_size, *kept)
     dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias = (
         None if x is None else grad for x, grad in zip((q, k, v, beta, g, initial_state, A_log, dt_bias), grads)
     )

@@ -60,7 +60,7 @@ from ..kernels.lightning.sweeps import (_forward_sweep_bwd_kernel, _forward_swee
 from ..kernels.lightning.decay_reference import check_cu_seqlens, check_decay_and_state, lightning_attn_varlen_ref
 from ..kernels.lightning.reference import check_attention_shapes
 from ..kernels.value_checks import checks_on_gpu
-from ._launch import HEADS, call_op, kernel_op, register_autograd, wrap_triton
+from ._launch import HEADS, call_backward_op, call_op, checked_by_forward, kernel_op, register_autograd, wrap_triton
 
 __all__ = [
     "alibi_decay",
@@ -279,8 +279,10 @@ def _lightning_attn_backward_host(
     q: Tensor, k: Tensor, v: Tensor, decay: Tensor, initial_state: Tensor | None, do: Tensor,
     dht: Tensor | None, scale: float, cu_seqlens: Tensor | None = None, states: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`states`: the forward op's kept states (its third output; None or zero-size: recomputed)."""
-    _check_eager(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
+    """`states`: the forward op's kept states (its third output; None or zero-size: recomputed). Called
+    by the forward's autograd (call_backward_op), it skips the checks the forward ran."""
+    if not checked_by_forward():
+        _check_eager(q, k, v, decay, initial_state, do=do, dht=dht, cu_seqlens=cu_seqlens)
     # Same dispatch rule as the forward op, so the backward differentiates what the forward ran.
     if _uses_triton(q):
         grads = _kernel_backward(q, k, v, decay, initial_state, do, dht, scale, states, cu_seqlens=cu_seqlens,
@@ -369,8 +371,8 @@ def _backward(ctx, do: Tensor | None, dfinal_state: Tensor | None, dstates: Tens
     # Without output_final_state the second output is the zero-size placeholder: no gradient flows.
     dht = dfinal_state.contiguous() if ctx.output_final_state and dfinal_state is not None else None
     # The kept states are the forward's intermediates, not a result: a gradient reaching them is ignored.
-    dq, dk, dv, dh0 = call_op(lightning_attn_backward_op, q, k, v, decay, initial_state, do.contiguous(), dht,
-                              ctx.scale, cu_seqlens, states)
+    dq, dk, dv, dh0 = call_backward_op(lightning_attn_backward_op, q, k, v, decay, initial_state, do.contiguous(),
+                                       dht, ctx.scale, cu_seqlens, states)
     # Order of the op's arguments: the decay (a constant), cu_seqlens and the options get None.
     return dq, dk, dv, None, (None if initial_state is None else dh0), None, None, None, None
 

@@ -41,7 +41,7 @@ from .plan import (DEFAULT_CHUNK_SIZE, GATE_CODES, MAX_HEAD_DIM, SUB_CHUNK, Plan
                    intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
 from .output import launch_output, launch_scores_only
 from .qk_l2norm import l2norm_backward, l2norm_forward
-from .reference import check_delta_rule_inputs
+from .reference import check_delta_rule_inputs, checked_problem
 from .scores import launch_decayed_scores, launch_scores_backward
 from .decayed_keys import launch_decayed_keys
 from .scores_chunk import launch_chunk_scores
@@ -447,6 +447,7 @@ def chunk_delta_rule_bwd(
     intermediates: Kept | tuple | None = None,
     wrap: Callable | None = None,
     dummy: torch.Tensor | None = None,
+    checked: bool = False,
 ) -> dict[str, torch.Tensor | None]:
     """Gradients of chunk_delta_rule_fwd given do = dL/do and dht = dL/d(final state) (optional).
 
@@ -457,9 +458,16 @@ def chunk_delta_rule_bwd(
     into the tensors of `out` (same keys, any subset) when given. `intermediates`: the Kept that
     chunk_delta_rule_fwd(return_intermediates=True) returned for the same inputs and chunk size (or
     its first three, the matrices, or its first six); the recomputation then skips them. `wrap`, `dummy`: as the forward's.
+    `checked`: the inputs are those of a forward that checked them, do and dht shaped like its outputs, and
+    `intermediates` that forward's own (hccompile's ops: the forward's autograd calls the backward): no check
+    runs again. The state sweep is launched before the other gradients' buffers are allocated: the host work
+    before a backward's first launch is time the GPU waits.
     """
-    problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
-                        chunk_size, do=do, dht=dht)
+    if checked:
+        problem = checked_problem(q, v, g, gate, cu_seqlens, A_log, dt_bias)
+    else:
+        problem = _validate(q, k, v, beta, g, gate, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
+                            chunk_size, do=do, dht=dht)
     inputs = dict(zip(GRADIENT_NAMES, (q, k, v, beta, g, initial_state, A_log, dt_bias)))
     out = dict(out or {})
     for name, given in out.items():
@@ -471,7 +479,8 @@ def chunk_delta_rule_bwd(
         _check_out(f"out[{name!r}]", given, tuple(like.shape), like.dtype, like.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
     if intermediates is not None:
-        intermediates = _checked_intermediates(intermediates, problem, chunk_size, q, use_qk_l2norm_in_kernel)
+        intermediates = (Kept(*intermediates) if not isinstance(intermediates, Kept) else intermediates) if checked \
+            else _checked_intermediates(intermediates, problem, chunk_size, q, use_qk_l2norm_in_kernel)
     # after the arguments: a wrong argument is named wherever the kernels can or cannot run
     _require_triton(q.device)
     plan = make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
@@ -488,23 +497,9 @@ def chunk_delta_rule_bwd(
     def result(name):
         return out[name] if name in out else torch.empty_like(inputs[name], memory_format=torch.contiguous_format)
 
-    dv, dbeta = result("v"), result("beta")
     dh0 = result("initial_state") if initial_state is not None else None
-    dq, dk = result("q"), result("k")
-    # dk_heads: fp32, the single kernel's dk or dqkw.py's partial sums, which wy_bwd.py completes into dk_out
-    dk_heads = buffer(batch, time, value_heads, key_dim)
-    if not plan.half_key_gradients:
-        dq_heads, dk_out = buffer(batch, time, value_heads, key_dim), dk_heads
-    elif use_qk_l2norm_in_kernel or not (dq.is_contiguous() and dk.is_contiguous()):
-        dq_heads, dk_out = (buffer(batch, time, value_heads, key_dim, dtype=q.dtype) for _ in range(2))
-    else:  # the kernels write the op's gradients themselves (no GVA: one value head per key head)
-        dq_heads, dk_out = dq, dk
-    gate_width = key_dim if problem.gate == "channel" else 1
-    dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
     dh = buffer(scratch_rows(plan.num_chunks), value_heads, key_dim, value_dim, dtype=plan.intermediate_dtype)
     du = buffer(batch, time, value_heads, value_dim, dtype=plan.intermediate_dtype)
-    fused_scores = plan.fused_scores_backward
-    dkdot, dscores = plan.score_gradients(fused_scores, batch, time, value_heads, buffer)
     cum_arg = fwd.cum if fwd.cum is not None else plan.dummy
     table, seqlens = plan.chunk_args()
     group, nt = problem.group_size, plan.chunks_per_row
@@ -534,6 +529,21 @@ def chunk_delta_rule_bwd(
             **sweep_launch_options(plan, block_k_full, fwd.k.dtype, "backward"), **common,
             qg_ptr=qg, kg_ptr=kg, PREPARED=prepared,
         )
+    # the other gradients' buffers, while the sweep runs
+    dv, dbeta = result("v"), result("beta")
+    dq, dk = result("q"), result("k")
+    # dk_heads: fp32, the single kernel's dk or dqkw.py's partial sums, which wy_bwd.py completes into dk_out
+    dk_heads = buffer(batch, time, value_heads, key_dim)
+    if not plan.half_key_gradients:
+        dq_heads, dk_out = buffer(batch, time, value_heads, key_dim), dk_heads
+    elif use_qk_l2norm_in_kernel or not (dq.is_contiguous() and dk.is_contiguous()):
+        dq_heads, dk_out = (buffer(batch, time, value_heads, key_dim, dtype=q.dtype) for _ in range(2))
+    else:  # the kernels write the op's gradients themselves (no GVA: one value head per key head)
+        dq_heads, dk_out = dq, dk
+    gate_width = key_dim if problem.gate == "channel" else 1
+    dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
+    fused_scores = plan.fused_scores_backward
+    dkdot, dscores = plan.score_gradients(fused_scores, batch, time, value_heads, buffer)
     if plan.num_chunks and plan.split_wy_backward:
         launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,
                                  dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale),

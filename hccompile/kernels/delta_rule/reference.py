@@ -95,6 +95,10 @@ def _sequences_from_cu_seqlens(cu_seqlens, batch: int, time: int) -> tuple[tuple
         raise ValueError(f"cu_seqlens: must end at T={time}, got {bounds[-1]}")
     if any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens: must be non-decreasing, got {bounds}")
+    return _sequences(bounds)
+
+
+def _sequences(bounds) -> tuple[tuple[int, int, int], ...]:
     return tuple((0, bos, eos) for bos, eos in zip(bounds, bounds[1:]))
 
 
@@ -192,18 +196,32 @@ def check_delta_rule_inputs(
         expected = state_shape if name.startswith("dh") else (batch, time, value_heads, value_dim)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from the expected {expected}")
+    return _problem(q, v, gate, gate_in_kernel, cu_seqlens, sequences)
+
+
+def _problem(q, v, gate: str, gate_in_kernel: bool, cu_seqlens, sequences) -> DeltaRuleProblem:
+    batch, time, key_heads, key_dim = q.shape
     return DeltaRuleProblem(
         batch=batch,
         time=time,
         key_heads=key_heads,
-        value_heads=value_heads,
+        value_heads=v.shape[2],
         key_dim=key_dim,
-        value_dim=value_dim,
+        value_dim=v.shape[3],
         gate=gate,
         gate_in_kernel=gate_in_kernel,
         varlen=cu_seqlens is not None,
         sequences=sequences,
     )
+
+
+def checked_problem(q, v, g=None, gate: str | None = None, cu_seqlens=None, A_log=None, dt_bias=None) -> DeltaRuleProblem:
+    """The DeltaRuleProblem of inputs that check_delta_rule_inputs accepted before (a backward of
+    the forward that checked them), without checking them again."""
+    if gate is None:
+        gate = "none" if g is None else ("scalar" if g.dim() == 3 else "channel")
+    sequences = None if cu_seqlens is None else _sequences(host_ints(cu_seqlens))
+    return _problem(q, v, gate, A_log is not None or dt_bias is not None, cu_seqlens, sequences)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -306,7 +306,7 @@ def lightning_attn_bwd(
     want_dh0 = initial_state is not None
     expected = [("out[0] (dq)", q), ("out[1] (dk)", k), ("out[2] (dv)", v)]
     if out is None:
-        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for _, t in expected]
+        grads = None  # allocated after the state passes are launched: the GPU waits for a backward's first launch
         dh0 = torch.empty(initial_state.shape, dtype=initial_state.dtype, device=q.device) if want_dh0 else None
     else:
         if not isinstance(out, (tuple, list)) or len(out) not in (3, 4):
@@ -322,7 +322,6 @@ def lightning_attn_bwd(
                 _check_out("out[3] (dh0)", dh0, initial_state.dtype, q.device, tuple(initial_state.shape))
         elif dh0 is not None:
             raise ValueError("out[3] (dh0): given but there is no initial_state")
-    dq, dk, dv = grads
     _require_triton(q.device)
     tiles = cdiv(max(q.shape[3], v.shape[3]), min(column_tile, 256))
     if states is not None:
@@ -334,6 +333,9 @@ def lightning_attn_bwd(
     s_states = states.states if states is not None else _segment_states(
         segments, k, v, decay, scale, reverse=False, x0=initial_state, wrap=wrap, block=block)
     ds_states = _segment_states(segments, q, do, decay, scale, reverse=True, x0=dht, xt=dh0, wrap=wrap, block=block)
+    if grads is None:
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for _, t in expected]
+    dq, dk, dv = grads
     sweep = dict(scale=scale, block=block, cblock=cblock, column_tile=column_tile, num_warps=num_warps, wrap=wrap)
     # dq: forward sweep over S^T [V, K tile]; dk: reverse sweep over dS^T [V, K tile];
     # dv: reverse sweep over dS [K, V tile].
