@@ -12,7 +12,8 @@
 #           CP_LAYOUTS="one,several"), one op a step (or CP_LAYERS=4 chained), ours
 #           (all_gather) and FLA's, one GPU and CP, with every rank's kernel profile and chrome trace (a .tgz
 #           beside the rows)                                                          (issue 22)
-#   lightning  lightning attention, ours against FLA; LIGHTNING_SHAPES (say B8-T2048-H32-D64) picks shapes (issue 20)
+#   lightning  lightning attention, ours against FLA; LIGHTNING_SHAPES (say B8-T2048-H32-D64) picks shapes, LIGHTNING_ARGS
+#               adds options (say --no-switches --skip-plain: the rows targets.py reads, in less time) (issue 20)
 #   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
 #           (step, peak memory, compile time with hc's stages, floor), and n4-hc-block-cg at C1024
 #           (the host target: without / with CUDA graphs)                            (issue 18, 24)
@@ -266,7 +267,7 @@ for run in ${RUNS:-delta host}; do
                            >> "$out/diag_lightning-profile_$tag.txt" 2>&1 ;;
     lightning-stages) cut_at python3 benchmarks/lightning_tune.py --around-defaults --defaults-only \
                           --stage-budgets 98304,131072 --saved-states --out "$out/diag_lightning-tune_$tag.jsonl" ;;
-    lightning) cut_at python3 benchmarks/lightning.py ${LIGHTNING_SHAPES:+--shapes $LIGHTNING_SHAPES} \
+    lightning) cut_at python3 benchmarks/lightning.py ${LIGHTNING_SHAPES:+--shapes $LIGHTNING_SHAPES} ${LIGHTNING_ARGS:-} \
                    --out "$out/lightning_$tag.jsonl" ;;
     lightning-tune) cut_at python3 benchmarks/lightning_tune.py --around-defaults --out "$out/diag_lightning-tune_$tag.jsonl" ;;
     delta-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape B4T4096H16D128 \
