@@ -13,7 +13,8 @@
 #           (all_gather) and FLA's, one GPU and CP, with every rank's kernel profile and chrome trace (a .tgz
 #           beside the rows)                                                          (issue 22)
 #   lightning  lightning attention, ours against FLA; LIGHTNING_SHAPES (say B8-T2048-H32-D64) picks shapes, LIGHTNING_ARGS
-#               adds options (say --no-switches --skip-plain: the rows targets.py reads, in less time) (issue 20)
+#               adds options (say --no-switches --skip-plain --rounds 2: the rows targets.py reads, in less time,
+#               in two alternating rounds of ours and FLA) (issue 20)
 #   mhc     the mHC step's target rows: n1-inductor and n4-hc-block at C1024 L4 B4 and C4096 L2 B2
 #           (step, peak memory, compile time with hc's stages, floor), and n4-hc-block-cg at C1024
 #           (the host target: without / with CUDA graphs)                            (issue 18, 24)
