@@ -55,6 +55,8 @@
 #               cuBLAS + Inductor at C1024 n4                                             (issue 18)
 #   sweep-step  GDN's backward state sweep with its off-chain products taken out (P^T dO, Q^T dO): what moving them
 #               to chunk-parallel kernels could save a chunk step, B1 and B4 (SWEEP_STEP_VARIANTS, _OPS gdn,kda, _SHAPES pick) (issue 20)
+#   m-form  GDN's backward state sweep with one off-chain product a step (M = e^G Q - P W and dU's local part from a
+#               chunk-parallel kernel before it), timed at B1 and B4 against the default, then checked   (issue 20)
 #   host-split  an eager fwd+bwd's host time split into its parts (lightning, GDN): the op, the kernels'
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at
@@ -252,6 +254,7 @@ for run in ${RUNS:-delta host}; do
     sweep-step) cut_at python3 benchmarks/analysis/sweep_step_work.py ${SWEEP_STEP_VARIANTS:+--variants $SWEEP_STEP_VARIANTS} \
                     ${SWEEP_STEP_OPS:+--ops $SWEEP_STEP_OPS} ${SWEEP_STEP_SHAPES:+--shapes $SWEEP_STEP_SHAPES} \
                     > "$out/diag_sweep-step_$tag.txt" 2>&1 ;;
+    m-form) cut_at python3 benchmarks/analysis/m_form_sweep.py > "$out/diag_m-form_$tag.txt" 2>&1 ;;
     host-split) cut_at python3 benchmarks/analysis/host_split.py --ops lightning,lightning-nodecay,gdn > "$out/diag_host-split_$tag.txt" 2>&1 ;;
     host-eager) cut_at python3 benchmarks/host_overhead.py --ops floor,lightning,gdn --through-op --top 12 \
                     --jsonl "$out/host_$tag.jsonl" --commit "$commit" ;;
