@@ -9,7 +9,8 @@ every product in the step waits for the one before. Substituting dU = scale P^T 
 so the chain keeps K dS and W^T dU_chain, and one off-chain product remains (M^T dO, in place of Q^T dO). M and dU's
 local part scale P^T dO are formed before the sweep by a chunk-parallel kernel (here `_m_form_prepare_kernel`: one
 program per chunk and value head, P W and P^T dO as two products), which writes M (W's shape and dtype) and the local
-part into dU; the sweep reads dU's local part, adds its chain part and stores dU whole, as the consumers want it.
+part (dU's shape, a buffer of its own); the sweep reads it, adds its chain part and stores dU whole, as the consumers
+want it.
 
 The sweep variant is state.py's kernel rebuilt from its own text (kernel_variants.edited_module); chunk.py launches
 it through a stand-in for its `direct` launcher, only where the prototype applies (no per-channel gate, fixed-length
@@ -46,10 +47,21 @@ LOCAL_DU = """            scores = _load_rows(scores_ptr, tokens, local, HV * BT
             du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
 """
 CHAIN_DU = "            du += k_dstate\n"
+NUM_CHUNKS = "        num_chunks = tl.cdiv(eos - bos, BT)\n"
 QUERY_TERM = "            dstate += scale * _dot(tl.trans(q_tile), q_do, dot_dtype, DOT_PRECISION)\n"
 LAST_UPDATE = "            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)\n"
 EDITS = [
-    (LOCAL_DU, "            du = _load_rows(du_ptr, tokens, vc, HV * V, 1, valid, V)\n"),
+    # dU's local part from a buffer of its own (kg_ptr's slot, unused without per-channel gates), loaded one chunk
+    # ahead and carried: a tile that feeds no product is not software-pipelined (a plain ld.global a step in the
+    # PTX, where the tiles that feed products arrive by cp.async), and the first timing (1.096 ms against 0.846,
+    # session 48) read it in the step that used it
+    (NUM_CHUNKS, NUM_CHUNKS + "        du_next = _load_rows(kg_ptr + (batch * T) * HV * V + head * V, "
+                 "bos + tl.maximum(num_chunks - 1, 0) * BT + local, vc, HV * V, 1, "
+                 "local < tl.minimum(eos - (bos + tl.maximum(num_chunks - 1, 0) * BT), BT), V)\n"),
+    (LOCAL_DU, "            du = du_next\n"
+               "            du_next = _load_rows(kg_ptr + (batch * T) * HV * V + head * V, "
+               "bos + tl.maximum(chunk - 1, 0) * BT + local, vc, HV * V, 1, "
+               "local < tl.minimum(eos - (bos + tl.maximum(chunk - 1, 0) * BT), BT), V)\n"),
     (CHAIN_DU, "            du = du + k_dstate\n"),
     (QUERY_TERM, "            m_tile = _load_stored_rows(qg_ptr + (batch * T) * HV * K + head * K, tokens, kc, "
                  "HV * K, 1, valid, K)\n"
@@ -119,13 +131,13 @@ class MFormLaunch:
         q_strides, do_strides = strides[0:4], strides[8:12]
         T, NT, HV, GROUP, K, V, scale = args[32:39]
         batch = q.shape[0]
-        m = torch.empty_like(w)
+        m, local_du = torch.empty_like(w), torch.empty_like(du)
         BT = kwargs["BT"]
         ORIGINAL_DIRECT(_m_form_prepare_kernel)[(batch * NT, HV)](
-            q, cum, scores, w, do, m, du, *q_strides, *do_strides, T, NT, HV, GROUP, K, V, scale,
+            q, cum, scores, w, do, m, local_du, *q_strides, *do_strides, T, NT, HV, GROUP, K, V, scale,
             GATE=kwargs["GATE"], BT=BT, BK=block_size(K, 256), BV=block_size(V, 256),
             DOT_PRECISION=kwargs["DOT_PRECISION"])
-        ORIGINAL_DIRECT(variant_sweep())[grid](*args, **{**kwargs, "qg_ptr": m})
+        ORIGINAL_DIRECT(variant_sweep())[grid](*args, **{**kwargs, "qg_ptr": m, "kg_ptr": local_du})
 
 
 def apply(variant: str) -> None:
