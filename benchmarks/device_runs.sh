@@ -55,8 +55,8 @@
 #               cuBLAS + Inductor at C1024 n4                                             (issue 18)
 #   sweep-step  GDN's backward state sweep with its off-chain products taken out (P^T dO, Q^T dO): what moving them
 #               to chunk-parallel kernels could save a chunk step, B1 and B4 (SWEEP_STEP_VARIANTS, _OPS gdn,kda, _SHAPES pick) (issue 20)
-#   m-form  GDN's backward state sweep with one off-chain product a step (M = e^G Q - P W and dU's local part from a
-#               chunk-parallel kernel before it), timed at B1 and B4 against the default, then checked   (issue 20)
+#   m-form  the delta rule's backward state sweep with one off-chain product a step (M = e^G Q - P W and dU's local part
+#               from a chunk-parallel kernel before it), GDN and KDA at B1 and B4 against the default, then checked (issue 20)
 #   host-split  an eager fwd+bwd's host time split into its parts (lightning, GDN): the op, the kernels'
 #               functions, the engine, Triton's launches                               (issue 24, 20)
 #   lightning-quick  lightning at B4 T4096 beside FLA, the defaults only, then the kernel profile at

@@ -13,10 +13,10 @@ part (dU's shape, a buffer of its own); the sweep reads it, adds its chain part 
 want it.
 
 The sweep variant is state.py's kernel rebuilt from its own text (kernel_variants.edited_module); chunk.py launches
-it through a stand-in for its `direct` launcher, only where the prototype applies (no per-channel gate, fixed-length
-rows); everything else runs as in hccompile. Checked against float64 on the kernel tests' cases, then timed:
+it through a stand-in for its `direct` launcher for fixed-length rows (with per-channel gates, KDA, only with
+plan.PREPARED_CHANNEL_SWEEP: M is then formed from decayed_keys.py's Q e^G); everything else runs as in hccompile. Checked against float64 on the kernel tests' cases, then timed:
 
-    python benchmarks/analysis/m_form_sweep.py [--shapes B1T32768H16D128,B4T4096H16D128] [--check-only]
+    python benchmarks/analysis/m_form_sweep.py [--shapes B1T32768H16D128,B4T4096H16D128] [--ops gdn,kda] [--check-only]
 
 Expected on the H200 from sweep_step_work.py: the sweep near its no-pdo time (0.649 ms at B1), the prepare kernel
 ~0.1 ms (q, P, W, dO read; M, dU written).
@@ -48,22 +48,24 @@ LOCAL_DU = """            scores = _load_rows(scores_ptr, tokens, local, HV * BT
 """
 CHAIN_DU = "            du += k_dstate\n"
 NUM_CHUNKS = "        num_chunks = tl.cdiv(eos - bos, BT)\n"
+SIGNATURE_END = "        qg_ptr,\n        kg_ptr,\n        PREPARED: tl.constexpr,\n    ):\n"
 QUERY_TERM = "            dstate += scale * _dot(tl.trans(q_tile), q_do, dot_dtype, DOT_PRECISION)\n"
 LAST_UPDATE = "            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)\n"
 EDITS = [
-    # dU's local part from a buffer of its own (kg_ptr's slot, unused without per-channel gates), loaded one chunk
+    (SIGNATURE_END, SIGNATURE_END.replace("    ):\n", "        m_ptr,\n        local_du_ptr,\n    ):\n")),
+    # dU's local part from a buffer of its own (local_du_ptr, a parameter the variant adds), loaded one chunk
     # ahead and carried: a tile that feeds no product is not software-pipelined (a plain ld.global a step in the
     # PTX, where the tiles that feed products arrive by cp.async), and the first timing (1.096 ms against 0.846,
     # session 48) read it in the step that used it
-    (NUM_CHUNKS, NUM_CHUNKS + "        du_next = _load_rows(kg_ptr + (batch * T) * HV * V + head * V, "
+    (NUM_CHUNKS, NUM_CHUNKS + "        du_next = _load_rows(local_du_ptr + (batch * T) * HV * V + head * V, "
                  "bos + tl.maximum(num_chunks - 1, 0) * BT + local, vc, HV * V, 1, "
                  "local < tl.minimum(eos - (bos + tl.maximum(num_chunks - 1, 0) * BT), BT), V)\n"),
     (LOCAL_DU, "            du = du_next\n"
-               "            du_next = _load_rows(kg_ptr + (batch * T) * HV * V + head * V, "
+               "            du_next = _load_rows(local_du_ptr + (batch * T) * HV * V + head * V, "
                "bos + tl.maximum(chunk - 1, 0) * BT + local, vc, HV * V, 1, "
                "local < tl.minimum(eos - (bos + tl.maximum(chunk - 1, 0) * BT), BT), V)\n"),
     (CHAIN_DU, "            du = du + k_dstate\n"),
-    (QUERY_TERM, "            m_tile = _load_stored_rows(qg_ptr + (batch * T) * HV * K + head * K, tokens, kc, "
+    (QUERY_TERM, "            m_tile = _load_stored_rows(m_ptr + (batch * T) * HV * K + head * K, tokens, kc, "
                  "HV * K, 1, valid, K)\n"
                  "            dstate += scale * _dot(tl.trans(m_tile), do_tile, dot_dtype, DOT_PRECISION)\n"),
     (LAST_UPDATE, "            dstate -= _dot(tl.trans(w), k_dstate, dot_dtype, DOT_PRECISION)\n"),
@@ -124,20 +126,23 @@ class MFormLaunch:
 
     @staticmethod
     def launch(grid, args, kwargs):
-        if kwargs["IS_VARLEN"] or kwargs["GATE"] == 2 or kwargs.get("PREPARED"):
+        if kwargs["IS_VARLEN"] or (kwargs["GATE"] == 2 and not kwargs["PREPARED"]):
             return ORIGINAL_DIRECT(ORIGINAL_SWEEP)[grid](*args, **kwargs)
         q, k, cum, w, scores, do, dht, dh, du, dh0 = args[:10]
         strides = args[10:30]
         q_strides, do_strides = strides[0:4], strides[8:12]
         T, NT, HV, GROUP, K, V, scale = args[32:39]
+        gate = kwargs["GATE"]
+        if gate == 2:  # per-channel gates: M from decayed_keys.py's Q e^G ([B, T, HV, K], one per value head)
+            q, gate, GROUP = kwargs["qg_ptr"], 0, 1
+            q_strides = q.stride()
         batch = q.shape[0]
         m, local_du = torch.empty_like(w), torch.empty_like(du)
-        BT = kwargs["BT"]
         ORIGINAL_DIRECT(_m_form_prepare_kernel)[(batch * NT, HV)](
             q, cum, scores, w, do, m, local_du, *q_strides, *do_strides, T, NT, HV, GROUP, K, V, scale,
-            GATE=kwargs["GATE"], BT=BT, BK=block_size(K, 256), BV=block_size(V, 256),
+            GATE=gate, BT=kwargs["BT"], BK=block_size(K, 256), BV=block_size(V, 256),
             DOT_PRECISION=kwargs["DOT_PRECISION"])
-        ORIGINAL_DIRECT(variant_sweep())[grid](*args, **{**kwargs, "qg_ptr": m, "kg_ptr": local_du})
+        ORIGINAL_DIRECT(variant_sweep())[grid](*args, **kwargs, m_ptr=m, local_du_ptr=local_du)
 
 
 def apply(variant: str) -> None:
@@ -157,18 +162,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="B1T32768H16D128,B4T4096H16D128")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--ops", default="gdn,kda")
     p.add_argument("--check-only", action="store_true")
     a = p.parse_args()
     if torch.cuda.is_available() and not a.check_only:
         for variant in ("default", "m-form"):
             apply(variant)
             for shape in a.shapes.split(","):
-                try:
-                    ms, kernels = time_step(*delta_rule_step("gdn", shape), ("state_backward", "m_form"))
-                    print(f"{variant:8s} gdn {shape}: fwd+bwd {ms:.3f} ms, state_backward {kernels['state_backward']:.3f}"
-                          f" ms, prepare {kernels['m_form']:.3f} ms", flush=True)
-                except Exception:  # noqa: BLE001
-                    print(f"{variant} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
+                for op in a.ops.split(","):
+                    try:
+                        ms, kernels = time_step(*delta_rule_step(op, shape), ("state_backward", "m_form"))
+                        print(f"{variant:8s} {op} {shape}: fwd+bwd {ms:.3f} ms, state_backward "
+                              f"{kernels['state_backward']:.3f} ms, prepare {kernels['m_form']:.3f} ms", flush=True)
+                    except Exception:  # noqa: BLE001
+                        print(f"{variant} {op} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
     apply("m-form")
     failures = check(a.repeats)
     print(f"m-form: {'all cases right' if not failures else f'{len(failures)} wrong'}", flush=True)
