@@ -107,6 +107,7 @@ def _m_form_prepare_kernel(q_ptr, cum_ptr, scores_ptr, w_ptr, do_ptr, m_ptr, du_
     _store_rows(du_ptr + row * V, local_du, tokens, vc, HV * V, 1, valid, V)
 
 
+PREPARE_WARPS = [4]  # the prepare kernel's num_warps (main's --prepare-warps times each)
 ORIGINAL_DIRECT = chunk_kernels.direct
 ORIGINAL_SWEEP = chunk_kernels._state_backward_kernel
 _VARIANT = {}
@@ -141,7 +142,7 @@ class MFormLaunch:
         ORIGINAL_DIRECT(_m_form_prepare_kernel)[(batch * NT, HV)](
             q, cum, scores, w, do, m, local_du, *q_strides, *do_strides, T, NT, HV, GROUP, K, V, scale,
             GATE=gate, BT=kwargs["BT"], BK=block_size(K, 256), BV=block_size(V, 256),
-            DOT_PRECISION=kwargs["DOT_PRECISION"])
+            DOT_PRECISION=kwargs["DOT_PRECISION"], num_warps=PREPARE_WARPS[0])
         ORIGINAL_DIRECT(variant_sweep())[grid](*args, **kwargs, m_ptr=m, local_du_ptr=local_du)
 
 
@@ -163,16 +164,19 @@ def main() -> None:
     p.add_argument("--shapes", default="B1T32768H16D128,B4T4096H16D128")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--ops", default="gdn,kda")
+    p.add_argument("--prepare-warps", default="4,8", help="the prepare kernel's num_warps to time, comma-separated")
     p.add_argument("--check-only", action="store_true")
     a = p.parse_args()
     if torch.cuda.is_available() and not a.check_only:
-        for variant in ("default", "m-form"):
+        for variant in ["default"] + [f"m-form-w{w}" for w in a.prepare_warps.split(",")]:
             apply(variant)
+            if variant != "default":
+                PREPARE_WARPS[0] = int(variant.rsplit("-w", 1)[1])
             for shape in a.shapes.split(","):
                 for op in a.ops.split(","):
                     try:
                         ms, kernels = time_step(*delta_rule_step(op, shape), ("state_backward", "m_form"))
-                        print(f"{variant:8s} {op} {shape}: fwd+bwd {ms:.3f} ms, state_backward "
+                        print(f"{variant:11s} {op} {shape}: fwd+bwd {ms:.3f} ms, state_backward "
                               f"{kernels['state_backward']:.3f} ms, prepare {kernels['m_form']:.3f} ms", flush=True)
                     except Exception:  # noqa: BLE001
                         print(f"{variant} {op} {shape}: timing failed\n{traceback.format_exc()}", flush=True)
