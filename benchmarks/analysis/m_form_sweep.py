@@ -42,14 +42,11 @@ from hccompile.kernels.delta_rule import state as state_kernels  # noqa: E402
 from hccompile.kernels.delta_rule.plan import block_size  # noqa: E402
 from hccompile.kernels.delta_rule.tiles import _dot, _load_rows, _load_stored_rows, _store_rows  # noqa: E402
 
-LOCAL_DU = """            scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
-            scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-            du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
-"""
+from sweep_step_work import LOCAL_DU, QUERY_TERM  # noqa: E402  (state.py's lines both prototypes edit)
+
 CHAIN_DU = "            du += k_dstate\n"
 NUM_CHUNKS = "        num_chunks = tl.cdiv(eos - bos, BT)\n"
 SIGNATURE_END = "        qg_ptr,\n        kg_ptr,\n        PREPARED: tl.constexpr,\n    ):\n"
-QUERY_TERM = "            dstate += scale * _dot(tl.trans(q_tile), q_do, dot_dtype, DOT_PRECISION)\n"
 LAST_UPDATE = "            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)\n"
 EDITS = [
     (SIGNATURE_END, SIGNATURE_END.replace("    ):\n", "        m_ptr,\n        local_du_ptr,\n    ):\n")),
