@@ -50,6 +50,10 @@
 #               (--backward-on-caller), not on autograd's device thread                  (issue 18, 24)
 #   mhc-static  the C1024 n4-hc-block step with Inductor's static launcher for our kernels, and its host
 #               profile                                                                  (issue 24)
+#   mhc-options  the C1024 n4-hc-block step under each set of hc options in MHC_OPTION_SETS (sets separated by
+#               ';', a set's KEY=VALUE options by spaces, 'default' for none), each profiled per kernel, with the
+#               float32 stream-sized buffers its backward allocates counted from hc's dumps; then n1-inductor
+#               (issue 18: Inductor's realize thresholds against emulate_precision_casts' extra casts)
 #   mhc-project-proto  the projection kernels' launch configurations (kernels/mhc/project.py, swept by
 #               benchmarks/analysis/mhc_project_proto.py): checked against float64, then timed beside
 #               cuBLAS + Inductor at C1024 n4                                             (issue 18)
@@ -247,6 +251,24 @@ for run in ${RUNS:-delta host}; do
     mhc-static) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                     --variants n4-hc-block --host-profile 25 --hc-option static_launch_user_defined_triton_kernels=true \
                     --out "$out/diag_mhc-static_$tag.jsonl" > "$out/diag_mhc-static_$tag.txt" 2>&1 ;;
+    mhc-options) sets=${MHC_OPTION_SETS:-"default;realize_opcount_threshold=50;realize_opcount_threshold=100"}
+                 old_ifs=$IFS; IFS=';'; set -- $sets; IFS=$old_ifs; i=0
+                 for set in "$@"; do
+                     i=$((i + 1)); opts=""
+                     test "$set" = default || for o in $set; do opts="$opts --hc-option $o"; done
+                     echo "== option set $i: $set" >> "$out/diag_mhc-options_$tag.txt"
+                     cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                         --variants n4-hc-block --profile $opts --dump-dir "$out/mhc_opt_dump_$i" \
+                         --out "$out/diag_mhc-options_$tag.jsonl" >> "$out/diag_mhc-options_$tag.txt" 2>&1
+                     for code in "$out"/mhc_opt_dump_$i/*/graph_*/inductor_*_code.py; do
+                         echo "-- $code: float32 stream-sized buffers"
+                         grep -o "empty_strided_cuda((4, 2048, 4, 1024)[^)]*), torch.float32)" "$code" | sort | uniq -c
+                     done >> "$out/diag_mhc-options_$tag.txt" 2>&1
+                 done
+                 tar czf "$out/diag_mhc-options-dumps_$tag.tgz" -C "$out" $(cd "$out" && ls -d mhc_opt_dump_*) \
+                     && rm -rf "$out"/mhc_opt_dump_*
+                 cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
+                     --variants n1-inductor --out "$out/diag_mhc-options_$tag.jsonl" >> "$out/diag_mhc-options_$tag.txt" 2>&1 ;;
     mhc-stream-grad-proto) cut_at python3 benchmarks/analysis/mhc_stream_grad_proto.py \
                                > "$out/diag_mhc-stream-grad-proto_$tag.txt" 2>&1 ;;
     mhc-project-proto) cut_at python3 benchmarks/analysis/mhc_project_proto.py \
