@@ -38,7 +38,8 @@ import torch
 from . import plan as kernel_plan
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (DEFAULT_CHUNK_SIZE, GATE_CODES, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
-                   intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
+                   intermediate_dtype_for, inverse_dtype_for, kept_state_rows, make_plan,
+                   normed_qk_dtype_for)
 from .output import launch_output, launch_scores_only
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs, checked_problem
@@ -89,7 +90,8 @@ class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
     the intra-chunk matrices, each [B, T, HV, chunk_size]: Kdot (fp32; None without per-channel gates
     while plan.fused_scores_forward, nothing forms it in memory then), P (fp32 from decayed_scores, or
-    in the intermediates' dtype from the output kernel) and the inverse A (fp32); with use_qk_l2norm_in_kernel the
+    in the intermediates' dtype from the output kernel) and the inverse A (in the plan's inverse_dtype); with
+    use_qk_l2norm_in_kernel the
     l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
     gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without); and the state
     sweep's results, in the plan's intermediate_dtype: w [B, T, HV, K], the corrected values u
@@ -113,7 +115,7 @@ class Kept(NamedTuple):
 class ChunkLocal:
     """What the chunk-parallel steps (the l2norm, gate_cumsum, decayed_scores, wy_solve) give the
     state sweeps, independent of any state: l2normed q and k in the plan's normed_qk_dtype, w, u~
-    and k_decayed in its intermediate_dtype, P in its scores_dtype, the rest fp32. cp.py's segments
+    and k_decayed in its intermediate_dtype, P in its scores_dtype, A in its inverse_dtype, the rest fp32. cp.py's segments
     start from it too."""
 
     q: torch.Tensor  # q or its l2norm
@@ -181,10 +183,11 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
     if kept is not None:
         kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
     elif fused:
-        kdot, inverse = None, buffer(batch, time, value_heads, chunk)
+        kdot, inverse = None, buffer(batch, time, value_heads, chunk, dtype=plan.inverse_dtype)
         scores = buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype) if scores_now else None
     else:
-        kdot, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(2))
+        kdot, inverse = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk,
+                                                                         dtype=plan.inverse_dtype)
         scores = buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype)
     if kept is not None and kept.h is not None:
         return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=kept.w,
@@ -368,7 +371,7 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
     # Kdot may be absent without per-channel gates (the split backward takes its terms from K; the single
     # wy_backward has decayed_scores form it again).
     expected = [("scores", square, (torch.float32, intermediate_dtype_for(q.dtype))),
-                ("inverse", square, torch.float32)]
+                ("inverse", square, inverse_dtype_for(problem.gate, q.dtype))]
     if kept.kdot is not None:
         expected.insert(0, ("kdot", square, torch.float32))
     elif problem.gate == "channel":
