@@ -79,8 +79,10 @@ def test_wy_solve_forming_kdot_matches_float64(fused, name, sizes, gate, options
     for label, out, ref in (("W", w, w_ref), ("U~", u_tilde, u_ref)):
         error = relative_rms_error(out, ref)
         assert error < TOLERANCES[dtype][0], f"{label}: relative RMS error {error:.2e}"
-    # The kept inverse of the forward (the same kernel on the same keys) is the one just formed.
-    assert torch.equal(inverse, x["inverse"])
+    # The kept inverse of the forward (the same kernel on the same keys) is the one just formed, stored in
+    # plan.inverse_dtype (the fp32 one rounded).
+    assert x["inverse"].dtype == plan.inverse_dtype
+    assert torch.equal(inverse.to(plan.inverse_dtype), x["inverse"])
 
 
 @requires_triton
@@ -247,7 +249,8 @@ def test_kept_scores_equal_the_recomputed_ones(fused, name, sizes, gate, options
     o, state, kept = _kept_forward(inputs, kwargs, chunk)
     o_plain, state_plain = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk)
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
-    assert kept.scores.dtype == intermediate_dtype_for(dtype) and kept.inverse.dtype == torch.float32
+    assert kept.scores.dtype == intermediate_dtype_for(dtype)
+    assert kept.inverse.dtype == kernel_plan.inverse_dtype_for(gate, dtype)
     do, dht = random_output_gradients(inputs, dtype)
     bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
     recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)

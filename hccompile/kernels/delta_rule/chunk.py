@@ -38,8 +38,7 @@ import torch
 from . import plan as kernel_plan
 from .gate_cumsum import ACTIVATION_NONE, gate_activation, gate_activation_backward, gate_backward, launch_gate_cumsum
 from .plan import (DEFAULT_CHUNK_SIZE, GATE_CODES, MAX_HEAD_DIM, SUB_CHUNK, Plan, block_size, check_kernel_inputs,
-                   intermediate_dtype_for, inverse_dtype_for, kept_state_rows, make_plan,
-                   normed_qk_dtype_for)
+                   intermediate_dtype_for, kept_state_rows, make_plan, normed_qk_dtype_for)
 from .output import launch_output, launch_scores_only
 from .qk_l2norm import l2norm_backward, l2norm_forward
 from .reference import check_delta_rule_inputs, checked_problem
@@ -367,11 +366,12 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
                          f"k_normed, cum) or those and (w, u, h), got {len(given)} tensors")
     kept = Kept(*given)
     square = (problem.batch, problem.time, problem.value_heads, chunk_size)
-    # P as decayed_scores stores it (fp32) or as the output kernel does (the intermediates' dtype);
-    # Kdot may be absent without per-channel gates (the split backward takes its terms from K; the single
-    # wy_backward has decayed_scores form it again).
-    expected = [("scores", square, (torch.float32, intermediate_dtype_for(q.dtype))),
-                ("inverse", square, inverse_dtype_for(problem.gate, q.dtype))]
+    # P as decayed_scores stores it (fp32) or as the output kernel does (the intermediates' dtype), and A
+    # as wy_solve stores it (plan.inverse_dtype: either, with the switches as they were at the forward;
+    # every reader loads either); Kdot may be absent without per-channel gates (the split backward takes
+    # its terms from K; the single wy_backward has decayed_scores form it again).
+    either = (torch.float32, intermediate_dtype_for(q.dtype))
+    expected = [("scores", square, either), ("inverse", square, either)]
     if kept.kdot is not None:
         expected.insert(0, ("kdot", square, torch.float32))
     elif problem.gate == "channel":
