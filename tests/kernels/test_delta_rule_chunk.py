@@ -371,12 +371,13 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu, register_diagon
     assert (fwd.kdot is None) == form_kdot
     wy_kernels._wy_solve_kernel[(plan.num_chunks, problem.value_heads)](
         fwd.k, v, beta, fwd.cum if fwd.cum is not None else plan.dummy, plan.dummy if form_kdot else fwd.kdot,
-        inverse, fwd.w, torch.empty_like(fwd.u), torch.empty_like(fwd.w), *fwd.k.stride(), *v.stride(),
-        *beta.stride(), table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size,
+        inverse, fwd.w, torch.empty_like(fwd.u), torch.empty_like(fwd.w), plan.dummy, *fwd.k.stride(), *v.stride(),
+        *beta.stride(), 0, 0, 0, table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads,
+        problem.group_size,
         problem.key_dim, problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
         BK=kernel_plan.block_size(problem.key_dim), BV=kernel_plan.block_size(problem.value_dim),
         DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen, SOLVE=True, FORM_KDOT=form_kdot,
-        REGISTER_DIAGONAL=register_diagonal,
+        REGISTER_DIAGONAL=register_diagonal, FORM_CUM=False,
     )
     kdots = fwd.kdot
     if form_kdot:
@@ -744,6 +745,47 @@ def test_inverse_in_half_precision_is_bitwise_the_float32_inverse(monkeypatch, n
         for name_, grad in grads32.items():
             if grad is not None:
                 assert torch.isfinite(grad).all() and torch.equal(grads16[name_], grad), name_
+
+
+FOLD_CASES = [
+    ("gdn-varlen", THREE_SEQUENCES, "scalar", THREE_SEQUENCE_OPTIONS, torch.float32, 32),
+    ("gdn-gva-l2norm-T100", (1, 100, 2, 4, 60, 64), "scalar", {"l2norm": True, "initial_state": True},
+     torch.float32, 64),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", FOLD_CASES, ids=[c[0] for c in FOLD_CASES])
+def test_folded_gate_sums_replace_the_gate_cumsum_launches(monkeypatch, name, sizes, gate, options, dtype, chunk):
+    """plan.FOLDED_GATE_SUMS: a scalar gate's G formed by wy_solve and g's gradient by wy_bwd.py, with no
+    gate_cumsum launch, equal to the separate launches' results (fp32 sums of the same terms), recomputing
+    or given the kept intermediates."""
+    monkeypatch.setattr(kernel_plan, "FOLDED_GATE_SUMS", True)
+    assert kernel_plan.fused_scores_forward_for(gate) and kernel_plan.SPLIT_WY_BACKWARD
+    launches = []
+    launch = chunk_kernels.launch_gate_cumsum
+    monkeypatch.setattr(chunk_kernels, "launch_gate_cumsum", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 9)
+    inputs = kernel_inputs(inputs, dtype)
+    do, dht = random_output_gradients(inputs, dtype)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    results = {}
+    for fold in (False, True):
+        monkeypatch.setattr(kernel_plan, "FOLDED_GATE_SUMS", fold)
+        launches.clear()
+        o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
+        recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
+        given = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=kept)
+        # forward, the recomputing backward's forward and its reverse sum, the kept one's reverse sum
+        assert len(launches) == (0 if fold else 4), fold
+        results[fold] = (o, state, kept.cum, recomputed, given)
+    (o, state, cum, recomputed, given), (o_f, state_f, cum_f, recomputed_f, given_f) = results[False], results[True]
+    for label, got, want in (("o", o_f, o), ("final state", state_f, state), ("G", cum_f, cum)):
+        assert relative_rms_error(got, want) < 1e-6, label
+    for grads_f, grads in ((recomputed_f, recomputed), (given_f, given)):
+        for name_, grad in grads.items():
+            if grad is not None:
+                assert relative_rms_error(grads_f[name_], grad) < 1e-6, name_
 
 
 def test_kept_intermediates_are_checked():

@@ -66,11 +66,11 @@ def test_wy_solve_forming_kdot_matches_float64(fused, name, sizes, gate, options
     table, seqlens = plan.chunk_args()
     cum = x["cum"] if x["cum"] is not None else plan.dummy
     wy_kernels._wy_solve_kernel[(plan.num_chunks, value_heads)](
-        k, v, beta, cum, plan.dummy, inverse, w, u_tilde, plan.dummy, *k.stride(), *v.stride(), *beta.stride(),
-        table, seqlens, time, plan.chunks_per_row, value_heads, plan.problem.group_size, key_dim, value_dim,
+        k, v, beta, cum, plan.dummy, inverse, w, u_tilde, plan.dummy, plan.dummy, *k.stride(), *v.stride(),
+        *beta.stride(), 0, 0, 0, table, seqlens, time, plan.chunks_per_row, value_heads, plan.problem.group_size, key_dim, value_dim,
         GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_size(key_dim), BV=block_size(value_dim),
         DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen, SOLVE=True, FORM_KDOT=True, REGISTER_DIAGONAL=True,
-        **wy_kernels.wy_solve_options(plan),
+        FORM_CUM=False, **wy_kernels.wy_solve_options(plan),
     )
     inverse_ref, w_ref, u_ref = wy_solve_ref(k, v, beta, x["cum"], x["chunks"], chunk)
     # A is fp32 from the exact (or fp32-accumulated half) key products; W and U~ take half operands.

@@ -172,13 +172,18 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
             q, k = kept.q_normed, kept.k_normed
         else:
             q, k = l2norm_forward(q, k, plan.normed_qk_dtype, plan.launch)
+    fused = plan.fused_scores_forward
+    # wy_solve, G's first reader where it forms Kdot itself, forms a scalar gate's G (plan.FOLDED_GATE_SUMS)
+    form_cum = (kernel_plan.FOLDED_GATE_SUMS and problem.gate == "scalar" and kept is None and fused
+                and bool(plan.num_chunks))
     cum = None
     if kept is not None and kept.cum is not None:
         cum = kept.cum
+    elif form_cum:
+        cum = buffer(batch, time, value_heads, 1)
     elif problem.gate != "none" and plan.num_chunks:
         cum = launch_gate_cumsum(plan, g, gate_activation(problem, lower_bound), A_log, dt_bias, lower_bound,
                                  reverse=False)
-    fused = plan.fused_scores_forward
     if kept is not None:
         kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
     elif fused:
@@ -200,17 +205,20 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
         cum_arg = cum if cum is not None else plan.dummy
         if kept is None and not fused:
             _launch_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
-        elif kept is None and scores_now:
+        elif kept is None and scores_now and not form_cum:
             launch_scores_only(plan, q, k, cum_arg, scores, plan.num_chunks, table, seqlens)
         plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
             k, v, beta, cum_arg, kdot if kdot is not None else plan.dummy, inverse, w, u_tilde, k_decayed,
-            *k.stride(), *v.stride(), *beta.stride(),
+            g if form_cum else plan.dummy, *k.stride(), *v.stride(), *beta.stride(),
+            *(g.stride() if form_cum else (0, 0, 0)),
             table, seqlens, time, plan.chunks_per_row, value_heads, problem.group_size, key_dim, value_dim,
             GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_size(key_dim),
             BV=block_size(value_dim), DOT_PRECISION=plan.dot_precision, SOLVE=kept is None,
             FORM_KDOT=kept is None and fused, REGISTER_DIAGONAL=kernel_plan.REGISTER_DIAGONAL_BLOCKS,
-            IS_VARLEN=plan.varlen, **wy_solve_options(plan),
+            FORM_CUM=form_cum, IS_VARLEN=plan.varlen, **wy_solve_options(plan),
         )
+        if form_cum and scores_now:  # P from G, which wy_solve formed
+            launch_scores_only(plan, q, k, cum_arg, scores, plan.num_chunks, table, seqlens)
     return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde,
                       k_decayed=k_decayed)
 
@@ -406,17 +414,20 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
 
 
 def launch_split_wy_backward(plan: Plan, q, k, v, beta, do, cum, inverse, u, du, h, dh, dv, dbeta, dq_heads,
-                             dk_heads, dcum, num_chunks, table, seqlens, scale: float, dk_out=None) -> None:
+                             dk_heads, dcum, num_chunks, table, seqlens, scale: float, dk_out=None,
+                             reverse_dg: bool = False) -> None:
     """wy_backward split in two (plan.split_wy_backward): dqkw.py's kernel writes dq complete and dk,
     dG partial with dW; wy_bwd.py's completes dk and dG and writes dv and dbeta. `h` and `dh` start at
-    the first of the `num_chunks` chunks that `table` (varlen) lists; cp.py launches it per segment run."""
+    the first of the `num_chunks` chunks that `table` (varlen) lists; cp.py launches it per segment run.
+    reverse_dg (a scalar gate, nothing added to dG after): dcum leaves holding g's gradient, dG's reverse
+    chunk-local sum, instead of dG."""
     problem = plan.problem
     dw = torch.empty(problem.batch, problem.time, problem.value_heads, problem.key_dim,
                      dtype=plan.intermediate_dtype, device=q.device)
     dcum_second = launch_dqkw(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table,
                               seqlens, scale)
     launch_wy_bwd(plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table, seqlens,
-                  dk_out, dcum_second)
+                  dk_out, dcum_second, reverse_dg=reverse_dg)
 
 
 def sum_key_groups(heads: torch.Tensor, key_heads: int, group: int) -> torch.Tensor:
@@ -544,13 +555,21 @@ def chunk_delta_rule_bwd(
     else:  # the kernels write the op's gradients themselves (no GVA: one value head per key head)
         dq_heads, dk_out = dq, dk
     gate_width = key_dim if problem.gate == "channel" else 1
-    dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
+    # wy_bwd.py, which completes dG, takes its reverse sum too (plan.FOLDED_GATE_SUMS): dcum is then g's
+    # gradient, written into the op's when that has the sum's dtype and layout.
+    reverse_dg = (kernel_plan.FOLDED_GATE_SUMS and problem.gate == "scalar" and bool(plan.num_chunks)
+                  and plan.split_wy_backward)
+    dg_out = result("g") if reverse_dg else None
+    if reverse_dg and dg_out.dtype == torch.float32 and dg_out.is_contiguous():
+        dcum = dg_out.view(batch, time, value_heads, 1)
+    else:
+        dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
     fused_scores = plan.fused_scores_backward
     dkdot, dscores = plan.score_gradients(fused_scores, batch, time, value_heads, buffer)
     if plan.num_chunks and plan.split_wy_backward:
         launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,
                                  dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale),
-                                 dk_out)
+                                 dk_out, reverse_dg=reverse_dg)
     elif plan.num_chunks:
         kdot = fwd.kdot
         if kdot is None:
@@ -598,6 +617,8 @@ def chunk_delta_rule_bwd(
         for name, grad in (("A_log", dA_log), ("dt_bias", ddt_bias)):
             grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
         grads["g"] = dg
+    elif reverse_dg:  # wy_bwd.py left g's gradient in dcum
+        grads["g"] = dg_out if dcum.data_ptr() == dg_out.data_ptr() else dg_out.copy_(dcum.view(g.shape))
     elif problem.gate != "none":
         # d(loss)/dg_t is the sum of d(loss)/dG over the rest of t's chunk.
         dg_out = result("g")

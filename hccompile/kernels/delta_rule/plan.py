@@ -132,6 +132,14 @@ HALF_KEY_GRADIENTS = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS", "
 # single wy_backward (wy.py) form dL from the fp32 A and keep it. HCCOMPILE_DELTA_RULE_HALF_INVERSE=0
 # (read at import) turns it off; the attribute is read when a Plan is made (and by the op's fake).
 HALF_INVERSE = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_INVERSE", "1") == "1"
+# A scalar gate's chunk-local sums formed by the kernels around them instead of two launches of
+# gate_cumsum.py's kernel of their own (item 7 of benchmarks/analysis/gdn_traffic_2026-11-30_h200.md):
+# the forward's G by wy_solve, its first reader where the forward forms Kdot itself
+# (fused_scores_forward, no kept intermediates), and the backward's reverse sum of dG by wy_bwd.py,
+# which completes dG (the split backward). Two launches fewer a GDN fwd+bwd (host-bound below B4
+# T4096). HCCOMPILE_DELTA_RULE_FOLDED_GATE_SUMS=0 (read at import) turns it off; the attribute is
+# read when the launches are made.
+FOLDED_GATE_SUMS = os.environ.get("HCCOMPILE_DELTA_RULE_FOLDED_GATE_SUMS", "1") == "1"
 
 
 def check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:
