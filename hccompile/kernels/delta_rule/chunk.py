@@ -560,7 +560,8 @@ def chunk_delta_rule_bwd(
     reverse_dg = (kernel_plan.FOLDED_GATE_SUMS and problem.gate == "scalar" and bool(plan.num_chunks)
                   and plan.split_wy_backward)
     dg_out = result("g") if reverse_dg else None
-    if reverse_dg and dg_out.dtype == torch.float32 and dg_out.is_contiguous():
+    dg_in_place = reverse_dg and dg_out.dtype == torch.float32 and dg_out.is_contiguous()
+    if dg_in_place:
         dcum = dg_out.view(batch, time, value_heads, 1)
     else:
         dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
@@ -618,7 +619,7 @@ def chunk_delta_rule_bwd(
             grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
         grads["g"] = dg
     elif reverse_dg:  # wy_bwd.py left g's gradient in dcum
-        grads["g"] = dg_out if dcum.data_ptr() == dg_out.data_ptr() else dg_out.copy_(dcum.view(g.shape))
+        grads["g"] = dg_out if dg_in_place else dg_out.copy_(dcum.view(g.shape))
     elif problem.gate != "none":
         # d(loss)/dg_t is the sum of d(loss)/dG over the rest of t's chunk.
         dg_out = result("g")
