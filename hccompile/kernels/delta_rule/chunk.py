@@ -493,8 +493,8 @@ def chunk_delta_rule_bwd(
         _check_out(f"out[{name!r}]", given, tuple(like.shape), like.dtype, like.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
     if intermediates is not None:
-        intermediates = (Kept(*intermediates) if not isinstance(intermediates, Kept) else intermediates) if checked \
-            else _checked_intermediates(intermediates, problem, chunk_size, q, use_qk_l2norm_in_kernel)
+        intermediates = Kept(*intermediates) if checked else _checked_intermediates(
+            intermediates, problem, chunk_size, q, use_qk_l2norm_in_kernel)
     # after the arguments: a wrong argument is named wherever the kernels can or cannot run
     _require_triton(q.device)
     plan = make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
