@@ -89,9 +89,9 @@ class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
     the intra-chunk matrices, each [B, T, HV, chunk_size]: Kdot (fp32; None without per-channel gates
     while plan.fused_scores_forward, nothing forms it in memory then), P (fp32 from decayed_scores, or
-    in the intermediates' dtype from the output kernel) and the inverse A (in the plan's inverse_dtype); with
-    use_qk_l2norm_in_kernel the
-    l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
+    in the intermediates' dtype from the output kernel) and the inverse A (in the plan's inverse_dtype);
+    with use_qk_l2norm_in_kernel the l2-normed q and k ([B, T, H, K] contiguous, in the plan's
+    normed_qk_dtype; None without); with a
     gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without); and the state
     sweep's results, in the plan's intermediate_dtype: w [B, T, HV, K], the corrected values u
     [B, T, HV, V] and the chunk-start states h [plan.kept_state_rows, HV, K, V]. With w, u and h the
@@ -114,8 +114,8 @@ class Kept(NamedTuple):
 class ChunkLocal:
     """What the chunk-parallel steps (the l2norm, gate_cumsum, decayed_scores, wy_solve) give the
     state sweeps, independent of any state: l2normed q and k in the plan's normed_qk_dtype, w, u~
-    and k_decayed in its intermediate_dtype, P in its scores_dtype, A in its inverse_dtype, the rest fp32. cp.py's segments
-    start from it too."""
+    and k_decayed in its intermediate_dtype, P in its scores_dtype, A in its inverse_dtype, the rest
+    fp32. cp.py's segments start from it too."""
 
     q: torch.Tensor  # q or its l2norm
     k: torch.Tensor
