@@ -29,7 +29,6 @@ from .._triton import tl, triton
 if triton is not None:
     from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector,
                         _pair_decays, _row_chunk_coords, _store_rows, _varlen_chunk_coords)
-    from .gate_cumsum import _scalar_gate_sum
 
     @triton.jit
     def _substitution_step(inverse, kdot_ptr, beta_ptr, stride_bt, start, first, length, row_stride, r,
@@ -162,11 +161,10 @@ if triton is not None:
 
     @triton.jit
     def _wy_solve_kernel(
-        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr, kg_ptr, g_ptr,
+        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr, kg_ptr,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_vb, stride_vt, stride_vh, stride_vv,
         stride_bb, stride_bt, stride_bh,
-        stride_gb, stride_gt, stride_gh,
         chunk_table_ptr, cu_seqlens_ptr,
         T, NT, HV, GROUP, K, V,
         GATE: tl.constexpr,
@@ -179,7 +177,6 @@ if triton is not None:
         SOLVE: tl.constexpr,
         FORM_KDOT: tl.constexpr,
         REGISTER_DIAGONAL: tl.constexpr,
-        FORM_CUM: tl.constexpr,
     ):
         """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V;
         with a channel gate also the keys decayed to the chunk's end, K e^(G_last - G), in kg_ptr
@@ -189,10 +186,6 @@ if triton is not None:
 
         Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward) and only W
         and U~ are formed.
-
-        With FORM_CUM (a scalar gate, plan.FOLDED_GATE_SUMS) the program first forms its chunk's G from
-        the raw log-gates in g_ptr ([B, T, HV], strides stride_g*) into cum_ptr, as gate_cumsum would
-        (this kernel is G's first reader), and reads it back after a barrier like every other reader.
 
         With FORM_KDOT (no gate or a scalar one: plan.fused_scores_forward) kdot_ptr is not read:
         the lower [BC, BC] blocks of L = diag(beta) Kdot (NS (NS + 1) / 2 of them, fp32) are formed
@@ -220,10 +213,6 @@ if triton is not None:
         v_ptr += batch * stride_vb + head * stride_vh
         beta_ptr += batch * stride_bb + head * stride_bh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
-        if FORM_CUM:
-            tl.static_assert(GATE == 1, "wy_solve forms G of scalar gates only")
-            _scalar_gate_sum(g_ptr + batch * stride_gb + head * stride_gh, cum_ptr, start, length, stride_gt, HV, BT)
-            tl.debug_barrier()
         square_offset = (batch * T) * HV * BT + head * BT
         kdot_ptr += square_offset
         a_ptr += square_offset
