@@ -52,7 +52,7 @@
 #               profile                                                                  (issue 24)
 #   mhc-options  the C1024 n4-hc-block step under each set of hc options in MHC_OPTION_SETS (sets separated by
 #               ';', a set's KEY=VALUE options by spaces, 'default' for none), each profiled per kernel, with the
-#               float32 stream-sized buffers its backward allocates counted from hc's dumps; then n1-inductor
+#               stream-sized buffers its backward allocates counted by dtype from hc's dumps; then n1-inductor
 #               (issue 18: Inductor's realize thresholds against emulate_precision_casts' extra casts)
 #   mhc-project-proto  the projection kernels' launch configurations (kernels/mhc/project.py, swept by
 #               benchmarks/analysis/mhc_project_proto.py): checked against float64, then timed beside
@@ -261,8 +261,8 @@ for run in ${RUNS:-delta host}; do
                          --variants n4-hc-block --profile $opts --dump-dir "$out/mhc_opt_dump_$i" \
                          --out "$out/diag_mhc-options_$tag.jsonl" >> "$out/diag_mhc-options_$tag.txt" 2>&1
                      for code in "$out"/mhc_opt_dump_$i/*/graph_*/inductor_*_code.py; do
-                         echo "-- $code: float32 stream-sized buffers"
-                         grep -o "empty_strided_cuda((4, 2048, 4, 1024)[^)]*), torch.float32)" "$code" | sort | uniq -c
+                         echo "-- $code: stream-sized buffers, by dtype"
+                         grep -o "empty_strided_cuda((4, 2048, 4, 1024)[^)]*), torch.[a-z0-9]*)" "$code" | sort | uniq -c
                      done >> "$out/diag_mhc-options_$tag.txt" 2>&1
                  done
                  tar czf "$out/diag_mhc-options-dumps_$tag.tgz" -C "$out" $(cd "$out" && ls -d mhc_opt_dump_*) \
