@@ -251,7 +251,7 @@ for run in ${RUNS:-delta host}; do
     mhc-static) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                     --variants n4-hc-block --host-profile 25 --hc-option static_launch_user_defined_triton_kernels=true \
                     --out "$out/diag_mhc-static_$tag.jsonl" > "$out/diag_mhc-static_$tag.txt" 2>&1 ;;
-    mhc-options) sets=${MHC_OPTION_SETS:-"default;realize_opcount_threshold=50;realize_opcount_threshold=100"}
+    mhc-options) sets=${MHC_OPTION_SETS:-"default;realize_reads_threshold=1;realize_reads_threshold=1 realize_opcount_threshold=100"}
                  old_ifs=$IFS; IFS=';'; set -- $sets; IFS=$old_ifs; i=0
                  for set in "$@"; do
                      i=$((i + 1)); opts=""
