@@ -31,8 +31,8 @@ from hccompile.kernels.delta_rule import dqkw, output, wy, wy_bwd  # noqa: E402
 
 T, H, D = 32768, 16, 128
 VALUES = dict(T=T, NT=T // 64, HV=H, GROUP=1, K=D, V=D)
-for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", D), ("b", 1), ("db", 1)):
-    last = {"q": "k", "k": "k", "v": "v", "do": "v", "dv": "v", "o": "v", "b": "h", "db": "h"}[prefix]
+for prefix, width in (("q", D), ("k", D), ("v", D), ("do", D), ("dv", D), ("o", D), ("b", 1), ("db", 1), ("g", 1)):
+    last = {"q": "k", "k": "k", "v": "v", "do": "v", "dv": "v", "o": "v", "b": "h", "db": "h", "g": "h"}[prefix]
     VALUES.update({f"stride_{prefix}b": T * H * width, f"stride_{prefix}t": H * width,
                    f"stride_{prefix}{last}": 1})
     if width > 1:
@@ -43,12 +43,20 @@ BF16_POINTERS = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "do_ptr", "u_ptr", "du_p
 OUTPUT = {"FORM_SCORES": False, "STORE_SCORES": False, "SCORES_ONLY": False}
 KERNELS = {"dqkw": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False, "KEY_TILES_FASTEST": False}, {}),
            "dqkw_fastest": (dqkw._dqkw_kernel, {"SCORES_VIA_MEMORY": False, "KEY_TILES_FASTEST": True}, {}),
-           "wy_bwd": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2, "HALF_DL": True}, {}),
+           "wy_bwd": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2, "HALF_DL": True, "REVERSE_DG": True}, {"inverse_ptr": "*bf16"}),
+           "wy_bwd_dg": (wy_bwd._wy_bwd_kernel, {"DG_PARTS": 2, "HALF_DL": True, "REVERSE_DG": False}, {}),
            "wy_backward": (wy._wy_backward_kernel, {"FUSE_SCORES": True}, {}),
-           "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": True, "REGISTER_DIAGONAL": True},
-                        {}),
+           "wy_solve": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": True, "REGISTER_DIAGONAL": True,
+                                              "FORM_CUM": False, "FORM_WU": True}, {}),
+           # W and U~ from a stored A alone (a kept A, or plan.SPLIT_WY_SOLVE's second launch)
+           "wy_form": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": False, "FORM_KDOT": False, "REGISTER_DIAGONAL": True,
+                                             "FORM_CUM": False, "FORM_WU": True}, {"a_ptr": "*bf16"}),
+           # G formed in the kernel (plan.FOLDED_GATE_SUMS; --gate 1 only)
+           "wy_solve_cum": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": True,
+                                                  "REGISTER_DIAGONAL": True, "FORM_CUM": True, "FORM_WU": True},
+                            {"a_ptr": "*bf16"}),
            "wy_solve_kdot": (wy._wy_solve_kernel, {"BC": 16, "SOLVE": True, "FORM_KDOT": False,
-                                                   "REGISTER_DIAGONAL": True}, {}),
+                                                   "REGISTER_DIAGONAL": True, "FORM_CUM": False, "FORM_WU": True}, {}),
            "output": (output._output_kernel, {**OUTPUT, "FORM_SCORES": True}, {}),
            "output_store": (output._output_kernel, {**OUTPUT, "FORM_SCORES": True, "STORE_SCORES": True},
                             {"scores_ptr": "*bf16"}),

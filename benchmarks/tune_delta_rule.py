@@ -59,6 +59,8 @@ VARIANTS = {
     "PREPARED_CHANNEL_SWEEP": (kernel_plan, [True]),
     # KDA: wy_solve's substitution with a row load per step instead of L's diagonal blocks loaded once
     "REGISTER_DIAGONAL_BLOCKS": (kernel_plan, [False]),
+    # wy_solve in two launches (the solve, then W and U~ at WY_FORM_WARPS): a dict sets each of its constants
+    "SPLIT_WY_SOLVE": (kernel_plan, [{"SPLIT_WY_SOLVE": True, "WY_FORM_WARPS": w} for w in (2, 4, 8)]),
     # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel
     "FUSED_SCORES_FORWARD": (kernel_plan, [False]),
     # the sweeps' value tiles: narrowed while the grid fills at most half of this many programs (None: the
@@ -186,7 +188,10 @@ def main() -> None:
                 for options in variants:
                     override = contextlib.nullcontext()
                     if name.isupper():
-                        setattr(module, name, options)
+                        constants = options if isinstance(options, dict) else {name: options}
+                        originals = {key: getattr(module, key) for key in constants}
+                        for key, value in constants.items():
+                            setattr(module, key, value)
                     else:
                         override = launch_override(original, options)
                     started = time.perf_counter()
@@ -198,6 +203,9 @@ def main() -> None:
                         continue
                     finally:
                         setattr(module, name, original)
+                        if name.isupper():
+                            for key, value in originals.items():
+                                setattr(module, key, value)
                     rows.append(dict(op=op, mode=mode, kernel=name, options=options, ms=ms, ratio=ms / base))
                     print(f"{op} {mode:7s} {name:32s} {str(options):22s} {ms:.3f} ms ({ms / base:.3f}x)"
                           f"  [{time.perf_counter() - started:.0f} s]", flush=True)

@@ -64,7 +64,8 @@ from ..kernels.delta_rule import (MAX_HEAD_DIM, check_delta_rule_inputs, chunk_d
 from ..kernels.delta_rule.chunk import GRADIENT_NAMES, Kept
 from ..kernels.delta_rule.output import _output_kernel, _output_scores_kernel
 from ..kernels.delta_rule.plan import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTED_DTYPES, fused_scores_forward_for,
-                                       intermediate_dtype_for, kept_state_rows, normed_qk_dtype_for)
+                                       intermediate_dtype_for, inverse_dtype_for, kept_state_rows,
+                                       normed_qk_dtype_for)
 from ..kernels.delta_rule.dqkw import _dqkw_kernel
 from ..kernels.delta_rule.state import _state_backward_kernel
 from ..kernels.delta_rule.wy import _wy_backward_kernel
@@ -447,7 +448,8 @@ def _chunk_delta_rule_traced(q, k, v, beta, g, initial_state, cu_seqlens, A_log,
 def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermediates: bool, l2norm: bool,
                  cu_seqlens: Tensor | None) -> list[tuple[tuple, torch.dtype]]:
     """Shape and dtype of each kept output (kdot, scores, inverse, q_normed, k_normed, cum, w, u, h),
-    the op's and its fake's, when asked for: the matrices [B, T, HV, chunk_size] fp32, the normed q
+    the op's and its fake's, when asked for: the matrices [B, T, HV, chunk_size] fp32 (the inverse in
+    plan.inverse_dtype_for's dtype), the normed q
     and k [B, T, H, K] with l2norm, the gate's cumulative sum [B, T, HV, K or 1] fp32 with a gate, w,
     u, h (see Kept) with KEEP_STATES; (0,) otherwise. Where the forward forms Kdot and P inside
     wy_solve and the output kernel (plan.FUSED_SCORES_FORWARD, read now, as the kernels' plan reads
@@ -467,7 +469,7 @@ def _kept_layout(q: Tensor, v: Tensor, gate: str, chunk_size: int, save_intermed
                   (rows, value_heads, key_dim, value_dim)]
     stored = intermediate_dtype_for(q.dtype)
     matrices = [((0,) if fused else square, torch.float32), (square, stored if fused else torch.float32),
-                (square, torch.float32)]
+                (square, inverse_dtype_for(gate, q.dtype))]
     return (matrices + [(normed, normed_qk_dtype_for(q.dtype))] * 2 + [(cum, torch.float32)]
             + [(shape, stored) for shape in states])
 

@@ -371,12 +371,13 @@ def test_wy_solve_matches_float64_inverse(gate, chunk, time, cu, register_diagon
     assert (fwd.kdot is None) == form_kdot
     wy_kernels._wy_solve_kernel[(plan.num_chunks, problem.value_heads)](
         fwd.k, v, beta, fwd.cum if fwd.cum is not None else plan.dummy, plan.dummy if form_kdot else fwd.kdot,
-        inverse, fwd.w, torch.empty_like(fwd.u), torch.empty_like(fwd.w), *fwd.k.stride(), *v.stride(),
-        *beta.stride(), table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads, problem.group_size,
+        inverse, fwd.w, torch.empty_like(fwd.u), torch.empty_like(fwd.w), plan.dummy, *fwd.k.stride(), *v.stride(),
+        *beta.stride(), 0, 0, 0, table, seqlens, problem.time, plan.chunks_per_row, problem.value_heads,
+        problem.group_size,
         problem.key_dim, problem.value_dim, GATE=plan.gate_code, BT=chunk, BC=min(chunk, kernel_plan.SUB_CHUNK),
         BK=kernel_plan.block_size(problem.key_dim), BV=kernel_plan.block_size(problem.value_dim),
         DOT_PRECISION=plan.dot_precision, IS_VARLEN=plan.varlen, SOLVE=True, FORM_KDOT=form_kdot,
-        REGISTER_DIAGONAL=register_diagonal,
+        REGISTER_DIAGONAL=register_diagonal, FORM_CUM=False, FORM_WU=True,
     )
     kdots = fwd.kdot
     if form_kdot:
@@ -469,8 +470,12 @@ def test_intermediates_take_the_planned_dtype(dtype):
     assert plan.normed_qk_dtype == normed
     for name in ("q", "k"):
         assert getattr(fwd, name).dtype == normed, name
-    for name in ("inverse", "cum"):
-        assert getattr(fwd, name).dtype == torch.float32, name
+    assert fwd.cum.dtype == torch.float32
+    # The inverse A in the intermediates' dtype where every reader rounds it to that (the split backward
+    # with its half dL, a scalar gate here), fp32 otherwise.
+    assert plan.inverse_dtype == kernel_plan.inverse_dtype_for("scalar", dtype)
+    assert fwd.inverse.dtype == plan.inverse_dtype
+    assert plan.inverse_dtype == (plan.intermediate_dtype if plan.split_wy_backward else torch.float32)
     # Without per-channel gates (plan.fused_scores_forward) no Kdot in memory, and P (in memory for a
     # backward, which this forward without o is) in the intermediates' dtype; fp32 from decayed_scores.
     assert fwd.scores.dtype == plan.scores_dtype
@@ -638,6 +643,7 @@ KEPT_CASES = [
     ("gdn-gva-l2norm-h0", (1, 70, 1, 2, 32, 16), "scalar", {"initial_state": True, "l2norm": True}, torch.float32, 32),
     ("kda-bf16", (2, 45, 1, 1, 32, 32), "channel", {"initial_state": True}, torch.bfloat16, 16),
     ("plain-varlen", THREE_SEQUENCES, "none", THREE_SEQUENCE_OPTIONS, torch.float32, 64),
+    ("gdn-bf16-varlen", THREE_SEQUENCES, "scalar", THREE_SEQUENCE_OPTIONS, torch.bfloat16, 32),
 ]
 
 
@@ -657,7 +663,8 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(monkey
     fused = kernel_plan.fused_scores_forward_for(gate)
     assert (kept.kdot is None) == fused
     assert all(t.shape == (*o.shape[:3], chunk) for t in kept[:3] if t is not None)
-    assert kept.inverse.dtype == torch.float32 and all(t.dtype == torch.float32 for t in kept[:1] if t is not None)
+    assert kept.inverse.dtype == kernel_plan.inverse_dtype_for(gate, dtype)
+    assert all(t.dtype == torch.float32 for t in kept[:1] if t is not None)
     assert kept.scores.dtype == (intermediate_dtype_for(dtype) if fused else torch.float32)
     l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
     if l2norm:
@@ -704,6 +711,115 @@ def test_backward_with_kept_intermediates_equals_the_recomputing_backward(monkey
         changed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=wrong)
         used = any(not torch.equal(changed[n], g) for n, g in recomputed.items() if g is not None)
         assert used != (split and kept._fields[index] == "kdot"), kept._fields[index]
+
+
+HALF_INVERSE_CASES = [
+    ("gdn-fp16-gva-l2norm", (1, 100, 2, 4, 60, 64), "scalar", {"l2norm": True, "initial_state": True}, torch.float16, 32),
+    ("plain-bf16-varlen", THREE_SEQUENCES, "none", THREE_SEQUENCE_OPTIONS, torch.bfloat16, 64),
+    ("gdn-bf16-T70", (2, 70, 1, 2, 64, 32), "scalar", {"initial_state": True}, torch.bfloat16, 64),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", HALF_INVERSE_CASES,
+                         ids=[c[0] for c in HALF_INVERSE_CASES])
+def test_inverse_in_half_precision_is_bitwise_the_float32_inverse(monkeypatch, name, sizes, gate, options, dtype,
+                                                                  chunk):
+    """plan.HALF_INVERSE: A stored in the intermediates' dtype gives the outputs and every gradient of A
+    stored in fp32, bit for bit (every reader rounds A before its products), kept or recomputed."""
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 3)
+    inputs = kernel_inputs(inputs, dtype)
+    do, dht = random_output_gradients(inputs, dtype)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    results = {}
+    for half in (False, True):
+        monkeypatch.setattr(kernel_plan, "HALF_INVERSE", half)
+        o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
+        assert kept.inverse.dtype == (intermediate_dtype_for(dtype) if half else torch.float32)
+        kept_grads = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=kept)
+        recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
+        results[half] = (o, state, kept_grads, recomputed)
+    (o32, s32, kept32, rec32), (o16, s16, kept16, rec16) = results[False], results[True]
+    assert torch.equal(o16, o32) and torch.equal(s16, s32)
+    for grads16, grads32 in ((kept16, kept32), (rec16, rec32)):
+        for name_, grad in grads32.items():
+            if grad is not None:
+                assert torch.isfinite(grad).all() and torch.equal(grads16[name_], grad), name_
+
+
+FOLD_CASES = [
+    ("gdn-varlen", THREE_SEQUENCES, "scalar", THREE_SEQUENCE_OPTIONS, torch.float32, 32),
+    ("gdn-gva-l2norm-T100", (1, 100, 2, 4, 60, 64), "scalar", {"l2norm": True, "initial_state": True},
+     torch.float32, 64),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", FOLD_CASES, ids=[c[0] for c in FOLD_CASES])
+def test_folded_gate_sums_replace_the_gate_cumsum_launches(monkeypatch, name, sizes, gate, options, dtype, chunk):
+    """plan.FOLDED_GATE_SUMS: a scalar gate's G formed by wy_solve and g's gradient by wy_bwd.py, with no
+    gate_cumsum launch, equal to the separate launches' results (fp32 sums of the same terms), recomputing
+    or given the kept intermediates."""
+    monkeypatch.setattr(kernel_plan, "FOLDED_GATE_SUMS", True)
+    assert kernel_plan.fused_scores_forward_for(gate) and kernel_plan.SPLIT_WY_BACKWARD
+    launches = []
+    launch = chunk_kernels.launch_gate_cumsum
+    monkeypatch.setattr(chunk_kernels, "launch_gate_cumsum", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 9)
+    inputs = kernel_inputs(inputs, dtype)
+    do, dht = random_output_gradients(inputs, dtype)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    results = {}
+    for fold in (False, True):
+        monkeypatch.setattr(kernel_plan, "FOLDED_GATE_SUMS", fold)
+        launches.clear()
+        o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
+        recomputed = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
+        given = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht, intermediates=kept)
+        # forward, the recomputing backward's forward and its reverse sum, the kept one's reverse sum
+        assert len(launches) == (0 if fold else 4), fold
+        results[fold] = (o, state, kept.cum, recomputed, given)
+    (o, state, cum, recomputed, given), (o_f, state_f, cum_f, recomputed_f, given_f) = results[False], results[True]
+    for label, got, want in (("o", o_f, o), ("final state", state_f, state), ("G", cum_f, cum)):
+        assert relative_rms_error(got, want) < 1e-6, label
+    for grads_f, grads in ((recomputed_f, recomputed), (given_f, given)):
+        for name_, grad in grads.items():
+            if grad is not None:
+                assert relative_rms_error(grads_f[name_], grad) < 1e-6, name_
+
+
+SPLIT_SOLVE_CASES = [
+    ("gdn-varlen", THREE_SEQUENCES, "scalar", THREE_SEQUENCE_OPTIONS, torch.float32, 32),
+    ("kda-bf16", (2, 45, 1, 1, 32, 32), "channel", {"initial_state": True}, torch.bfloat16, 16),
+    ("plain-gva-fp16-T100", (1, 100, 2, 4, 60, 64), "none", {"l2norm": True}, torch.float16, 64),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", SPLIT_SOLVE_CASES,
+                         ids=[c[0] for c in SPLIT_SOLVE_CASES])
+def test_wy_solve_split_in_two_launches(monkeypatch, name, sizes, gate, options, dtype, chunk):
+    """plan.SPLIT_WY_SOLVE: the solve, then W and U~ from the stored A (at WY_FORM_WARPS): the forward and
+    every gradient within FLA's limits of float64, and near the single launch's (within 1e-6 for fp32; half
+    products at other warp counts may take other tensor-core instructions, so a rounding may flip)."""
+    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 13)
+    inputs = kernel_inputs(inputs, dtype)
+    do, dht = random_output_gradients(inputs, dtype)
+    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    results = {}
+    for split in (False, True):
+        monkeypatch.setattr(kernel_plan, "SPLIT_WY_SOLVE", split)
+        o, state, kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)
+        grads = chunk_delta_rule_bwd(**inputs, **bwd_kwargs, chunk_size=chunk, do=do, dht=dht)
+        results[split] = (o, state, kept.w, kept.u, grads)
+    limit = 1e-6 if dtype == torch.float32 else 1e-2
+    for label, got, want in zip(("o", "final state", "w", "u"), results[True][:4], results[False][:4]):
+        assert relative_rms_error(got, want) < limit, label
+    for name_, grad in results[False][4].items():
+        if grad is not None:
+            assert relative_rms_error(results[True][4][name_], grad) < limit, name_
+    monkeypatch.setattr(kernel_plan, "SPLIT_WY_SOLVE", True)
+    check_forward_and_backward(inputs, kwargs, dtype, chunk)
 
 
 def test_kept_intermediates_are_checked():

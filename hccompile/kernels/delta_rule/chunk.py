@@ -89,8 +89,9 @@ class Kept(NamedTuple):
     """What chunk_delta_rule_fwd(return_intermediates=True) keeps for chunk_delta_rule_bwd(intermediates=...):
     the intra-chunk matrices, each [B, T, HV, chunk_size]: Kdot (fp32; None without per-channel gates
     while plan.fused_scores_forward, nothing forms it in memory then), P (fp32 from decayed_scores, or
-    in the intermediates' dtype from the output kernel) and the inverse A (fp32); with use_qk_l2norm_in_kernel the
-    l2-normed q and k ([B, T, H, K] contiguous, in the plan's normed_qk_dtype; None without); with a
+    in the intermediates' dtype from the output kernel) and the inverse A (in the plan's inverse_dtype);
+    with use_qk_l2norm_in_kernel the l2-normed q and k ([B, T, H, K] contiguous, in the plan's
+    normed_qk_dtype; None without); with a
     gate, its chunk-local cumulative sum (fp32 [B, T, HV, K or 1]; None without); and the state
     sweep's results, in the plan's intermediate_dtype: w [B, T, HV, K], the corrected values u
     [B, T, HV, V] and the chunk-start states h [plan.kept_state_rows, HV, K, V]. With w, u and h the
@@ -113,8 +114,8 @@ class Kept(NamedTuple):
 class ChunkLocal:
     """What the chunk-parallel steps (the l2norm, gate_cumsum, decayed_scores, wy_solve) give the
     state sweeps, independent of any state: l2normed q and k in the plan's normed_qk_dtype, w, u~
-    and k_decayed in its intermediate_dtype, P in its scores_dtype, the rest fp32. cp.py's segments
-    start from it too."""
+    and k_decayed in its intermediate_dtype, P in its scores_dtype, A in its inverse_dtype, the rest
+    fp32. cp.py's segments start from it too."""
 
     q: torch.Tensor  # q or its l2norm
     k: torch.Tensor
@@ -171,20 +172,26 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
             q, k = kept.q_normed, kept.k_normed
         else:
             q, k = l2norm_forward(q, k, plan.normed_qk_dtype, plan.launch)
+    fused = plan.fused_scores_forward
+    # wy_solve, G's first reader where it forms Kdot itself, forms a scalar gate's G (plan.FOLDED_GATE_SUMS)
+    form_cum = (kernel_plan.FOLDED_GATE_SUMS and problem.gate == "scalar" and kept is None and fused
+                and bool(plan.num_chunks))
     cum = None
     if kept is not None and kept.cum is not None:
         cum = kept.cum
+    elif form_cum:
+        cum = buffer(batch, time, value_heads, 1)
     elif problem.gate != "none" and plan.num_chunks:
         cum = launch_gate_cumsum(plan, g, gate_activation(problem, lower_bound), A_log, dt_bias, lower_bound,
                                  reverse=False)
-    fused = plan.fused_scores_forward
     if kept is not None:
         kdot, scores, inverse = kept.kdot, kept.scores, kept.inverse
     elif fused:
-        kdot, inverse = None, buffer(batch, time, value_heads, chunk)
+        kdot, inverse = None, buffer(batch, time, value_heads, chunk, dtype=plan.inverse_dtype)
         scores = buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype) if scores_now else None
     else:
-        kdot, inverse = (buffer(batch, time, value_heads, chunk) for _ in range(2))
+        kdot, inverse = buffer(batch, time, value_heads, chunk), buffer(batch, time, value_heads, chunk,
+                                                                         dtype=plan.inverse_dtype)
         scores = buffer(batch, time, value_heads, chunk, dtype=plan.scores_dtype)
     if kept is not None and kept.h is not None:
         return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=kept.w,
@@ -198,17 +205,26 @@ def chunk_local_steps(plan: Plan, q, k, v, beta, g, use_qk_l2norm_in_kernel, A_l
         cum_arg = cum if cum is not None else plan.dummy
         if kept is None and not fused:
             _launch_scores(plan, q, k, cum_arg, kdot, scores, plan.num_chunks, table, seqlens)
-        elif kept is None and scores_now:
+        elif kept is None and scores_now and not form_cum:
             launch_scores_only(plan, q, k, cum_arg, scores, plan.num_chunks, table, seqlens)
-        plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
-            k, v, beta, cum_arg, kdot if kdot is not None else plan.dummy, inverse, w, u_tilde, k_decayed,
-            *k.stride(), *v.stride(), *beta.stride(),
-            table, seqlens, time, plan.chunks_per_row, value_heads, problem.group_size, key_dim, value_dim,
-            GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_size(key_dim),
-            BV=block_size(value_dim), DOT_PRECISION=plan.dot_precision, SOLVE=kept is None,
-            FORM_KDOT=kept is None and fused, REGISTER_DIAGONAL=kernel_plan.REGISTER_DIAGONAL_BLOCKS,
-            IS_VARLEN=plan.varlen, **wy_solve_options(plan),
-        )
+        # plan.SPLIT_WY_SOLVE: the solve alone, then W and U~ from the stored A as for a kept A
+        split = kernel_plan.SPLIT_WY_SOLVE and kept is None
+        launches = [(kept is None, not split, form_cum, wy_solve_options(plan))]
+        if split:
+            launches.append((False, True, False, {"num_warps": kernel_plan.WY_FORM_WARPS}))
+        for solve, form_wu, form_g, options in launches:
+            plan.launch(_wy_solve_kernel)[(plan.num_chunks, value_heads)](
+                k, v, beta, cum_arg, kdot if kdot is not None else plan.dummy, inverse, w, u_tilde, k_decayed,
+                g if form_g else plan.dummy, *k.stride(), *v.stride(), *beta.stride(),
+                *(g.stride() if form_g else (0, 0, 0)),
+                table, seqlens, time, plan.chunks_per_row, value_heads, problem.group_size, key_dim, value_dim,
+                GATE=plan.gate_code, BT=chunk, BC=min(chunk, SUB_CHUNK), BK=block_size(key_dim),
+                BV=block_size(value_dim), DOT_PRECISION=plan.dot_precision, SOLVE=solve,
+                FORM_KDOT=solve and fused, REGISTER_DIAGONAL=kernel_plan.REGISTER_DIAGONAL_BLOCKS,
+                FORM_CUM=form_g, FORM_WU=form_wu, IS_VARLEN=plan.varlen, **options,
+            )
+        if form_cum and scores_now:  # P from G, which wy_solve formed
+            launch_scores_only(plan, q, k, cum_arg, scores, plan.num_chunks, table, seqlens)
     return ChunkLocal(q=q, k=k, cum=cum, kdot=kdot, scores=scores, inverse=inverse, w=w, u_tilde=u_tilde,
                       k_decayed=k_decayed)
 
@@ -364,11 +380,12 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
                          f"k_normed, cum) or those and (w, u, h), got {len(given)} tensors")
     kept = Kept(*given)
     square = (problem.batch, problem.time, problem.value_heads, chunk_size)
-    # P as decayed_scores stores it (fp32) or as the output kernel does (the intermediates' dtype);
-    # Kdot may be absent without per-channel gates (the split backward takes its terms from K; the single
-    # wy_backward has decayed_scores form it again).
-    expected = [("scores", square, (torch.float32, intermediate_dtype_for(q.dtype))),
-                ("inverse", square, torch.float32)]
+    # P as decayed_scores stores it (fp32) or as the output kernel does (the intermediates' dtype), and A
+    # as wy_solve stores it (plan.inverse_dtype: either, with the switches as they were at the forward;
+    # every reader loads either); Kdot may be absent without per-channel gates (the split backward takes
+    # its terms from K; the single wy_backward has decayed_scores form it again).
+    either = (torch.float32, intermediate_dtype_for(q.dtype))
+    expected = [("scores", square, either), ("inverse", square, either)]
     if kept.kdot is not None:
         expected.insert(0, ("kdot", square, torch.float32))
     elif problem.gate == "channel":
@@ -403,17 +420,20 @@ def _checked_intermediates(given, problem, chunk_size: int, q: torch.Tensor, l2n
 
 
 def launch_split_wy_backward(plan: Plan, q, k, v, beta, do, cum, inverse, u, du, h, dh, dv, dbeta, dq_heads,
-                             dk_heads, dcum, num_chunks, table, seqlens, scale: float, dk_out=None) -> None:
+                             dk_heads, dcum, num_chunks, table, seqlens, scale: float, dk_out=None,
+                             reverse_dg: bool = False) -> None:
     """wy_backward split in two (plan.split_wy_backward): dqkw.py's kernel writes dq complete and dk,
     dG partial with dW; wy_bwd.py's completes dk and dG and writes dv and dbeta. `h` and `dh` start at
-    the first of the `num_chunks` chunks that `table` (varlen) lists; cp.py launches it per segment run."""
+    the first of the `num_chunks` chunks that `table` (varlen) lists; cp.py launches it per segment run.
+    reverse_dg (a scalar gate, nothing added to dG after): dcum leaves holding g's gradient, dG's reverse
+    chunk-local sum, instead of dG."""
     problem = plan.problem
     dw = torch.empty(problem.batch, problem.time, problem.value_heads, problem.key_dim,
                      dtype=plan.intermediate_dtype, device=q.device)
     dcum_second = launch_dqkw(plan, q, k, do, cum, u, du, h, dh, dq_heads, dk_heads, dw, dcum, num_chunks, table,
                               seqlens, scale)
     launch_wy_bwd(plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table, seqlens,
-                  dk_out, dcum_second)
+                  dk_out, dcum_second, reverse_dg=reverse_dg)
 
 
 def sum_key_groups(heads: torch.Tensor, key_heads: int, group: int) -> torch.Tensor:
@@ -479,8 +499,8 @@ def chunk_delta_rule_bwd(
         _check_out(f"out[{name!r}]", given, tuple(like.shape), like.dtype, like.device)
     scale = problem.key_dim**-0.5 if scale is None else scale
     if intermediates is not None:
-        intermediates = (Kept(*intermediates) if not isinstance(intermediates, Kept) else intermediates) if checked \
-            else _checked_intermediates(intermediates, problem, chunk_size, q, use_qk_l2norm_in_kernel)
+        intermediates = Kept(*intermediates) if checked else _checked_intermediates(
+            intermediates, problem, chunk_size, q, use_qk_l2norm_in_kernel)
     # after the arguments: a wrong argument is named wherever the kernels can or cannot run
     _require_triton(q.device)
     plan = make_plan(problem, chunk_size, cu_seqlens, q, wrap or direct, dummy)
@@ -541,13 +561,22 @@ def chunk_delta_rule_bwd(
     else:  # the kernels write the op's gradients themselves (no GVA: one value head per key head)
         dq_heads, dk_out = dq, dk
     gate_width = key_dim if problem.gate == "channel" else 1
-    dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
+    # wy_bwd.py, which completes dG, takes its reverse sum too (plan.FOLDED_GATE_SUMS): dcum is then g's
+    # gradient, written into the op's when that has the sum's dtype and layout.
+    reverse_dg = (kernel_plan.FOLDED_GATE_SUMS and problem.gate == "scalar" and bool(plan.num_chunks)
+                  and plan.split_wy_backward)
+    dg_out = result("g") if reverse_dg else None
+    dg_in_place = reverse_dg and dg_out.dtype == torch.float32 and dg_out.is_contiguous()
+    if dg_in_place:
+        dcum = dg_out.view(batch, time, value_heads, 1)
+    else:
+        dcum = buffer(batch, time, value_heads, gate_width) if problem.gate != "none" else plan.dummy
     fused_scores = plan.fused_scores_backward
     dkdot, dscores = plan.score_gradients(fused_scores, batch, time, value_heads, buffer)
     if plan.num_chunks and plan.split_wy_backward:
         launch_split_wy_backward(plan, fwd.q, fwd.k, v, beta, do, cum_arg, fwd.inverse, fwd.u, du, fwd.h, dh, dv,
                                  dbeta, dq_heads, dk_heads, dcum, plan.num_chunks, table, seqlens, float(scale),
-                                 dk_out)
+                                 dk_out, reverse_dg=reverse_dg)
     elif plan.num_chunks:
         kdot = fwd.kdot
         if kdot is None:
@@ -595,6 +624,8 @@ def chunk_delta_rule_bwd(
         for name, grad in (("A_log", dA_log), ("dt_bias", ddt_bias)):
             grads[name] = out[name].copy_(grad) if name in out else grad.to(inputs[name].dtype)
         grads["g"] = dg
+    elif reverse_dg:  # wy_bwd.py left g's gradient in dcum
+        grads["g"] = dg_out if dg_in_place else dg_out.copy_(dcum.view(g.shape))
     elif problem.gate != "none":
         # d(loss)/dg_t is the sum of d(loss)/dG over the rest of t's chunk.
         dg_out = result("g")

@@ -88,6 +88,16 @@ if triton is not None:
 
 
     @triton.jit
+    def _scalar_gate_sum(g_ptr, cum_ptr, start, length, stride_gt, HV, BT: tl.constexpr):
+        """G of one chunk of a scalar gate, the kernel above's sum without an activation, for a
+        kernel that is its chunk's first reader (wy_solve, plan.FOLDED_GATE_SUMS): g_ptr and cum_ptr
+        at the chunk's batch row and value head, G stored fp32 for the later kernels."""
+        local = tl.arange(0, BT)
+        valid = local < length
+        g = tl.load(g_ptr + (start + local).to(tl.int64) * stride_gt, mask=valid, other=0.0).to(tl.float32)
+        tl.store(cum_ptr + (start + local).to(tl.int64) * HV, tl.cumsum(g, axis=0), mask=valid)
+
+    @triton.jit
     def _gate_backward_kernel(
         dcum_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, dA_log_partial_ptr, dt_bias_partial_ptr,
         stride_gb, stride_gt, stride_gh, stride_gk,

@@ -3,7 +3,8 @@ dims, chunk sizes), the Plan of one call (chunk tables, gate code, the intermedi
 products' precision), tile widths, and how far the sequential sweeps' tiles narrow for occupancy.
 
 Precision. Running states, accumulators, gates and the [BT, BT] scores and inverse are fp32 (P stored
-by the output kernel, Plan.scores_dtype, in the intermediates' dtype).
+by the output kernel, Plan.scores_dtype, and the inverse A with the split backward, Plan.inverse_dtype,
+in the intermediates' dtype).
 With half intermediates (Plan.intermediate_dtype: fp16 inputs, and bf16 ones unless
 BF16_INTERMEDIATES is off) the intermediates that feed tensor-core products are stored in the input dtype
 (l2normed q and k, W, U~, U, the chunk states h, and the backward's dh and dU), and every product
@@ -122,6 +123,32 @@ PREPARED_CHANNEL_SWEEP = os.environ.get("HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_S
 # 2.8e-3 (relative RMS) from the fp32 heads', FLA's 4.0e-3. HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS=0
 # (read at import) turns it off; the attribute is read when a Plan is made.
 HALF_KEY_GRADIENTS = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_KEY_GRADIENTS", "1") == "1"
+# The in-chunk inverse A = (I + L)^-1 that wy_solve writes and the backward reads, stored in the
+# intermediates' dtype rather than fp32 (item 5 of benchmarks/analysis/gdn_traffic_2026-11-30_h200.md):
+# where the split backward forms dL from A rounded to that dtype (wy_bwd.WY_BWD_HALF_DL), every reader
+# rounds A before its products (wy_solve's reload for W and U~, wy_bwd's), so storing it rounded gives
+# the same results bit for bit (a test compares both), half its bytes written and read, and half the
+# memory a kept A holds (64 MB instead of 128 at B1 T32768 H16 per layer). Per-channel gates and the
+# single wy_backward (wy.py) form dL from the fp32 A and keep it. HCCOMPILE_DELTA_RULE_HALF_INVERSE=0
+# (read at import) turns it off; the attribute is read when a Plan is made (and by the op's fake).
+HALF_INVERSE = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_INVERSE", "1") == "1"
+# A scalar gate's chunk-local sums formed by the kernels around them instead of two launches of
+# gate_cumsum.py's kernel of their own (item 7 of benchmarks/analysis/gdn_traffic_2026-11-30_h200.md):
+# the forward's G by wy_solve, its first reader where the forward forms Kdot itself
+# (fused_scores_forward, no kept intermediates), and the backward's reverse sum of dG by wy_bwd.py,
+# which completes dG (the split backward). Two launches fewer a GDN fwd+bwd (host-bound below B4
+# T4096). HCCOMPILE_DELTA_RULE_FOLDED_GATE_SUMS=0 (read at import) turns it off; the attribute is
+# read when the launches are made.
+FOLDED_GATE_SUMS = os.environ.get("HCCOMPILE_DELTA_RULE_FOLDED_GATE_SUMS", "1") == "1"
+# wy_solve in two launches, as FLA splits its solve from recompute_w_u (item 4 of
+# benchmarks/analysis/gdn_traffic_2026-11-30_h200.md): the solve (A only) at wy_solve_options' warps,
+# then W and U~ from the stored A (the kept-A path) at WY_FORM_WARPS, a memory-bound pass that the
+# solve's 2 warps run latency-bound (wy_solve 0.466 ms at GDN B1 T32768 H16 D128 on one H200, FLA's
+# three kernels 0.371). Untimed: off until tune_delta_rule.py's SPLIT_WY_SOLVE row says otherwise.
+# HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE=1 (read at import) turns it on; the attributes are read when the
+# forward launches.
+SPLIT_WY_SOLVE = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE", "0") == "1"
+WY_FORM_WARPS = 4
 
 
 def check_kernel_inputs(problem: DeltaRuleProblem, chunk_size, **named) -> None:
@@ -194,6 +221,22 @@ def fused_scores_forward_for(gate: str, switch: bool | None = None, split: bool 
     return switch and split and FUSED_SCORES_BACKWARD and gate != "channel"
 
 
+def inverse_dtype_for(gate: str, input_dtype: torch.dtype, split: bool | None = None,
+                      half: bool | None = None) -> torch.dtype:
+    """Plan.inverse_dtype for a gate kind and inputs of `input_dtype`; `split` and `half` None read
+    SPLIT_WY_BACKWARD and HALF_INVERSE now (the ops' fakes ask it without a plan), as does
+    wy_bwd.WY_BWD_HALF_DL (read at every call: its fp32 dL needs the fp32 A)."""
+    from . import wy_bwd  # imports this module
+
+    split = SPLIT_WY_BACKWARD if split is None else split
+    half = HALF_INVERSE if half is None else half
+    stored = intermediate_dtype_for(input_dtype)
+    if (half and split and FUSED_SCORES_BACKWARD and gate != "channel" and wy_bwd.WY_BWD_HALF_DL
+            and stored != torch.float32):
+        return stored
+    return torch.float32
+
+
 def normed_qk_dtype_for(input_dtype: torch.dtype) -> torch.dtype:
     """Plan.normed_qk_dtype for inputs of `input_dtype`."""
     if input_dtype == torch.bfloat16 and intermediate_dtype_for(input_dtype) == torch.float32:
@@ -222,6 +265,8 @@ class Plan:
     fused_forward_switch: bool = field(default_factory=lambda: FUSED_SCORES_FORWARD)
     # HALF_KEY_GRADIENTS when the plan was made (see half_key_gradients)
     half_key_switch: bool = field(default_factory=lambda: HALF_KEY_GRADIENTS)
+    # HALF_INVERSE when the plan was made (see inverse_dtype)
+    half_inverse_switch: bool = field(default_factory=lambda: HALF_INVERSE)
 
     @property
     def varlen(self) -> bool:
@@ -232,7 +277,8 @@ class Plan:
         """dtype of the stored intermediates that feed the tensor-core products (l2normed q and
         k, W, U~, U, h, dh, dU), hence of those products' operands: fp16 for fp16 inputs, as FLA
         does; bf16 for bf16 inputs unless BF16_INTERMEDIATES is off (see there); fp32 otherwise.
-        States, accumulators, gates, scores and the in-chunk inverse stay fp32 either way."""
+        States, accumulators, gates and the scores stay fp32 either way; the in-chunk inverse
+        takes inverse_dtype."""
         return intermediate_dtype_for(self.input_dtype)
 
     @property
@@ -292,6 +338,13 @@ class Plan:
         so it was removed; a backward given intermediates without Kdot whose plan takes the single
         kernel has decayed_scores form Kdot again (chunk.py)."""
         return fused_scores_forward_for(self.problem.gate, self.fused_forward_switch, self.split_wy_switch)
+
+    @property
+    def inverse_dtype(self) -> torch.dtype:
+        """dtype of the stored in-chunk inverse A: the intermediates' where every reader rounds A to it
+        before its products (HALF_INVERSE, as it was when the plan was made, with the split backward
+        and wy_bwd.WY_BWD_HALF_DL), fp32 otherwise (see inverse_dtype_for)."""
+        return inverse_dtype_for(self.problem.gate, self.input_dtype, self.split_wy_switch, self.half_inverse_switch)
 
     @property
     def scores_dtype(self) -> torch.dtype:

@@ -29,6 +29,7 @@ from .._triton import tl, triton
 if triton is not None:
     from .tiles import (_chunk_end_decays, _dot, _gate_offset, _load_rows, _load_stored_rows, _load_vector,
                         _pair_decays, _row_chunk_coords, _store_rows, _varlen_chunk_coords)
+    from .gate_cumsum import _scalar_gate_sum
 
     @triton.jit
     def _substitution_step(inverse, kdot_ptr, beta_ptr, stride_bt, start, first, length, row_stride, r,
@@ -161,10 +162,11 @@ if triton is not None:
 
     @triton.jit
     def _wy_solve_kernel(
-        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr, kg_ptr,
+        k_ptr, v_ptr, beta_ptr, cum_ptr, kdot_ptr, a_ptr, w_ptr, u_ptr, kg_ptr, g_ptr,
         stride_kb, stride_kt, stride_kh, stride_kk,
         stride_vb, stride_vt, stride_vh, stride_vv,
         stride_bb, stride_bt, stride_bh,
+        stride_gb, stride_gt, stride_gh,
         chunk_table_ptr, cu_seqlens_ptr,
         T, NT, HV, GROUP, K, V,
         GATE: tl.constexpr,
@@ -177,6 +179,8 @@ if triton is not None:
         SOLVE: tl.constexpr,
         FORM_KDOT: tl.constexpr,
         REGISTER_DIAGONAL: tl.constexpr,
+        FORM_CUM: tl.constexpr,
+        FORM_WU: tl.constexpr,
     ):
         """A = (I + diag(beta) Kdot)^-1 block by block; W = A diag(beta)(K e^G); U~ = A diag(beta) V;
         with a channel gate also the keys decayed to the chunk's end, K e^(G_last - G), in kg_ptr
@@ -184,8 +188,13 @@ if triton is not None:
         forming them (fp32 [BT, K] key and gate loads and BT x K exps per chunk and value tile) on
         the critical path.
 
-        Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward) and only W
-        and U~ are formed.
+        Without SOLVE, A is already in `a_ptr` (the forward's, kept for the backward, or this
+        forward's solve launch: plan.SPLIT_WY_SOLVE) and only W and U~ are formed; without FORM_WU
+        only A (the solve launch of the split).
+
+        With FORM_CUM (a scalar gate, plan.FOLDED_GATE_SUMS) the program first forms its chunk's G from
+        the raw log-gates in g_ptr ([B, T, HV], strides stride_g*) into cum_ptr, as gate_cumsum would
+        (this kernel is G's first reader), and reads it back after a barrier like every other reader.
 
         With FORM_KDOT (no gate or a scalar one: plan.fused_scores_forward) kdot_ptr is not read:
         the lower [BC, BC] blocks of L = diag(beta) Kdot (NS (NS + 1) / 2 of them, fp32) are formed
@@ -213,6 +222,10 @@ if triton is not None:
         v_ptr += batch * stride_vb + head * stride_vh
         beta_ptr += batch * stride_bb + head * stride_bh
         cum_ptr += _gate_offset(batch, head, T, HV, K, GATE)
+        if FORM_CUM:
+            tl.static_assert(GATE == 1, "wy_solve forms G of scalar gates only")
+            _scalar_gate_sum(g_ptr + batch * stride_gb + head * stride_gh, cum_ptr, start, length, stride_gt, HV, BT)
+            tl.debug_barrier()
         square_offset = (batch * T) * HV * BT + head * BT
         kdot_ptr += square_offset
         a_ptr += square_offset
@@ -305,32 +318,33 @@ if triton is not None:
                     _store_block(a_ptr, zero_block, start, length, row_stride, block_i, block_j, BT, BC)
             tl.debug_barrier()
 
-        local = tl.arange(0, BT)
-        valid = local < length
-        tokens = start + local
-        inverse = _load_rows(a_ptr, tokens, local, row_stride, 1, valid, BT).to(dot_dtype)
-        beta = tl.load(beta_ptr + tokens * stride_bt, mask=valid, other=0.0).to(tl.float32)
-        if GATE == 1:
-            gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))
-        for k0 in range(0, K, BK):
-            kc = k0 + tl.arange(0, BK)
-            k_raw = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
-            k_tile = k_raw * beta[:, None]
-            if GATE == 2:
-                g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
-                k_tile *= tl.exp(g)
-                g_last = _load_vector(cum_ptr, start + length - 1, kc, HV * K, 1, length > 0, K)
-                k_decayed = k_raw * tl.exp(tl.where(valid[:, None], g_last[None, :] - g, 0.0))
-                _store_rows(kg_ptr + (batch * T) * HV * K + head * K, k_decayed, tokens, kc, HV * K, 1, valid, K)
-            elif GATE == 1:
-                k_tile *= gamma[:, None]
-            w = _dot(inverse, k_tile, dot_dtype, DOT_PRECISION)
-            _store_rows(w_ptr + (batch * T) * HV * K + head * K, w, tokens, kc, HV * K, 1, valid, K)
-        for v0 in range(0, V, BV):
-            vc = v0 + tl.arange(0, BV)
-            v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V) * beta[:, None]
-            u = _dot(inverse, v_tile, dot_dtype, DOT_PRECISION)
-            _store_rows(u_ptr + (batch * T) * HV * V + head * V, u, tokens, vc, HV * V, 1, valid, V)
+        if FORM_WU:  # W and U~ from the stored A (the barrier above made this program's stores visible)
+            local = tl.arange(0, BT)
+            valid = local < length
+            tokens = start + local
+            inverse = _load_rows(a_ptr, tokens, local, row_stride, 1, valid, BT).to(dot_dtype)
+            beta = tl.load(beta_ptr + tokens * stride_bt, mask=valid, other=0.0).to(tl.float32)
+            if GATE == 1:
+                gamma = tl.exp(tl.load(cum_ptr + tokens * HV, mask=valid, other=0.0))
+            for k0 in range(0, K, BK):
+                kc = k0 + tl.arange(0, BK)
+                k_raw = _load_rows(k_ptr, tokens, kc, stride_kt, stride_kk, valid, K)
+                k_tile = k_raw * beta[:, None]
+                if GATE == 2:
+                    g = _load_rows(cum_ptr, tokens, kc, HV * K, 1, valid, K)
+                    k_tile *= tl.exp(g)
+                    g_last = _load_vector(cum_ptr, start + length - 1, kc, HV * K, 1, length > 0, K)
+                    k_decayed = k_raw * tl.exp(tl.where(valid[:, None], g_last[None, :] - g, 0.0))
+                    _store_rows(kg_ptr + (batch * T) * HV * K + head * K, k_decayed, tokens, kc, HV * K, 1, valid, K)
+                elif GATE == 1:
+                    k_tile *= gamma[:, None]
+                w = _dot(inverse, k_tile, dot_dtype, DOT_PRECISION)
+                _store_rows(w_ptr + (batch * T) * HV * K + head * K, w, tokens, kc, HV * K, 1, valid, K)
+            for v0 in range(0, V, BV):
+                vc = v0 + tl.arange(0, BV)
+                v_tile = _load_rows(v_ptr, tokens, vc, stride_vt, stride_vv, valid, V) * beta[:, None]
+                u = _dot(inverse, v_tile, dot_dtype, DOT_PRECISION)
+                _store_rows(u_ptr + (batch * T) * HV * V + head * V, u, tokens, vc, HV * V, 1, valid, V)
 
     @triton.jit
     def _wy_backward_kernel(

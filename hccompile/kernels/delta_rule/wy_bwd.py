@@ -44,12 +44,14 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         DG_PARTS: tl.constexpr,
         HALF_DL: tl.constexpr,
+        REVERSE_DG: tl.constexpr,
     ):
         """One program per (chunk, value head): see the module docstring. dk_ptr and dg_ptr hold
         dqkw.py's partial sums ([B, T, HV, K] and [B, T, HV, 1] fp32), with DG_PARTS 2 dg_second_ptr
         its second key tile's rows of dG; dk leaves complete in dk_out_ptr (dk_ptr itself, or a
         [B, T, HV, K] tensor of its own dtype: plan.half_key_gradients) and dg in dg_ptr; dv and dbeta
-        take their tensors' dtypes."""
+        take their tensors' dtypes. REVERSE_DG: dg_ptr takes dG's reverse sum over the rest of each
+        token's chunk, the gradient of the scalar log-gate g (gate_cumsum.py's reverse launch)."""
         tl.static_assert(GATE != 2, "per-channel gates take wy.py's wy_backward and scores.py's backward")
         pid_chunk = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
@@ -142,6 +144,8 @@ if triton is not None:
             dg += tl.load(dg_ptr + tokens * HV, mask=valid, other=0.0)
             if DG_PARTS == 2:
                 dg += tl.load(dg_second_ptr + tokens * HV, mask=valid, other=0.0)
+            if REVERSE_DG:  # rows past the chunk's end hold 0 (their keys and partial rows load as 0)
+                dg = tl.cumsum(dg, axis=0, reverse=True)
             tl.store(dg_ptr + tokens * HV, dg, mask=valid)
 
 
@@ -173,7 +177,7 @@ WY_BWD_HALF_DL = True
 
 
 def launch_wy_bwd(plan: Plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_heads, dcum, num_chunks, table,
-                  seqlens, dk_out=None, dcum_second=None) -> None:
+                  seqlens, dk_out=None, dcum_second=None, reverse_dg: bool = False) -> None:
     """_wy_bwd_kernel on `num_chunks` chunks (the first `table` lists, varlen): writes dv and dbeta and
     completes dk_heads (into dk_out when given) and dcum (dqkw.py's partial sums, plus dcum_second, its
     second key tile's rows, when given)."""
@@ -186,5 +190,5 @@ def launch_wy_bwd(plan: Plan, k, v, beta, cum, inverse, du, dw, dv, dbeta, dk_he
         problem.value_dim,
         GATE=plan.gate_code, BT=plan.chunk_size, BK=block_size(problem.key_dim, WY_BWD_BLOCK_K),
         BV=block_size(problem.value_dim, WY_BWD_BLOCK_V), IS_VARLEN=plan.varlen, DOT_PRECISION=plan.dot_precision,
-        DG_PARTS=1 if dcum_second is None else 2, HALF_DL=WY_BWD_HALF_DL, **WY_BWD_OPTIONS,
+        DG_PARTS=1 if dcum_second is None else 2, HALF_DL=WY_BWD_HALF_DL, REVERSE_DG=reverse_dg, **WY_BWD_OPTIONS,
     )
