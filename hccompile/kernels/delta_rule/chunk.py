@@ -552,8 +552,9 @@ def chunk_delta_rule_bwd(
     # the other gradients' buffers, while the sweep runs
     dv, dbeta = result("v"), result("beta")
     dq, dk = result("q"), result("k")
-    # dk_heads: fp32, the single kernel's dk or dqkw.py's partial sums, which wy_bwd.py completes into dk_out
-    dk_heads = buffer(batch, time, value_heads, key_dim)
+    # dk_heads: the single kernel's dk (fp32) or dqkw.py's partial sums (plan.dk_partial_dtype), which
+    # wy_bwd.py completes into dk_out
+    dk_heads = buffer(batch, time, value_heads, key_dim, dtype=plan.dk_partial_dtype)
     if not plan.half_key_gradients:
         dq_heads, dk_out = buffer(batch, time, value_heads, key_dim), dk_heads
     elif use_qk_l2norm_in_kernel or not (dq.is_contiguous() and dk.is_contiguous()):

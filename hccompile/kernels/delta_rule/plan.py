@@ -113,8 +113,8 @@ CHUNK_SCORE_PROGRAMS = True
 # T4096 4.133 against 4.319 (0.957x). HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=0 (read at import)
 # turns it off; read when a backward launches.
 PREPARED_CHANNEL_SWEEP = os.environ.get("HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP", "1") == "1"
-# The split backward's per-head key gradients (dqkw.py's complete dq, and dk's partial sum that
-# wy_bwd.py reads, adds its terms to and stores complete) in the half inputs' dtype rather than fp32,
+# The split backward's per-head key gradients (dqkw.py's complete dq, and the dk that wy_bwd.py
+# completes from dqkw.py's partial sum; the partial itself: HALF_DK_PARTIAL) in the half inputs' dtype rather than fp32,
 # as FLA stores them (R6a of benchmarks/analysis/gdn_traffic_2026-11-26.md): the l2norm backward
 # reads half the bytes, and without the in-kernel l2norm they are written into the op's dq and dk
 # themselves (no copy). Only without GVA (the value heads' sum stays fp32) and with the split
@@ -148,6 +148,13 @@ FOLDED_GATE_SUMS = os.environ.get("HCCOMPILE_DELTA_RULE_FOLDED_GATE_SUMS", "1") 
 # HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE=1 (read at import) turns it on; the attributes are read when the
 # forward launches.
 SPLIT_WY_SOLVE = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE", "0") == "1"
+# dk's partial sum, which dqkw.py writes and wy_bwd.py reads back and completes, stored in the half
+# inputs' dtype rather than fp32 where the key gradients are (half_key_gradients): 2 of its 4 bytes a
+# element each way (item 5 of benchmarks/analysis/gdn_traffic_2026-11-30_h200.md, 0.06 ms at the
+# bandwidth floor at GDN B1 T32768 H16 D128), for one more rounding of the partial before the sum (FLA
+# adds two bf16 dk's). Untimed: off until tune_delta_rule.py's HALF_DK_PARTIAL row says otherwise.
+# HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL=1 (read at import) turns it on; read when a Plan is made.
+HALF_DK_PARTIAL = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL", "0") == "1"
 WY_FORM_WARPS = 4
 
 
@@ -267,6 +274,8 @@ class Plan:
     half_key_switch: bool = field(default_factory=lambda: HALF_KEY_GRADIENTS)
     # HALF_INVERSE when the plan was made (see inverse_dtype)
     half_inverse_switch: bool = field(default_factory=lambda: HALF_INVERSE)
+    # HALF_DK_PARTIAL when the plan was made (see dk_partial_dtype)
+    half_dk_partial_switch: bool = field(default_factory=lambda: HALF_DK_PARTIAL)
 
     @property
     def varlen(self) -> bool:
@@ -326,6 +335,12 @@ class Plan:
         it was when the plan was made): half inputs, no GVA, the split backward."""
         return (self.half_key_switch and self.split_wy_backward and self.problem.group_size == 1
                 and self.input_dtype in (torch.float16, torch.bfloat16))
+
+    @property
+    def dk_partial_dtype(self) -> torch.dtype:
+        """dtype of dk's per-head partial sum between dqkw.py and wy_bwd.py: the input dtype where the
+        key gradients are half and HALF_DK_PARTIAL was on when the plan was made, else fp32."""
+        return self.input_dtype if self.half_key_gradients and self.half_dk_partial_switch else torch.float32
 
     @property
     def fused_scores_forward(self) -> bool:
