@@ -61,8 +61,8 @@ VARIANTS = {
     "REGISTER_DIAGONAL_BLOCKS": (kernel_plan, [False]),
     # wy_solve in two launches (the solve, then W and U~ at WY_FORM_WARPS): a dict sets each of its constants
     "SPLIT_WY_SOLVE": (kernel_plan, [{"SPLIT_WY_SOLVE": True, "WY_FORM_WARPS": w} for w in (2, 4, 8)]),
-    # GDN: dk's partial sum between dqkw and wy_bwd in bf16 (default fp32)
-    "HALF_DK_PARTIAL": (kernel_plan, [True]),
+    # GDN: dk's partial sum between dqkw and wy_bwd in fp32 (in bf16 the default since session 50: 0.986x at B1)
+    "HALF_DK_PARTIAL": (kernel_plan, [False]),
     # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel
     "FUSED_SCORES_FORWARD": (kernel_plan, [False]),
     # the sweeps' value tiles: narrowed while the grid fills at most half of this many programs (None: the

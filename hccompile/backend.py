@@ -251,7 +251,8 @@ REALIZED_KERNEL_INPUTS = "needs_realized_inputs"
 SHARED_INPUTS_REASON = (
     "hyper-connections found: a value that one of our kernels reads and other nodes use too is stored "
     "once (hc_realize_kernel_inputs); the mHC stream gradient was written twice by Inductor's sum "
-    "kernels and recomputed from two stream-sized inputs by the next h_res^T product")
+    "kernels and recomputed from two stream-sized inputs by the next h_res^T product (on one H200, "
+    "C1024 n4 4 layers: GPU busy 9.32 against 9.60 ms a step, peak 1.18 against 1.30 GiB)")
 
 
 def _choose_inductor_settings(gm: fx.GraphModule, cfg: HCConfig, report: GraphReport,

@@ -144,7 +144,8 @@ FOLDED_GATE_SUMS = os.environ.get("HCCOMPILE_DELTA_RULE_FOLDED_GATE_SUMS", "1") 
 # benchmarks/analysis/gdn_traffic_2026-11-30_h200.md): the solve (A only) at wy_solve_options' warps,
 # then W and U~ from the stored A (the kept-A path) at WY_FORM_WARPS, a memory-bound pass that the
 # solve's 2 warps run latency-bound (wy_solve 0.466 ms at GDN B1 T32768 H16 D128 on one H200, FLA's
-# three kernels 0.371). Untimed: off until tune_delta_rule.py's SPLIT_WY_SOLVE row says otherwise.
+# three kernels 0.371). Off: on one H200 (session 50, diag_gdn-tune_…596b916.jsonl) GDN's fwd+bwd at B1
+# T32768 H16 D128 took 0.998x / 0.995x / 0.995x the single launch's at 2 / 4 / 8 warps, for one launch more.
 # HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE=1 (read at import) turns it on; the attributes are read when the
 # forward launches.
 SPLIT_WY_SOLVE = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE", "0") == "1"
@@ -152,9 +153,11 @@ SPLIT_WY_SOLVE = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE", "0") == "
 # inputs' dtype rather than fp32 where the key gradients are (half_key_gradients): 2 of its 4 bytes a
 # element each way (item 5 of benchmarks/analysis/gdn_traffic_2026-11-30_h200.md, 0.06 ms at the
 # bandwidth floor at GDN B1 T32768 H16 D128), for one more rounding of the partial before the sum (FLA
-# adds two bf16 dk's). Untimed: off until tune_delta_rule.py's HALF_DK_PARTIAL row says otherwise.
-# HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL=1 (read at import) turns it on; read when a Plan is made.
-HALF_DK_PARTIAL = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL", "0") == "1"
+# adds two bf16 dk's). On one H200 (session 50, tune_delta_rule.py, diag_gdn-tune_…46eb77c.jsonl): GDN
+# fwd+bwd at B1 T32768 H16 D128 3.885 against 3.938 ms (0.986x); the gradients pass the float64 tests'
+# tolerances either way (test_half_key_gradients_match_float64_recurrence).
+# HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL=0 (read at import) turns it off; read when a Plan is made.
+HALF_DK_PARTIAL = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL", "1") == "1"
 WY_FORM_WARPS = 4
 
 
