@@ -158,6 +158,15 @@ SPLIT_WY_SOLVE = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE", "0") == "
 # tolerances either way (test_half_key_gradients_match_float64_recurrence).
 # HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL=0 (read at import) turns it off; read when a Plan is made.
 HALF_DK_PARTIAL = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL", "1") == "1"
+# dU's local part, scale P^T dO, formed by a chunk-parallel kernel before the backward state sweep
+# (local_du.py, FLA's dv_local) and read by the sweep in place of P and the product, which sit off the
+# sweep's chain but add to every chunk step (benchmarks/analysis/sweep_step_work.py on one H200, GDN B1
+# T32768 H16 D128: the sweep 0.675 ms reading the local part against 0.853 forming it; KDA 1.338 against
+# 1.230, slower, so per-channel gates keep the product in the sweep). The kernel's own cost (P, dO and
+# dU's bytes, ~0.1 ms at that shape) decides it: untimed, off until tune_delta_rule.py's LOCAL_DU_KERNEL
+# row says otherwise. HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 (read at import) turns it on; read when a
+# backward launches.
+LOCAL_DU_KERNEL = os.environ.get("HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL", "0") == "1"
 WY_FORM_WARPS = 4
 
 
