@@ -82,6 +82,8 @@
 #               (GDN_TUNE_SHAPE, GDN_TUNE_KERNELS pick): dqkw's key-tile order (DQKW_KEY_TILES_FASTEST=False,
 #               the default since session 48), and the options of wy_solve, output, both sweeps, wy_bwd and dqkw
 #               (session 45 took wy_bwd 1 stage, dqkw 3)                                             (issue 20)
+#   local-du  GDN with dU's local part as its own launch (plan.LOCAL_DU_KERNEL) against the default, fwd+bwd at B1
+#               T32768 and B4 T4096, then that kernel's warps with it on, and the B1 kernel profile with it on  (issue 20)
 #   kda-solve KDA at B4 and B1: decayed_scores with one program per chunk (scores_chunk.py) against one per
 #               sub-chunk (the default), wy_solve's substitution with L's diagonal blocks in registers (the default)
 #               against a row load per step, and its warps and stages (session 45 on the H200: 2 warps, 1 stage
@@ -251,7 +253,7 @@ for run in ${RUNS:-delta host}; do
     mhc-static) cut_at python3 benchmarks/mhc.py --layers 4 --dim 1024 --heads 16 --batch 4 --seq 2048 \
                     --variants n4-hc-block --host-profile 25 --hc-option static_launch_user_defined_triton_kernels=true \
                     --out "$out/diag_mhc-static_$tag.jsonl" > "$out/diag_mhc-static_$tag.txt" 2>&1 ;;
-    mhc-options) sets=${MHC_OPTION_SETS:-"default;realize_reads_threshold=1;realize_reads_threshold=1 realize_opcount_threshold=100"}
+    mhc-options) sets=${MHC_OPTION_SETS:-"default;hc_realize_kernel_inputs=0"}
                  old_ifs=$IFS; IFS=';'; set -- $sets; IFS=$old_ifs; i=0
                  for set in "$@"; do
                      i=$((i + 1)); opts=""
@@ -317,6 +319,14 @@ for run in ${RUNS:-delta host}; do
     gdn-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape "${GDN_TUNE_SHAPE:-B1T32768H16D128}" \
                   --kernels "${GDN_TUNE_KERNELS:-DQKW_KEY_TILES_FASTEST,_wy_solve_kernel,_output_kernel,_state_forward_kernel,_state_backward_kernel,_wy_bwd_kernel,_dqkw_kernel}" \
                   --out "$out/diag_gdn-tune_$tag.jsonl" ;;
+    local-du) for shape in B1T32768H16D128 B4T4096H16D128; do
+                  cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape "$shape" \
+                      --kernels LOCAL_DU_KERNEL --out "$out/diag_local-du_$tag.jsonl"
+              done
+              cut_at env HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 python3 benchmarks/tune_delta_rule.py --ops gdn \
+                  --modes default --shape B1T32768H16D128 --kernels LOCAL_DU_WARPS --out "$out/diag_local-du_$tag.jsonl"
+              cut_at env HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 python3 benchmarks/profile_ops.py --ops gdn \
+                  --shape B1T32768H16D128 >> "$out/diag_local-du-profile_$tag.txt" 2>&1 ;;
     kda-solve) for shape in B4T4096H16D128 B1T32768H16D128; do
                    cut_at python3 benchmarks/tune_delta_rule.py --ops kda --modes default --shape "$shape" \
                        --kernels CHUNK_SCORE_PROGRAMS,REGISTER_DIAGONAL_BLOCKS,OUTPUT_BLOCK_V,_wy_solve_kernel --out "$out/diag_kda-solve_$tag.jsonl"
