@@ -82,6 +82,9 @@
 #               (GDN_TUNE_SHAPE, GDN_TUNE_KERNELS pick): dqkw's key-tile order (DQKW_KEY_TILES_FASTEST=False,
 #               the default since session 48), and the options of wy_solve, output, both sweeps, wy_bwd and dqkw
 #               (session 45 took wy_bwd 1 stage, dqkw 3)                                             (issue 20)
+#   bwd-thread  one eager backward's host time split at autograd's hand-off (benchmarks/analysis/backward_thread.py):
+#               backward() -> our backward's start -> its end -> backward() returns, on the engine's device thread
+#               and on the calling thread, lightning and GDN at B4 T4096 and B1 T32768               (issues 20, 24)
 #   local-du  GDN with dU's local part as its own launch (plan.LOCAL_DU_KERNEL) against the default, fwd+bwd at B1
 #               T32768 and B4 T4096, then that kernel's warps with it on, and the B1 kernel profile with it on  (issue 20)
 #   kda-solve KDA at B4 and B1: decayed_scores with one program per chunk (scores_chunk.py) against one per
@@ -319,6 +322,10 @@ for run in ${RUNS:-delta host}; do
     gdn-tune) cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape "${GDN_TUNE_SHAPE:-B1T32768H16D128}" \
                   --kernels "${GDN_TUNE_KERNELS:-DQKW_KEY_TILES_FASTEST,_wy_solve_kernel,_output_kernel,_state_forward_kernel,_state_backward_kernel,_wy_bwd_kernel,_dqkw_kernel}" \
                   --out "$out/diag_gdn-tune_$tag.jsonl" ;;
+    bwd-thread) for shape in B4T4096H16D128 B1T32768H16D128; do
+                    cut_at python3 benchmarks/analysis/backward_thread.py --ops lightning,gdn --shape "$shape" \
+                        >> "$out/diag_bwd-thread_$tag.txt" 2>&1
+                done ;;
     local-du) for shape in B1T32768H16D128 B4T4096H16D128; do
                   cut_at python3 benchmarks/tune_delta_rule.py --ops gdn --modes default --shape "$shape" \
                       --kernels LOCAL_DU_KERNEL --out "$out/diag_local-du_$tag.jsonl"
