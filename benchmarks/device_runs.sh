@@ -55,8 +55,8 @@
 #               stream-sized buffers its backward allocates counted by dtype from hc's dumps; then n1-inductor
 #               (issue 18: Inductor's realize thresholds against emulate_precision_casts' extra casts)
 #   mhc-project-proto  the projection kernels' launch configurations (kernels/mhc/project.py, swept by
-#               benchmarks/analysis/mhc_project_proto.py): checked against float64, then timed beside
-#               cuBLAS + Inductor at C1024 n4                                             (issue 18)
+#               benchmarks/analysis/mhc_project_proto.py) and a two-launch backward (dv streamed, then dφ):
+#               checked against float64, then timed beside cuBLAS + Inductor at C1024 n4    (issue 18)
 #   sweep-step  GDN's backward state sweep with its off-chain products taken out (P^T dO, Q^T dO): what moving them
 #               to chunk-parallel kernels could save a chunk step, B1 and B4 (SWEEP_STEP_VARIANTS, _OPS gdn,kda, _SHAPES pick) (issue 20)
 #   m-form  the delta rule's backward state sweep with one off-chain product a step (M = e^G Q - P W and dU's local part

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from hccompile.kernels.mhc import project as P  # noqa: E402
 
@@ -72,6 +73,73 @@ def project_bwd(v: torch.Tensor, w: torch.Tensor, dproj: torch.Tensor, dsq: torc
     return dv[0], partial.sum(0)
 
 
+@triton.jit
+def _dv_kernel(v_ptr, w_ptr, dproj_ptr, dsq_ptr, dv_ptr, T, K, W,
+               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, PRECISION: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """The split backward's first half (contiguous [T, K] v and dv, [T, W] dproj, [W, K] w): one [BLOCK_T,
+    BLOCK_K] tile of dv = dproj·φ + 2·dsq·v per program, a stream's read and write and nothing carried."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    outs = tl.arange(0, BLOCK_W)
+    tok_ok, k_ok, out_ok = tok < T, ks < K, outs < W
+    tk_ok = tok_ok[:, None] & k_ok[None, :]
+    offsets = tok[:, None].to(tl.int64) * K + ks[None, :]
+    v = tl.load(v_ptr + offsets, mask=tk_ok, other=0.0)
+    g = tl.load(dproj_ptr + tok[:, None].to(tl.int64) * W + outs[None, :], mask=tok_ok[:, None] & out_ok[None, :],
+                other=0.0)
+    w = tl.load(w_ptr + outs[:, None] * K + ks[None, :], mask=out_ok[:, None] & k_ok[None, :], other=0.0)
+    dsq = tl.load(dsq_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)
+    if UPCAST:
+        g, w = g.to(tl.float32), w.to(tl.float32)
+    dv = tl.dot(g, w, input_precision=PRECISION) + (2.0 * dsq)[:, None] * v.to(tl.float32)
+    tl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=tk_ok)
+
+
+@triton.jit
+def _dw_kernel(v_ptr, dproj_ptr, dw_ptr, T, K, W, tokens_per_split,
+               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, PRECISION: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """The split backward's second half: one share of the tokens' dφ[:, columns] = Σ_t dproj[t]ᵀ v[t, columns]
+    into dw_ptr[share] ([splits, W, K] fp32), v read a second time."""
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    share = tl.program_id(1)
+    outs = tl.arange(0, BLOCK_W)
+    k_ok, out_ok = ks < K, outs < W
+    dw = tl.zeros([BLOCK_W, BLOCK_K], dtype=tl.float32)
+    start = share * tokens_per_split
+    for t0 in range(start, start + tokens_per_split, BLOCK_T):
+        tok = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = (tok < T) & (tok < start + tokens_per_split)
+        v = tl.load(v_ptr + tok[:, None].to(tl.int64) * K + ks[None, :], mask=tok_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        g = tl.load(dproj_ptr + tok[:, None].to(tl.int64) * W + outs[None, :],
+                    mask=tok_ok[:, None] & out_ok[None, :], other=0.0)
+        if UPCAST:
+            g, v = g.to(tl.float32), v.to(tl.float32)
+        dw = tl.dot(tl.trans(g), v, dw, input_precision=PRECISION)
+    tl.store(dw_ptr + share * W * K + outs[:, None] * K + ks[None, :], dw, mask=out_ok[:, None] & k_ok[None, :])
+
+
+def project_bwd_split(v: torch.Tensor, w: torch.Tensor, dproj: torch.Tensor, dsq: torch.Tensor, splits: int = 8,
+                      block_t: int = 64, block_k: int = 128, warps: int = 4, dv_block_t: int = 64,
+                      dv_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """project_bwd as two launches: dv streamed tile by tile (no dφ accumulator carried), then dφ's token
+    shares reading v again. Contiguous v [T, K], w [W, K], dproj [T, W]."""
+    T, K = v.shape
+    W = w.shape[0]
+    dv = torch.empty_like(v)
+    _dv_kernel[(triton.cdiv(T, dv_block_t), triton.cdiv(K, block_k))](
+        v, w, dproj, dsq, dv, T, K, W, BLOCK_T=dv_block_t, BLOCK_K=block_k, BLOCK_W=BLOCK_W,
+        PRECISION=precision(v.dtype), UPCAST=INTERPRETED, num_warps=dv_warps)
+    partial = torch.empty(splits, W, K, dtype=torch.float32, device=v.device)
+    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
+    _dw_kernel[(triton.cdiv(K, block_k), splits)](
+        v, dproj, partial, T, K, W, per_split, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=BLOCK_W,
+        PRECISION=precision(v.dtype), UPCAST=INTERPRETED, num_warps=warps, num_stages=3)
+    return dv, partial.sum(0)
+
+
 def reference(v, w, dproj, dsq):
     """float64: (proj, sq, dv, dw)."""
     v64, w64 = v.double(), w.double()
@@ -97,6 +165,9 @@ def check(device: str, T: int, K: int, W: int, dtype: torch.dtype) -> None:
     dv, dw = project_bwd(v, w, dproj, dsq, splits=3, block_t=16, block_k=32 if device == "cpu" else 128)
     want = reference(v, w, dproj, dsq)
     report(f"T{T} K{K} W{W} {dtype}", dict(zip(("proj", "sq", "dv", "dw"), (proj, sq, dv, dw))), want, dtype)
+    dv, dw = project_bwd_split(v, w, dproj, dsq, splits=3, block_t=16, block_k=32 if device == "cpu" else 128,
+                               dv_block_t=16)
+    report(f"split backward T{T} K{K} W{W} {dtype}", {"dv": dv, "dw": dw}, want[2:], dtype)
 
 
 def report(label: str, got: dict, want, dtype: torch.dtype) -> None:
@@ -115,7 +186,10 @@ def report(label: str, got: dict, want, dtype: torch.dtype) -> None:
 FWD_CONFIGS = ((16, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3),
                (32, 128, 4, 4))
 BWD_CONFIGS = ((8, 64, 128, 4), (16, 64, 128, 4), (4, 64, 128, 4), (8, 32, 128, 4), (8, 64, 64, 4),
-               (8, 128, 128, 8))
+               (8, 128, 128, 8), (8, 64, 128, 8), (16, 64, 128, 8))
+# the split backward: (splits, BLOCK_T, BLOCK_K, warps) of the dφ kernel, (BLOCK_T, warps) of the dv kernel
+SPLIT_CONFIGS = (((8, 64, 128, 4), (64, 4)), ((8, 64, 128, 4), (32, 4)), ((8, 64, 128, 4), (128, 8)),
+                 ((16, 64, 128, 4), (64, 4)), ((8, 128, 128, 8), (64, 4)))
 
 
 def time_gpu(T: int, K: int, W: int) -> None:
@@ -139,6 +213,13 @@ def time_gpu(T: int, K: int, W: int) -> None:
     for splits, bt, bk, warps in BWD_CONFIGS:
         ms = do_bench(lambda: project_bwd(v, w, dproj, dsq, splits, bt, bk, warps))
         print(f"fused backward splits {splits:2d} BT {bt:3d} BK {bk} warps {warps}: {ms * 1e3:.1f} us", flush=True)
+    for (splits, bt, bk, warps), (dv_bt, dv_warps) in SPLIT_CONFIGS:
+        ms = do_bench(lambda: project_bwd_split(v, w, dproj, dsq, splits, bt, bk, warps, dv_bt, dv_warps))
+        dv_ms = do_bench(lambda: _dv_kernel[(triton.cdiv(T, dv_bt), triton.cdiv(K, bk))](
+            v, w, dproj, dsq, torch.empty_like(v), T, K, W, BLOCK_T=dv_bt, BLOCK_K=bk, BLOCK_W=BLOCK_W,
+            PRECISION="tf32", UPCAST=False, num_warps=dv_warps))
+        print(f"split backward dphi splits {splits:2d} BT {bt:3d} BK {bk} warps {warps}, dv BT {dv_bt:3d} warps "
+              f"{dv_warps}: {ms * 1e3:.1f} us (the dv kernel alone {dv_ms * 1e3:.1f} us)", flush=True)
 
 
 def sm90(T: int = 8192, K: int = 4096, W: int = 24) -> None:
@@ -163,6 +244,14 @@ def sm90(T: int = 8192, K: int = 4096, W: int = 24) -> None:
         kw = dict(BLOCK_T=bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=warps,
                   num_stages=3)
         print("backward", kw, resources(compile_launch(P._mhc_project_bwd_kernel, args, kw)), flush=True)
+    v2, g2, dv2 = v[0], dproj[0], dv[0]
+    for (splits, bt, bk, warps), (dv_bt, dv_warps) in SPLIT_CONFIGS:
+        kw = dict(BLOCK_T=dv_bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=dv_warps)
+        print("split dv", kw, resources(compile_launch(_dv_kernel, (v2, w, g2, dsq[0], dv2, T, K, W), kw)), flush=True)
+        partial = torch.empty(splits, W, K)
+        per = triton.cdiv(triton.cdiv(T, splits), bt) * bt
+        kw = dict(BLOCK_T=bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=warps, num_stages=3)
+        print("split dw", kw, resources(compile_launch(_dw_kernel, (v2, g2, partial, T, K, W, per), kw)), flush=True)
 
 
 def main() -> None:
