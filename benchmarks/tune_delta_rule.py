@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hccompile.kernels.delta_rule import chunk, dqkw, gate_cumsum, output, qk_l2norm, scores, wy_bwd  # noqa: E402
+from hccompile.kernels.delta_rule import chunk, dqkw, gate_cumsum, local_du, output, qk_l2norm, scores, wy_bwd  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 from profile_ops import parse_shape  # noqa: E402
 
@@ -61,6 +61,12 @@ VARIANTS = {
     "REGISTER_DIAGONAL_BLOCKS": (kernel_plan, [False]),
     # wy_solve in two launches (the solve, then W and U~ at WY_FORM_WARPS): a dict sets each of its constants
     "SPLIT_WY_SOLVE": (kernel_plan, [{"SPLIT_WY_SOLVE": True, "WY_FORM_WARPS": w} for w in (2, 4, 8)]),
+    # GDN: dU's local part (scale P^T dO) by a chunk-parallel kernel before the backward sweep (default: in the
+    # sweep); that kernel's warps (default 4) in a process with HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1
+    "LOCAL_DU_KERNEL": (kernel_plan, [True]),
+    "LOCAL_DU_WARPS": (local_du, [2, 8]),
+    # GDN: dk's partial sum between dqkw and wy_bwd in fp32 (in bf16 the default since session 50: 0.986x at B1)
+    "HALF_DK_PARTIAL": (kernel_plan, [False]),
     # GDN: the forward's decayed_scores launch instead of Kdot formed in wy_solve and P in the output kernel
     "FUSED_SCORES_FORWARD": (kernel_plan, [False]),
     # the sweeps' value tiles: narrowed while the grid fills at most half of this many programs (None: the

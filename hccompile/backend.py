@@ -184,7 +184,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) 
                 report.saved_bytes = {"bytes": 0, "tensors": 0, "error": repr(e)}
         t0 = time.perf_counter()
         passes_before = len(report.passes)
-        out = compile_fx_inner(gm_, inputs_, **kwargs)
+        with compat.inputs_realized_for(realized_for):
+            out = compile_fx_inner(gm_, inputs_, **kwargs)
         report.add_time(f"inductor {which}", time.perf_counter() - t0)
         if len(report.passes) == passes_before:
             report.cache_hits.append(which)  # Inductor's FX graph cache answered: no pass ran
@@ -206,6 +207,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], cfg: HCConfig) 
         patches["force_disable_caches"] = True  # a cache hit would skip our passes and dumps
     _choose_inductor_settings(gm, cfg, report, patches, any(
         isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs))
+    realized_for = compat.kernel_call_targets() if REALIZED_KERNEL_INPUTS in report.inductor_settings else []
 
     t0 = time.perf_counter()
     if cfg.compiler == "aot_eager":
@@ -245,6 +247,14 @@ STATIC_LAUNCH_REASON = (
     "mhc_ and diag_mhc-nostatic_…6a1e516.jsonl); the step's time did not tell the two launchers apart")
 
 
+REALIZED_KERNEL_INPUTS = "needs_realized_inputs"
+SHARED_INPUTS_REASON = (
+    "hyper-connections found: a value that one of our kernels reads and other nodes use too is stored "
+    "once (hc_realize_kernel_inputs); the mHC stream gradient was written twice by Inductor's sum "
+    "kernels and recomputed from two stream-sized inputs by the next h_res^T product (on one H200, "
+    "C1024 n4 4 layers: GPU busy 9.32 against 9.60 ms a step, peak 1.18 against 1.30 GiB)")
+
+
 def _choose_inductor_settings(gm: fx.GraphModule, cfg: HCConfig, report: GraphReport,
                               patches: dict[str, Any], on_cuda: bool) -> None:
     """Inductor settings that follow from what the passes found; the user's options win.
@@ -263,6 +273,9 @@ def _choose_inductor_settings(gm: fx.GraphModule, cfg: HCConfig, report: GraphRe
             and static not in cfg.inductor_patches:
         patches[static] = True
         report.inductor_settings[static] = (True, STATIC_LAUNCH_REASON)
+    if gm.meta.get("hc_layers") and cfg.hc_realize_kernel_inputs:
+        # not a config key: Inductor's registry, extended around compile_fx_inner (compat.inputs_realized_for)
+        report.inductor_settings[REALIZED_KERNEL_INPUTS] = ("+ hccompile's kernel calls", SHARED_INPUTS_REASON)
 
 
 def _finish(report: GraphReport, dumper: Dumper | None, compiled: Any) -> Any:

@@ -234,6 +234,46 @@ def launched_kernel(node: Any) -> Any:
         return None
 
 
+def kernel_call_targets() -> list[Any]:
+    """The FX targets that call one of our kernels in a post-grad graph: a traced launch
+    (triton_kernel_wrapper_mutation / _functional, private in 2.11-2.15) or an opaque hccompile op
+    (the `_host` ops on the CPU and in Triton's interpreter). Inductor realizes their inputs."""
+    targets: list[Any] = []
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import (triton_kernel_wrapper_functional,
+                                                                triton_kernel_wrapper_mutation)
+
+        targets += [triton_kernel_wrapper_mutation, triton_kernel_wrapper_functional]
+    except ImportError:
+        pass
+    for name in torch._C._dispatch_get_all_op_names():
+        namespace, _, op = name.partition("::")
+        if namespace == "hccompile":
+            packet = getattr(torch.ops.hccompile, op.partition(".")[0], None)
+            if packet is not None:
+                targets += [getattr(packet, o) for o in packet.overloads()]
+    return targets
+
+
+@contextlib.contextmanager
+def inputs_realized_for(targets: list[Any]):
+    """Inside: a value with several users, one of whose targets is in `targets`, is stored once where
+    it is computed (Inductor's `needs_realized_inputs`, which holds mm and convolution), so that its
+    other users read it instead of computing it again from its inputs. Taken back on exit."""
+    try:
+        from torch._inductor.lowering import needs_realized_inputs
+    except ImportError:
+        yield
+        return
+    added = [t for t in dict.fromkeys(targets) if t not in needs_realized_inputs]
+    needs_realized_inputs.update(added)
+    try:
+        yield
+    finally:
+        for target in added:
+            needs_realized_inputs.discard(target)
+
+
 @contextlib.contextmanager
 def quiet_fake_tensor_errors():
     """Inside: torch's fake-tensor module does not log the failures it then raises. torch 2.15 logs

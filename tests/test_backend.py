@@ -247,6 +247,33 @@ def test_compile_inside_a_users_saved_tensor_hooks(family):
     assert rel_err(out.detach(), model(x).detach()) < 1e-4
 
 
+def test_kernel_inputs_realized_only_inside_the_compile_and_only_when_asked():
+    """hc_realize_kernel_inputs: graphs with hyper-connections extend Inductor's needs_realized_inputs with
+    our kernel calls (traced launches and hccompile's host ops) for their compile only, and report it; off,
+    nothing is added; the registry is as it was afterwards, what it held before included."""
+    from torch._inductor.lowering import needs_realized_inputs
+
+    from hccompile import compat
+    from hccompile.config import resolve
+    from hccompile.debug.report import GraphReport
+
+    targets = compat.kernel_call_targets()
+    names = {str(t) for t in targets}
+    assert any("hccompile.mhc_post" in n for n in names) and any("triton_kernel_wrapper_mutation" in n
+                                                                  for n in names), sorted(names)[:8]
+    before = set(needs_realized_inputs)
+    with compat.inputs_realized_for(targets + [torch.ops.aten.mm.default]):
+        assert set(targets) <= set(needs_realized_inputs)
+    assert set(needs_realized_inputs) == before and torch.ops.aten.mm.default in before
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    gm.meta["hc_layers"] = [object()]
+    for on in (True, False):
+        cfg = resolve(options={"hc_realize_kernel_inputs": on})
+        report = GraphReport(graph_id=0)
+        hc._choose_inductor_settings(gm, cfg, report, dict(cfg.inductor_patches), False)
+        assert (hc.REALIZED_KERNEL_INPUTS in report.inductor_settings) is on
+
+
 @pytest.mark.parametrize("on_cuda", [False, True])
 @pytest.mark.parametrize("user_static", [None, False, True])
 def test_inductor_settings_hc_chooses_for_hyper_connections(on_cuda, user_static):
@@ -269,6 +296,7 @@ def test_inductor_settings_hc_chooses_for_hyper_connections(on_cuda, user_static
         if not layers:
             assert chosen == set() and patches == cfg.inductor_patches
             continue
+        assert chosen >= {hc.REALIZED_KERNEL_INPUTS}, chosen  # hc_realize_kernel_inputs defaults to on
         if has_inductor_option("emulate_precision_casts"):
             assert patches["emulate_precision_casts"] is True
             assert report.inductor_settings["emulate_precision_casts"] == (True, hc.EXACT_RECOMPUTE_REASON)

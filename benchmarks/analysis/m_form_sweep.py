@@ -46,7 +46,7 @@ from sweep_step_work import LOCAL_DU, QUERY_TERM  # noqa: E402  (state.py's line
 
 CHAIN_DU = "            du += k_dstate\n"
 NUM_CHUNKS = "        num_chunks = tl.cdiv(eos - bos, BT)\n"
-SIGNATURE_END = "        qg_ptr,\n        kg_ptr,\n        PREPARED: tl.constexpr,\n    ):\n"
+SIGNATURE_END = "        qg_ptr,\n        kg_ptr,\n        PREPARED: tl.constexpr,\n        LOCAL_DU: tl.constexpr,\n    ):\n"
 LAST_UPDATE = "            dstate -= _dot(tl.trans(w), du, dot_dtype, DOT_PRECISION)\n"
 EDITS = [
     (SIGNATURE_END, SIGNATURE_END.replace("    ):\n", "        m_ptr,\n        local_du_ptr,\n    ):\n")),
@@ -57,8 +57,8 @@ EDITS = [
     (NUM_CHUNKS, NUM_CHUNKS + "        du_next = _load_rows(local_du_ptr + (batch * T) * HV * V + head * V, "
                  "bos + tl.maximum(num_chunks - 1, 0) * BT + local, vc, HV * V, 1, "
                  "local < tl.minimum(eos - (bos + tl.maximum(num_chunks - 1, 0) * BT), BT), V)\n"),
-    (LOCAL_DU, "            du = du_next\n"
-               "            du_next = _load_rows(local_du_ptr + (batch * T) * HV * V + head * V, "
+    (LOCAL_DU, "                du = du_next\n"
+               "                du_next = _load_rows(local_du_ptr + (batch * T) * HV * V + head * V, "
                "bos + tl.maximum(chunk - 1, 0) * BT + local, vc, HV * V, 1, "
                "local < tl.minimum(eos - (bos + tl.maximum(chunk - 1, 0) * BT), BT), V)\n"),
     (CHAIN_DU, "            du = du + k_dstate\n"),

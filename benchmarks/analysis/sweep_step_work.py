@@ -36,16 +36,17 @@ use_kernel_tests()
 from hccompile.kernels.delta_rule import chunk as chunk_kernels  # noqa: E402
 from hccompile.kernels.delta_rule import state as state_kernels  # noqa: E402
 
-LOCAL_DU = """            scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
-            scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-            du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
+# the sweep's own product (its branch without LOCAL_DU: plan.LOCAL_DU_KERNEL reads the part a kernel formed)
+LOCAL_DU = """                scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
+                scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+                du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
 """
 QUERY_TERM = "            dstate += scale * _dot(tl.trans(q_tile), q_do, dot_dtype, DOT_PRECISION)\n"
 EDITS = {
-    "no-pdo": [(LOCAL_DU, "            du = tl.zeros([BT, BV], dtype=tl.float32)\n")],
-    "du-in": [(LOCAL_DU, "            du = _load_stored_rows(du_ptr, tokens, vc, HV * V, 1, valid, V).to(tl.float32)\n")],
+    "no-pdo": [(LOCAL_DU, "                du = tl.zeros([BT, BV], dtype=tl.float32)\n")],
+    "du-in": [(LOCAL_DU, "                du = _load_stored_rows(du_ptr, tokens, vc, HV * V, 1, valid, V).to(tl.float32)\n")],
     "no-qdo": [(QUERY_TERM, "")],
-    "chain-only": [(LOCAL_DU, "            du = tl.zeros([BT, BV], dtype=tl.float32)\n"), (QUERY_TERM, "")],
+    "chain-only": [(LOCAL_DU, "                du = tl.zeros([BT, BV], dtype=tl.float32)\n"), (QUERY_TERM, "")],
 }
 ORIGINAL_KERNEL = chunk_kernels._state_backward_kernel
 

@@ -67,6 +67,7 @@ from ..kernels.delta_rule.plan import (CHUNK_SIZES, DEFAULT_CHUNK_SIZE, SUPPORTE
                                        intermediate_dtype_for, inverse_dtype_for, kept_state_rows,
                                        normed_qk_dtype_for)
 from ..kernels.delta_rule.dqkw import _dqkw_kernel
+from ..kernels.delta_rule.local_du import _local_du_kernel
 from ..kernels.delta_rule.state import _state_backward_kernel
 from ..kernels.delta_rule.wy import _wy_backward_kernel
 from ..kernels.delta_rule.wy_bwd import _wy_bwd_kernel
@@ -689,7 +690,8 @@ chunk_delta_rule_backward_op = kernel_op("chunk_delta_rule_backward", _chunk_del
                                          # the sweep first: launched once per call whether wy_backward is
                                          # split (plan.SPLIT_WY_BACKWARD) or not
                                          kernels=(_state_backward_kernel, _wy_backward_kernel, _dqkw_kernel,
-                                                  _wy_bwd_kernel, _output_scores_kernel), traceable=_traceable,
+                                                  _wy_bwd_kernel, _output_scores_kernel, _local_du_kernel),
+                                         traceable=_traceable,
                                          fixed_dims=_FIXED_DIMS)
 
 

@@ -84,6 +84,15 @@ def random_output_gradients(inputs, dtype, seed=1):
     return do, dht.to(DEVICE)
 
 
+def kernel_case(sizes, gate, options, dtype, seed):
+    """(inputs in `dtype`, forward kwargs, backward kwargs, do, dht) of a case: what the tests that run
+    both launchers once per switch setting start from."""
+    inputs, kwargs = build_case(sizes, gate, options, seed=seed)
+    inputs = kernel_inputs(inputs, dtype)
+    do, dht = random_output_gradients(inputs, dtype)
+    return inputs, kwargs, {n: a for n, a in kwargs.items() if n != "output_final_state"}, do, dht
+
+
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
@@ -727,10 +736,7 @@ def test_inverse_in_half_precision_is_bitwise_the_float32_inverse(monkeypatch, n
                                                                   chunk):
     """plan.HALF_INVERSE: A stored in the intermediates' dtype gives the outputs and every gradient of A
     stored in fp32, bit for bit (every reader rounds A before its products), kept or recomputed."""
-    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 3)
-    inputs = kernel_inputs(inputs, dtype)
-    do, dht = random_output_gradients(inputs, dtype)
-    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    inputs, kwargs, bwd_kwargs, do, dht = kernel_case(sizes, gate, options, dtype, seed=sizes[1] + 3)
     results = {}
     for half in (False, True):
         monkeypatch.setattr(kernel_plan, "HALF_INVERSE", half)
@@ -765,10 +771,7 @@ def test_folded_gate_sums_replace_the_gate_cumsum_launches(monkeypatch, name, si
     launches = []
     launch = chunk_kernels.launch_gate_cumsum
     monkeypatch.setattr(chunk_kernels, "launch_gate_cumsum", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 9)
-    inputs = kernel_inputs(inputs, dtype)
-    do, dht = random_output_gradients(inputs, dtype)
-    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    inputs, kwargs, bwd_kwargs, do, dht = kernel_case(sizes, gate, options, dtype, seed=sizes[1] + 9)
     results = {}
     for fold in (False, True):
         monkeypatch.setattr(kernel_plan, "FOLDED_GATE_SUMS", fold)
@@ -802,10 +805,7 @@ def test_wy_solve_split_in_two_launches(monkeypatch, name, sizes, gate, options,
     """plan.SPLIT_WY_SOLVE: the solve, then W and U~ from the stored A (at WY_FORM_WARPS): the forward and
     every gradient within FLA's limits of float64, and near the single launch's (within 1e-6 for fp32; half
     products at other warp counts may take other tensor-core instructions, so a rounding may flip)."""
-    inputs, kwargs = build_case(sizes, gate, options, seed=sizes[1] + 13)
-    inputs = kernel_inputs(inputs, dtype)
-    do, dht = random_output_gradients(inputs, dtype)
-    bwd_kwargs = {n: a for n, a in kwargs.items() if n != "output_final_state"}
+    inputs, kwargs, bwd_kwargs, do, dht = kernel_case(sizes, gate, options, dtype, seed=sizes[1] + 13)
     results = {}
     for split in (False, True):
         monkeypatch.setattr(kernel_plan, "SPLIT_WY_SOLVE", split)
@@ -820,6 +820,57 @@ def test_wy_solve_split_in_two_launches(monkeypatch, name, sizes, gate, options,
             assert relative_rms_error(results[True][4][name_], grad) < limit, name_
     monkeypatch.setattr(kernel_plan, "SPLIT_WY_SOLVE", True)
     check_forward_and_backward(inputs, kwargs, dtype, chunk)
+
+
+LOCAL_DU_CASES = [
+    ("gdn-varlen", THREE_SEQUENCES, "scalar", THREE_SEQUENCE_OPTIONS, torch.float32, 32),
+    ("gdn-gva-l2norm-h0-T100", (1, 100, 2, 4, 60, 100), "scalar", {"l2norm": True, "initial_state": True},
+     torch.bfloat16, 64),
+    ("plain-fp16-T70", (2, 70, 1, 1, 64, 60), "none", {}, torch.float16, 16),
+    ("kda-keeps-it-in-the-sweep", (1, 45, 1, 2, 32, 32), "channel", {}, torch.bfloat16, 32),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", LOCAL_DU_CASES,
+                         ids=[c[0] for c in LOCAL_DU_CASES])
+def test_local_du_kernel_before_the_sweep(monkeypatch, name, sizes, gate, options, dtype, chunk):
+    """plan.LOCAL_DU_KERNEL: dU's local part scale P^T dO by local_du.py's launch before the backward sweep,
+    which reads it: the kernel against float64 on the kept P (NaN-poisoned dU, T not a chunk multiple,
+    GVA, varlen), every gradient within FLA's limits, and the launch made only where it applies (not
+    for per-channel gates)."""
+    from hccompile.kernels.delta_rule import local_du as local_du_kernels
+    from hccompile.kernels.delta_rule.reference import local_du_ref
+
+    inputs, kwargs, _, do, _ = kernel_case(sizes, gate, options, dtype, seed=sizes[1] + 17)
+    kept = chunk_delta_rule_fwd(**inputs, **kwargs, chunk_size=chunk, return_intermediates=True)[2]
+    scale = inputs["q"].shape[3] ** -0.5
+    if gate != "channel":
+        plan = kernel_plan.make_plan(chunk_kernels._validate(
+            inputs["q"], inputs["k"], inputs["v"], inputs["beta"], inputs.get("g"), gate, inputs.get("initial_state"),
+            kwargs.get("cu_seqlens"), None, None, None, chunk), chunk, kwargs.get("cu_seqlens"), inputs["q"])
+        du = torch.full(do.shape, float("nan"), dtype=plan.intermediate_dtype, device=DEVICE)
+        table, seqlens = plan.chunk_args()
+        local_du_kernels.launch_local_du(plan, kept.scores, do, du, plan.num_chunks, table, seqlens, scale)
+        chunks = [(b, s, min(chunk, e - s)) for b, lo, e in _sequence_bounds(inputs, kwargs) for s in range(lo, e, chunk)]
+        want = local_du_ref(kept.scores.cpu(), do.cpu(), chunks, scale)
+        assert relative_rms_error(du, want) < TOLERANCES[dtype][1], "local dU"
+    launches = []
+    launch = chunk_kernels.launch_local_du
+    monkeypatch.setattr(chunk_kernels, "launch_local_du", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    monkeypatch.setattr(kernel_plan, "LOCAL_DU_KERNEL", True)
+    check_forward_and_backward(inputs, kwargs, dtype, chunk)
+    assert len(launches) == (0 if gate == "channel" else 1)
+
+
+def _sequence_bounds(inputs, kwargs):
+    """(batch, first token, end) of every sequence of the case."""
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    batch, time = inputs["q"].shape[:2]
+    return [(b, 0, time) for b in range(batch)]
 
 
 def test_kept_intermediates_are_checked():

@@ -273,11 +273,15 @@ HALF_KEY_CASES = [
 
 
 @requires_triton
+@pytest.mark.parametrize("half_partial", [False, True], ids=["fp32-partial", "half-partial"])
 @pytest.mark.parametrize("name, sizes, gate, options, dtype, chunk", HALF_KEY_CASES, ids=[c[0] for c in HALF_KEY_CASES])
-def test_half_key_gradients_match_float64_recurrence(monkeypatch, name, sizes, gate, options, dtype, chunk):
+def test_half_key_gradients_match_float64_recurrence(monkeypatch, name, sizes, gate, options, dtype, chunk,
+                                                     half_partial):
     """plan.HALF_KEY_GRADIENTS: the split kernels' dq and (completed) dk heads in the input dtype, dk's
-    partial sums fp32; whole backward against float64 at the usual tolerances, NaN-poisoned outputs."""
+    partial sums fp32 or (HALF_DK_PARTIAL) the input dtype too; whole backward against float64 at the
+    usual tolerances, NaN-poisoned outputs."""
     monkeypatch.setattr(kernel_plan, "HALF_KEY_GRADIENTS", True)
+    monkeypatch.setattr(kernel_plan, "HALF_DK_PARTIAL", half_partial)
     monkeypatch.setattr(kernel_plan, "SPLIT_WY_BACKWARD", True)
     heads = []
     launch = chunk_kernels.launch_split_wy_backward
@@ -288,5 +292,6 @@ def test_half_key_gradients_match_float64_recurrence(monkeypatch, name, sizes, g
     check_forward_and_backward(kernel_inputs(inputs, dtype), kwargs, dtype, chunk)
     gva = sizes[3] != sizes[2]
     expected = torch.float32 if gva else dtype
-    # (the plan's answer, dq's heads, dk's fp32 partial sums from dqkw.py, dk's heads completed by wy_bwd.py)
-    assert heads == [(not gva, expected, torch.float32, expected)], heads
+    partial = dtype if half_partial and not gva else torch.float32
+    # (the plan's answer, dq's heads, dk's partial sums from dqkw.py, dk's heads completed by wy_bwd.py)
+    assert heads == [(not gva, expected, partial, expected)], heads

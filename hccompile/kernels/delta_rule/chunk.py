@@ -48,6 +48,7 @@ from .scores_chunk import launch_chunk_scores
 from .state import state_backward_block_v, state_forward_block_v, state_launch_options
 from .dqkw import launch_dqkw
 from .wy import WY_BACKWARD_OPTIONS, wy_solve_options
+from .local_du import launch_local_du
 from .wy_bwd import launch_wy_bwd
 
 from .._triton import cdiv, direct, require_triton, scratch_rows, triton, zero_padding_rows
@@ -535,6 +536,10 @@ def chunk_delta_rule_bwd(
     if prepared:
         qg, kg = (buffer(batch, time, value_heads, key_dim, dtype=plan.intermediate_dtype) for _ in range(2))
         launch_decayed_keys(plan, fwd.q, fwd.k, cum_arg, qg, kg, plan.num_chunks, table, seqlens)
+    # dU's local part by its own chunk-parallel launch (kernel_plan.LOCAL_DU_KERNEL; not per-channel gates)
+    local_du = kernel_plan.LOCAL_DU_KERNEL and problem.gate != "channel" and bool(plan.num_chunks)
+    if local_du:
+        launch_local_du(plan, fwd.scores, do, du, plan.num_chunks, table, seqlens, float(scale))
     if problem.num_sequences and (plan.num_chunks or dh0 is not None):
         grid = (problem.num_sequences, value_heads, cdiv(value_dim, block_v_state))
         plan.launch(_state_backward_kernel)[grid](
@@ -547,13 +552,14 @@ def chunk_delta_rule_bwd(
             BKF=block_k_full, BV=block_v_state,
             HAS_FINAL_STATE_GRAD=dht is not None, STORE_INITIAL_STATE_GRAD=dh0 is not None,
             **sweep_launch_options(plan, block_k_full, fwd.k.dtype, "backward"), **common,
-            qg_ptr=qg, kg_ptr=kg, PREPARED=prepared,
+            qg_ptr=qg, kg_ptr=kg, PREPARED=prepared, LOCAL_DU=local_du,
         )
     # the other gradients' buffers, while the sweep runs
     dv, dbeta = result("v"), result("beta")
     dq, dk = result("q"), result("k")
-    # dk_heads: fp32, the single kernel's dk or dqkw.py's partial sums, which wy_bwd.py completes into dk_out
-    dk_heads = buffer(batch, time, value_heads, key_dim)
+    # dk_heads: the single kernel's dk (fp32) or dqkw.py's partial sums (plan.dk_partial_dtype), which
+    # wy_bwd.py completes into dk_out
+    dk_heads = buffer(batch, time, value_heads, key_dim, dtype=plan.dk_partial_dtype)
     if not plan.half_key_gradients:
         dq_heads, dk_out = buffer(batch, time, value_heads, key_dim), dk_heads
     elif use_qk_l2norm_in_kernel or not (dq.is_contiguous() and dk.is_contiguous()):

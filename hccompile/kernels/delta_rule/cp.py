@@ -707,7 +707,7 @@ def _sweep_backward(local: _Local, intra: _Intra, do, final_grads, dh, du, initi
         HAS_FINAL_STATE_GRAD=True, STORE_INITIAL_STATE_GRAD=True,
         GATE=kplan.gate_code, BT=kplan.chunk_size, IS_VARLEN=True, DOT_PRECISION=kplan.dot_precision,
         **sweep_launch_options(kplan, block_k_full, intra.k.dtype, "backward"),
-        qg_ptr=kplan.dummy, kg_ptr=kplan.dummy, PREPARED=False,
+        qg_ptr=kplan.dummy, kg_ptr=kplan.dummy, PREPARED=False, LOCAL_DU=False,
     )
 
 

@@ -113,8 +113,8 @@ CHUNK_SCORE_PROGRAMS = True
 # T4096 4.133 against 4.319 (0.957x). HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP=0 (read at import)
 # turns it off; read when a backward launches.
 PREPARED_CHANNEL_SWEEP = os.environ.get("HCCOMPILE_DELTA_RULE_PREPARED_CHANNEL_SWEEP", "1") == "1"
-# The split backward's per-head key gradients (dqkw.py's complete dq, and dk's partial sum that
-# wy_bwd.py reads, adds its terms to and stores complete) in the half inputs' dtype rather than fp32,
+# The split backward's per-head key gradients (dqkw.py's complete dq, and the dk that wy_bwd.py
+# completes from dqkw.py's partial sum; the partial itself: HALF_DK_PARTIAL) in the half inputs' dtype rather than fp32,
 # as FLA stores them (R6a of benchmarks/analysis/gdn_traffic_2026-11-26.md): the l2norm backward
 # reads half the bytes, and without the in-kernel l2norm they are written into the op's dq and dk
 # themselves (no copy). Only without GVA (the value heads' sum stays fp32) and with the split
@@ -144,10 +144,29 @@ FOLDED_GATE_SUMS = os.environ.get("HCCOMPILE_DELTA_RULE_FOLDED_GATE_SUMS", "1") 
 # benchmarks/analysis/gdn_traffic_2026-11-30_h200.md): the solve (A only) at wy_solve_options' warps,
 # then W and U~ from the stored A (the kept-A path) at WY_FORM_WARPS, a memory-bound pass that the
 # solve's 2 warps run latency-bound (wy_solve 0.466 ms at GDN B1 T32768 H16 D128 on one H200, FLA's
-# three kernels 0.371). Untimed: off until tune_delta_rule.py's SPLIT_WY_SOLVE row says otherwise.
+# three kernels 0.371). Off: on one H200 (session 50, diag_gdn-tune_…596b916.jsonl) GDN's fwd+bwd at B1
+# T32768 H16 D128 took 0.998x / 0.995x / 0.995x the single launch's at 2 / 4 / 8 warps, for one launch more.
 # HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE=1 (read at import) turns it on; the attributes are read when the
 # forward launches.
 SPLIT_WY_SOLVE = os.environ.get("HCCOMPILE_DELTA_RULE_SPLIT_WY_SOLVE", "0") == "1"
+# dk's partial sum, which dqkw.py writes and wy_bwd.py reads back and completes, stored in the half
+# inputs' dtype rather than fp32 where the key gradients are (half_key_gradients): 2 of its 4 bytes a
+# element each way (item 5 of benchmarks/analysis/gdn_traffic_2026-11-30_h200.md, 0.06 ms at the
+# bandwidth floor at GDN B1 T32768 H16 D128), for one more rounding of the partial before the sum (FLA
+# adds two bf16 dk's). On one H200 (session 50, tune_delta_rule.py, diag_gdn-tune_…46eb77c.jsonl): GDN
+# fwd+bwd at B1 T32768 H16 D128 3.885 against 3.938 ms (0.986x); the gradients pass the float64 tests'
+# tolerances either way (test_half_key_gradients_match_float64_recurrence).
+# HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL=0 (read at import) turns it off; read when a Plan is made.
+HALF_DK_PARTIAL = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL", "1") == "1"
+# dU's local part, scale P^T dO, formed by a chunk-parallel kernel before the backward state sweep
+# (local_du.py, FLA's dv_local) and read by the sweep in place of P and the product, which sit off the
+# sweep's chain but add to every chunk step (benchmarks/analysis/sweep_step_work.py on one H200, GDN B1
+# T32768 H16 D128: the sweep 0.675 ms reading the local part against 0.853 forming it; KDA 1.338 against
+# 1.230, slower, so per-channel gates keep the product in the sweep). The kernel's own cost (P, dO and
+# dU's bytes, ~0.1 ms at that shape) decides it: untimed, off until tune_delta_rule.py's LOCAL_DU_KERNEL
+# row says otherwise. HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 (read at import) turns it on; read when a
+# backward launches.
+LOCAL_DU_KERNEL = os.environ.get("HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL", "0") == "1"
 WY_FORM_WARPS = 4
 
 
@@ -267,6 +286,8 @@ class Plan:
     half_key_switch: bool = field(default_factory=lambda: HALF_KEY_GRADIENTS)
     # HALF_INVERSE when the plan was made (see inverse_dtype)
     half_inverse_switch: bool = field(default_factory=lambda: HALF_INVERSE)
+    # HALF_DK_PARTIAL when the plan was made (see dk_partial_dtype)
+    half_dk_partial_switch: bool = field(default_factory=lambda: HALF_DK_PARTIAL)
 
     @property
     def varlen(self) -> bool:
@@ -326,6 +347,12 @@ class Plan:
         it was when the plan was made): half inputs, no GVA, the split backward."""
         return (self.half_key_switch and self.split_wy_backward and self.problem.group_size == 1
                 and self.input_dtype in (torch.float16, torch.bfloat16))
+
+    @property
+    def dk_partial_dtype(self) -> torch.dtype:
+        """dtype of dk's per-head partial sum between dqkw.py and wy_bwd.py: the input dtype where the
+        key gradients are half and HALF_DK_PARTIAL was on when the plan was made, else fp32."""
+        return self.input_dtype if self.half_key_gradients and self.half_dk_partial_switch else torch.float32
 
     @property
     def fused_scores_forward(self) -> bool:

@@ -454,6 +454,21 @@ def dqkw_ref(q, k, do, cum, u, du, h, dh, chunks, scale):
     return dq, dk, dw, (dg if cum is not None else None)
 
 
+def local_du_ref(scores, do, chunks, scale):
+    """dU's local part scale P^T dO [B, T, HV, V] of local_du.py, in float64: P = `scores` [B, T, HV, BT]
+    (the decayed scores, rows t, columns s of t's chunk), used where s <= t; rows outside `chunks` 0."""
+    f64 = torch.float64
+    batch, time, value_heads, value_dim = do.shape
+    du = torch.zeros(batch, time, value_heads, value_dim, dtype=f64, device=do.device)
+    for b, start, length in chunks:
+        span = slice(start, start + length)
+        visible = torch.ones(length, length, dtype=torch.bool, device=do.device).tril()
+        for hv in range(value_heads):
+            p = scores[b, span, hv, :length].to(f64).masked_fill(~visible, 0.0)
+            du[b, span, hv] = scale * p.T @ do[b, span, hv].to(f64)
+    return du
+
+
 def wy_bwd_ref(k, v, beta, cum, inverse, du, dw, dk_partial, dg_partial, chunks):
     """(dv [B, T, HV, V], dbeta [B, T, HV], dk [B, T, HV, K], dG [B, T, HV] or None) of wy_bwd.py, in
     float64, given A (`inverse` [B, T, HV, BT]) and dqkw.py's dW, dk and dG partial sums."""

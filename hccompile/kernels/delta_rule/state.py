@@ -143,6 +143,7 @@ if triton is not None:
         qg_ptr,
         kg_ptr,
         PREPARED: tl.constexpr,
+        LOCAL_DU: tl.constexpr,
     ):
         """Walks one sequence's chunks backwards for one value head and value tile.
 
@@ -154,6 +155,8 @@ if triton is not None:
         decayed_keys.py's qg and kg ([B, T, HV, K], the intermediates' dtype), leaving only e^G_last to
         load per step (plan.PREPARED_CHANNEL_SWEEP). Reading wy_solve's kg alone, while still loading G to
         form Q e^G, measured 44 % slower on the H100 (B1 T32768 KDA, 2.52 -> 3.64 ms, 12b5e54).
+        With LOCAL_DU, du_ptr already holds dU's local part scale P^T dO (local_du.py, plan.LOCAL_DU_KERNEL):
+        each step loads it from the rows it then overwrites, instead of loading P and forming the product.
         """
         # float32 whatever the launcher typed it (Inductor passes Python floats as fp64)
         scale = tl.cast(scale, tl.float32)
@@ -202,9 +205,12 @@ if triton is not None:
             valid = local < length
             _store_rows(dh_ptr + ((first_chunk + chunk) * HV + head) * K * V, dstate, kc, vc, V, 1, kc < K, V)
             do_tile = _load_stored_rows(do_ptr, tokens, vc, stride_dot, stride_dov, valid, V)
-            scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
-            scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-            du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
+            if LOCAL_DU:
+                du = _load_rows(du_ptr, tokens, vc, HV * V, 1, valid, V)
+            else:
+                scores = _load_rows(scores_ptr, tokens, local, HV * BT, 1, valid, BT)
+                scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
+                du = scale * _dot(tl.trans(scores), do_tile, dot_dtype, DOT_PRECISION)
             if PREPARED:
                 k_tile = _load_stored_rows(kg_ptr, tokens, kc, HV * K, 1, valid, K)
                 q_tile = _load_stored_rows(qg_ptr, tokens, kc, HV * K, 1, valid, K)
