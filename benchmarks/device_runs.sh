@@ -35,6 +35,11 @@
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
 #   mhc-stream-grad-proto  the stream's whole gradient from one kernel (prototype) against the op's
 #               backward kernel + Inductor's sum, checked against float64, then timed       (issue 18)
+#   mhc-dx-proto  the stream gradient's dx alone (per-token work) with dφ by cuBLAS beside it, against the
+#               op's backward kernel + Inductor's sum (mhc_stream_grad_proto.py --dx-only)   (issue 18)
+#   bwd-thread-profile  bwd-thread's split for lightning at B1 T32768, then our backward under cProfile on the
+#               engine's device thread and on the calling thread (backward_thread.py --profile)  (issues 20, 24)
+#   local-du-b4  GDN B4 T4096 H16 D128 per-kernel profiles with dU's local part forced on and off (issue 20)
 #   mhc-memory  the blocks alive at the C1024 step's memory peak, by the line that allocated them
 #               (n1-inductor, n4-hc-block with and without hc_project)                  (issue 18)
 #   mhc-static-compile  the C1024 n1-inductor and n4-hc-block rows (hc's default: our kernels through
@@ -276,6 +281,14 @@ for run in ${RUNS:-delta host}; do
                      --variants n1-inductor --out "$out/diag_mhc-options_$tag.jsonl" >> "$out/diag_mhc-options_$tag.txt" 2>&1 ;;
     mhc-stream-grad-proto) cut_at python3 benchmarks/analysis/mhc_stream_grad_proto.py \
                                > "$out/diag_mhc-stream-grad-proto_$tag.txt" 2>&1 ;;
+    bwd-thread-profile) cut_at python3 benchmarks/analysis/backward_thread.py --ops lightning --shape B1T32768H16D128 \
+                            --steps 30 --profile > "$out/diag_bwd-thread-profile_$tag.txt" 2>&1 ;;
+    mhc-dx-proto) cut_at python3 benchmarks/analysis/mhc_stream_grad_proto.py --dx-only \
+                      > "$out/diag_mhc-dx-proto_$tag.txt" 2>&1 ;;
+    local-du-b4) for setting in 1 0; do
+                     cut_at env HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=$setting python3 benchmarks/profile_ops.py --ops gdn \
+                         --shape B4T4096H16D128 >> "$out/diag_local-du-b4-profile_$tag.txt" 2>&1
+                 done ;;
     mhc-project-proto) cut_at python3 benchmarks/analysis/mhc_project_proto.py \
                            > "$out/diag_mhc-project-proto_$tag.txt" 2>&1 ;;
     sweep-step) cut_at python3 benchmarks/analysis/sweep_step_work.py ${SWEEP_STEP_VARIANTS:+--variants $SWEEP_STEP_VARIANTS} \

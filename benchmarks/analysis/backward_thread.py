@@ -14,12 +14,19 @@ for the engine's device thread (the default) and with torch.autograd.set_multith
 calling thread), each step behind a long GPU sleep so that the clocks read the CPU alone. Also the thread the
 backward ran on, and `ours` split at each launch (the Launcher's, kernels/launcher.py).
 
-    python benchmarks/analysis/backward_thread.py --ops lightning,gdn --shape B4T4096H16D128
+    python benchmarks/analysis/backward_thread.py --ops lightning,gdn --shape B4T4096H16D128 [--profile]
+
+--profile: after the clocks, more steps with our backward under cProfile on whichever thread runs it (one
+profile per thread: cProfile follows the thread that enables it), and the top of each by own time: which of
+our calls the device thread pays more for.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import threading
@@ -49,6 +56,8 @@ class Marks:
 
 
 MARKS = Marks()
+# --profile: the thread name -> the cProfile.Profile our backward ran under there (None: not profiling)
+PROFILES: dict[str, cProfile.Profile] | None = None
 
 
 def instrument(op: str) -> None:
@@ -63,9 +72,15 @@ def instrument(op: str) -> None:
 
     def timed_backward_op(*args, **kwargs):
         MARKS.mark("ours start")
+        profile = None
+        if PROFILES is not None:
+            profile = PROFILES.setdefault(threading.current_thread().name, cProfile.Profile())
+            profile.enable()
         try:
             return inner(*args, **kwargs)
         finally:
+            if profile is not None:
+                profile.disable()
             MARKS.mark("ours end")
 
     module.call_backward_op = timed_backward_op
@@ -140,6 +155,8 @@ def main() -> None:
     p.add_argument("--ops", default="lightning,gdn")
     p.add_argument("--shape", default="B4T4096H16D128")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--profile", action="store_true", help="then cProfile our backward on each thread (see above)")
+    p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
     shape = bthd(args.shape)
     for op in args.ops.split(","):
@@ -155,6 +172,30 @@ def main() -> None:
             print(f"{op:9s} {args.shape} backward on the {where:22s} (ran on {s['thread']}): in {s['in']:.3f} ms, "
                   f"ours {s['ours']:.3f} (first launch after {s['first launch']:.3f}, {s['launches']:.0f} launches), "
                   f"out {s['out']:.3f}", flush=True)
+        if args.profile:
+            profile_threads(op, step, args)
+
+
+def profile_threads(op: str, step, args) -> None:
+    """Our backward under cProfile on the device thread and on the calling thread, `args.steps` steps each."""
+    global PROFILES
+    PROFILES = {}
+    try:
+        for caller in (False, True):
+            torch.autograd.set_multithreading_enabled(not caller)
+            try:
+                measure(step, args.steps)
+            finally:
+                torch.autograd.set_multithreading_enabled(True)
+        for thread, profile in PROFILES.items():
+            out = io.StringIO()
+            stats = pstats.Stats(profile, stream=out)
+            total_ms = stats.total_tt / (args.steps + 3) * 1e3
+            stats.sort_stats("tottime").print_stats(args.top)
+            print(f"--- {op} {args.shape}: our backward on {thread}, cProfile, {total_ms:.3f} ms a step (profiled)\n"
+                  + out.getvalue().split("\n", 4)[-1], flush=True)
+    finally:
+        PROFILES = None
 
 
 if __name__ == "__main__":

@@ -27,6 +27,13 @@ h_pre and dy (the graph's add of the three terms), as mhc_project_proto.py becam
     TRITON_INTERPRET=1 python benchmarks/analysis/mhc_stream_grad_proto.py --check   # CPU: against float64
     python benchmarks/analysis/mhc_stream_grad_proto.py                              # GPU: check, then time
     python benchmarks/analysis/mhc_stream_grad_proto.py --sm90                       # compile each for sm_90
+    python benchmarks/analysis/mhc_stream_grad_proto.py --dx-only                    # GPU: dx alone + cuBLAS dφ
+
+The fused kernel was slower than today's pair (165 against ~150 µs, session 41); its dφ, a reduction over
+the tokens, is what keeps a program's loop serial. Without it (DPHI false) every program is one token block
+and channel block, per-token work only, and dφ = dprojᵀ x is a cuBLAS product reading x again: if dx alone
+runs near its bytes (~50 µs) that pair beats the op's kernel + Inductor's sum, and a post_grad pass can hand
+it the sum's terms.
 """
 from __future__ import annotations
 
@@ -64,7 +71,7 @@ def _stream_grad_kernel(
     x_ptr, w_ptr, dproj_ptr, dsq_ptr, g_ptr, a_ptr, hp_ptr, dy_ptr, dx_ptr, dw_ptr,
     T, C, W, tokens_per_split,
     N: tl.constexpr, N_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_W: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_W: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, DPHI: tl.constexpr,
 ):
     """dx for BLOCK_C columns of every stream at once over one share of the tokens, and the share's dφ
     partial. A tile's N_POW2 * BLOCK_C columns are stream i = col // BLOCK_C, channel c = cs[col % BLOCK_C]:
@@ -111,22 +118,28 @@ def _stream_grad_kernel(
                           mask=tok_ok[:, None] & (cs1 < C)[None, :], other=0.0).to(tl.float32)
             acc += _spread(a_ij, BLOCK_T, N_POW2, BLOCK_C, True) * _spread(g_j, BLOCK_T, N_POW2, BLOCK_C, False)
         tl.store(dx_ptr + tok64[:, None] * K + ks[None, :], acc.to(dx_ptr.dtype.element_ty), mask=tc)
-        dw = tl.dot(tl.trans(gp), x, dw, input_precision=PRECISION)
-    tl.store(dw_ptr + share * W * K + outs[:, None] * K + ks[None, :], dw, mask=out_ok[:, None] & col_ok[None, :])
+        if DPHI:
+            dw = tl.dot(tl.trans(gp), x, dw, input_precision=PRECISION)
+    if DPHI:
+        tl.store(dw_ptr + share * W * K + outs[:, None] * K + ks[None, :], dw, mask=out_ok[:, None] & col_ok[None, :])
 
 
 def stream_grad(x, w, dproj, dsq, g, a, hp, dy, n: int, splits: int = 16, block_t: int = 32,
-                     block_c: int = 64, warps: int = 4, stages: int = 3):
-    """_stream_grad_kernel: (dx [T, n·C] in x's dtype, dφ [W, n·C] float32)."""
+                     block_c: int = 64, warps: int = 4, stages: int = 3, dphi_in_kernel: bool = True):
+    """_stream_grad_kernel: (dx [T, n·C] in x's dtype, dφ [W, n·C] float32). Without dphi_in_kernel the
+    kernel forms dx alone (every program independent: `splits` is then only how the tokens are shared out)
+    and dφ = dprojᵀ x is one cuBLAS product reading x a second time."""
     T, K = x.shape
     C, W = K // n, w.shape[0]
     dx = torch.empty_like(x)
-    partial = torch.empty(splits, W, K, dtype=torch.float32, device=x.device)
+    partial = torch.empty(splits if dphi_in_kernel else 1, W, K, dtype=torch.float32, device=x.device)
     per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
     _stream_grad_kernel[(triton.cdiv(C, block_c), splits)](
         x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per_split,
         N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=BLOCK_W,
-        PRECISION=precision(x.dtype), UPCAST=INTERPRETED, num_warps=warps, num_stages=stages)
+        PRECISION=precision(x.dtype), UPCAST=INTERPRETED, DPHI=dphi_in_kernel, num_warps=warps, num_stages=stages)
+    if not dphi_in_kernel:
+        return dx, (dproj.T.float() @ x.float()) if x.device.type == "cpu" else torch.mm(dproj.T, x).float()
     return dx, partial.sum(0)
 
 
@@ -159,6 +172,8 @@ def check(device: str, T: int, n: int, C: int, dtype: torch.dtype, g_dtype: torc
     want = reference(*args, n=n)
     got = stream_grad(*args, n=n, splits=3, block_t=16, block_c=block_c)
     report(f"T{T} n{n} C{C} {dtype} g {g_dtype}", dict(zip(("dx", "dphi"), got)), want, dtype)
+    got = stream_grad(*args, n=n, splits=5, block_t=16, block_c=block_c, dphi_in_kernel=False)
+    report(f"T{T} n{n} C{C} {dtype} g {g_dtype}, dphi by a product", dict(zip(("dx", "dphi"), got)), want, dtype)
 
 
 # (splits, BLOCK_T, BLOCK_C, warps): a tile is n_pow2 * BLOCK_C columns wide. Compiled for
@@ -169,7 +184,7 @@ CONFIGS = ((16, 32, 64, 4), (16, 32, 64, 8), (16, 16, 64, 4), (16, 32, 32, 4), (
            (16, 16, 32, 4), (16, 64, 32, 8), (32, 32, 32, 4))
 
 
-def time_gpu(T: int, n: int, C: int) -> None:
+def time_gpu(T: int, n: int, C: int, dx_only: bool = False) -> None:
     """The prototype against what the compiled step runs today for the same terms: the op's backward kernel
     (dv, dφ) and Inductor's sum of the mix, the aggregate's term and dv, with g in float32 as the graph has it."""
     from triton.testing import do_bench
@@ -196,9 +211,33 @@ def time_gpu(T: int, n: int, C: int) -> None:
     print(f"x [{T}, {n}x{C}] bf16 clone (read + write): {do_bench(lambda: x.clone()) * 1e3:.1f} us", flush=True)
     print(f"today: the op's backward kernel alone: {do_bench(project_bwd) * 1e3:.1f} us", flush=True)
     print(f"today: the op's backward kernel + Inductor's sum (g float32): {do_bench(today) * 1e3:.1f} us", flush=True)
-    for splits, bt, bc, warps in CONFIGS:
+    for splits, bt, bc, warps in () if dx_only else CONFIGS:
         ms = do_bench(lambda: stream_grad(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps))
         print(f"fused splits {splits:2d} BT {bt:3d} BC {bc} warps {warps}: {ms * 1e3:.1f} us", flush=True)
+    # dx alone (per-token work, every program independent), dφ by cuBLAS beside it
+    dphi = lambda: torch.mm(dproj.T, x)  # noqa: E731
+    print(f"dphi = dproj^T x alone (cuBLAS, bf16 out): {do_bench(dphi) * 1e3:.1f} us", flush=True)
+    for bt, bc, warps in DX_ONLY_CONFIGS:
+        splits = triton.cdiv(T, bt)
+        ms = do_bench(lambda: stream_grad(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps, dphi_in_kernel=False))
+        ms_dx = do_bench(lambda: _dx_only(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps))
+        print(f"dx alone BT {bt:3d} BC {bc} warps {warps}: {ms_dx * 1e3:.1f} us; with cuBLAS dphi {ms * 1e3:.1f} us",
+              flush=True)
+
+
+# (BLOCK_T, BLOCK_C, warps) of the dx-only kernel: one program per token block and channel block
+DX_ONLY_CONFIGS = ((16, 64, 4), (16, 32, 4), (8, 64, 4), (16, 64, 8), (32, 64, 8), (32, 32, 4))
+
+
+def _dx_only(x, w, dproj, dsq, g, a, hp, dy, n, splits, block_t, block_c, warps):
+    T, K = x.shape
+    C, W = K // n, w.shape[0]
+    dx = torch.empty_like(x)
+    _stream_grad_kernel[(triton.cdiv(C, block_c), splits)](
+        x, w, dproj, dsq, g, a, hp, dy, dx, dx, T, C, W, block_t,
+        N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=BLOCK_W,
+        PRECISION=precision(x.dtype), UPCAST=INTERPRETED, DPHI=False, num_warps=warps, num_stages=3)
+    return dx
 
 
 def sm90(T: int, n: int, C: int) -> None:
@@ -215,8 +254,13 @@ def sm90(T: int, n: int, C: int) -> None:
         per = triton.cdiv(triton.cdiv(T, splits), bt) * bt
         args = (x, w, dproj, dsq, g, a, hp, dy, dx, partial, T, C, W, per)
         kw = dict(N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_C=bc, BLOCK_W=BLOCK_W, PRECISION="tf32",
-                  UPCAST=False, num_warps=warps, num_stages=3)
+                  UPCAST=False, DPHI=True, num_warps=warps, num_stages=3)
         print("stream grad", kw, resources(compile_launch(_stream_grad_kernel, args, kw)), flush=True)
+    for bt, bc, warps in DX_ONLY_CONFIGS:
+        args = (x, w, dproj, dsq, g, a, hp, dy, dx, dx, T, C, W, bt)
+        kw = dict(N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_C=bc, BLOCK_W=BLOCK_W, PRECISION="tf32",
+                  UPCAST=False, DPHI=False, num_warps=warps, num_stages=3)
+        print("dx alone", kw, resources(compile_launch(_stream_grad_kernel, args, kw)), flush=True)
 
 
 def main() -> None:
@@ -226,6 +270,8 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=1024, help="C")
     p.add_argument("--streams", type=int, default=4, help="n")
     p.add_argument("--sm90", action="store_true", help="compile every timed configuration for sm_90 (no GPU)")
+    p.add_argument("--dx-only", action="store_true",
+                   help="time only the dx-alone kernel (dφ by cuBLAS beside it), not the fused kernel's configurations")
     args = p.parse_args()
     if args.sm90:
         sm90(args.tokens, args.streams, args.channels)
@@ -243,7 +289,7 @@ def main() -> None:
     if device == "cuda":
         check(device, 1000, 4, 1024, torch.bfloat16, torch.bfloat16, 128)
         if not args.check:
-            time_gpu(args.tokens, args.streams, args.channels)
+            time_gpu(args.tokens, args.streams, args.channels, args.dx_only)
 
 
 if __name__ == "__main__":
