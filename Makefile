@@ -125,18 +125,20 @@ gpu-wheels:
 # Inductor's graphs, ~14000 worker-seconds on 14 workers at 5a0f717) on a machine that starts cold
 # each session. The suite compiles into GPU_CACHE_DIR (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR),
 # seeded from GPU_CACHE/cache-*.tgz.* when present (gitignored; carry it like .whl), and packs it
-# afterwards into GPU_CACHE_OUT: the entries of our own kernels in Triton's cache first (those without
-# Inductor's triton_* kernels: the whole Triton cache was 1.7 GB at f2963c9, over the budget), then
-# Triton's whole cache, then Inductor's,
-# each archive in 15 MiB parts, each packed only while the parts so far stay within
-# GPU_CACHE_MAX_MIB compressed (gzip stops at the limit, so an oversized cache costs seconds, not
-# minutes of device time); test-gpu-wait returns the parts under $$OUT (a call returns at most 8
-# files, 64 MiB). Both caches key an entry by its source and the compiler's versions: a changed
-# kernel or graph compiles again.
+# afterwards into GPU_CACHE_OUT: first the binaries and metadata of our own kernels' entries in Triton's
+# cache, smallest first while they fit (benchmarks/gpu_cache.py: the whole cache was 1.9 GB at f2f9d4a,
+# our 2660 entries whole over the budget too), then Triton's whole cache, then Inductor's, each
+# archive in 15 MiB parts, each packed only while the parts so far stay within GPU_CACHE_MAX_MIB
+# compressed (gzip stops at the limit, so an oversized cache costs seconds, not minutes of device
+# time); test-gpu-wait returns the parts under $$OUT (a call returns at most 8 files, 64 MiB). The
+# next session copies them into .gpu-cache/ and carries [".whl", ".gpu-cache"] to `make test-gpu`:
+# the tree (~10 MiB), the wheels (14 MiB) and the cache must stay within a call's 64 MiB, hence 36.
+# Both caches key an entry by its source and the compiler's versions: a changed kernel or graph
+# compiles again.
 GPU_CACHE ?= .gpu-cache
 GPU_CACHE_DIR ?= /tmp/hccompile-gpu-cache
 GPU_CACHE_OUT ?= .gpu-cache-out
-GPU_CACHE_MAX_MIB ?= 45
+GPU_CACHE_MAX_MIB ?= 36
 
 test-gpu:
 	@test -n "$(COMMIT)" || { echo "make test-gpu: no .git here; pass COMMIT=<sha>"; exit 2; }
@@ -158,18 +160,19 @@ test-gpu:
 		$(GPU_TESTS) -- -o faulthandler_timeout=$(GPU_TEST_STACK_S) $(GPU_PYTEST_ARGS); status=$$?; \
 	rm -rf $(GPU_CACHE_OUT) && mkdir -p $(GPU_CACHE_OUT) && du -sh $(GPU_CACHE_DIR)/* > $(GPU_CACHE_OUT)/sizes.txt; \
 	budget=$$(( $(GPU_CACHE_MAX_MIB) * 1048576 )); \
-	(cd $(GPU_CACHE_DIR) && for entry in triton/*/; do ls $$entry | grep -q '^\(__grp__\)\?triton_' || echo $$entry; \
-		done) > $(GPU_CACHE_OUT)/ours.list 2>/dev/null; \
-	echo "$$(wc -l < $(GPU_CACHE_OUT)/ours.list) entries of our kernels in Triton's cache" >> $(GPU_CACHE_OUT)/sizes.txt; \
 	for part in triton-ours triton inductor; do \
-		case $$part in triton-ours) test -s $(GPU_CACHE_OUT)/ours.list || continue; \
-			what="-T $$PWD/$(GPU_CACHE_OUT)/ours.list";; *) test -d $(GPU_CACHE_DIR)/$$part || continue; what=$$part;; esac; \
-		tar czf - -C $(GPU_CACHE_DIR) $$what 2>/dev/null | head -c $$(( budget + 1 )) > $(GPU_CACHE_OUT)/pack.tgz; \
+		if test $$part = triton-ours; then \
+			packed=$$($(GPU_PYTHON) benchmarks/gpu_cache.py $(GPU_CACHE_DIR) $(GPU_CACHE_OUT) $$(( budget / 1048576 ))); \
+			echo "$$packed" | head -n 1 >> $(GPU_CACHE_OUT)/sizes.txt; \
+			size=$$(echo "$$packed" | tail -n 1 | grep -x '[0-9][0-9]*' || echo 0); \
+			budget=$$(( budget - size )); continue; fi; \
+		test -d $(GPU_CACHE_DIR)/$$part || continue; \
+		tar czf - -C $(GPU_CACHE_DIR) $$part 2>/dev/null | head -c $$(( budget + 1 )) > $(GPU_CACHE_OUT)/pack.tgz; \
 		size=$$(stat -c %s $(GPU_CACHE_OUT)/pack.tgz); \
 		if test $$size -gt $$budget; then echo "$$part: not packed (over the $$(( budget / 1048576 )) MiB left)" \
 			>> $(GPU_CACHE_OUT)/sizes.txt; \
 		else budget=$$(( budget - size )); split -b 15m -d $(GPU_CACHE_OUT)/pack.tgz $(GPU_CACHE_OUT)/cache-$$part.tgz.; fi; \
-		rm -f $(GPU_CACHE_OUT)/pack.tgz; done; rm -f $(GPU_CACHE_OUT)/ours.list; \
+		rm -f $(GPU_CACHE_OUT)/pack.tgz; done; \
 	du -sh $(GPU_CACHE_OUT) >> $(GPU_CACHE_OUT)/sizes.txt; cat $(GPU_CACHE_OUT)/sizes.txt; exit $$status
 
 # The GPU suite over more than one device call (a call may run 10 minutes). Compiling is most of the
