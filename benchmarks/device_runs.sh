@@ -35,8 +35,9 @@
 #               and of this one, one after the other (benchmarks/before_after.py)        (issue 18)
 #   mhc-stream-grad-proto  the stream's whole gradient from one kernel (prototype) against the op's
 #               backward kernel + Inductor's sum, checked against float64, then timed       (issue 18)
-#   mhc-dx-proto  the stream gradient's dx alone (per-token work) with dφ by cuBLAS beside it, against the
-#               op's backward kernel + Inductor's sum (mhc_stream_grad_proto.py --dx-only)   (issue 18)
+#   mhc-dx-proto  the stream gradient's dx alone (per-token work; spread tiles and plain 2-D tiles) with dφ by
+#               cuBLAS beside it, against the op's backward kernel + Inductor's sum
+#               (mhc_stream_grad_proto.py --dx-only)                                       (issue 18)
 #   bwd-thread-profile  bwd-thread's split for lightning at B1 T32768, then our backward under cProfile on the
 #               engine's device thread and on the calling thread (backward_thread.py --profile)  (issues 20, 24)
 #   local-du-b4  GDN B4 T4096 H16 D128 per-kernel profiles with dU's local part forced on and off (issue 20)

@@ -33,7 +33,10 @@ The fused kernel was slower than today's pair (165 against ~150 µs, session 41)
 the tokens, is what keeps a program's loop serial. Without it (DPHI false) every program is one token block
 and channel block, per-token work only, and dφ = dprojᵀ x is a cuBLAS product reading x again: if dx alone
 runs near its bytes (~50 µs) that pair beats the op's kernel + Inductor's sum, and a post_grad pass can hand
-it the sum's terms.
+it the sum's terms. Timed on one H200 (session 51, `diag_mhc-dx-proto_…6c96e5f.txt`): dx alone 101.6 µs at best,
+so the spread [tokens, n·channels] tile is the slow part, not dφ. `_stream_dx_tile_kernel` is the same dx in
+plain [tokens, channels of one stream] tiles, as the op's projection backward tiles its dv, each g and dy tile
+read by the n programs of its channel block (from L2 after the first): `--dx-only` times both.
 """
 from __future__ import annotations
 
@@ -124,6 +127,58 @@ def _stream_grad_kernel(
         tl.store(dw_ptr + share * W * K + outs[:, None] * K + ks[None, :], dw, mask=out_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _stream_dx_tile_kernel(
+    x_ptr, w_ptr, dproj_ptr, dsq_ptr, g_ptr, a_ptr, hp_ptr, dy_ptr, dx_ptr,
+    T, C, W,
+    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dx for one [BLOCK_T, BLOCK_K] tile of the flattened stream (k = i·C + c, BLOCK_K dividing C, so the tile is
+    one stream i's channels): plain 2-D tiles, no spreading. The mix reads the N tiles of g at the same channels
+    (each g tile is read by the N programs of its channel block, from L2 after the first), dy's tile likewise,
+    A's column i and h_pre's i as per-token vectors; the projection's product is one dot [BLOCK_T, W] x [W, BLOCK_K]."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    K = N * C
+    stream = (tl.program_id(1) * BLOCK_K) // C
+    cs = ks - stream * C
+    outs = tl.arange(0, BLOCK_W)
+    tok_ok = tok < T
+    k_ok = ks < K
+    tok64 = tok.to(tl.int64)
+    tk = tok_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + tok64[:, None] * K + ks[None, :], mask=tk, other=0.0)
+    gp = tl.load(dproj_ptr + tok64[:, None] * W + outs[None, :], mask=tok_ok[:, None] & (outs < W)[None, :], other=0.0)
+    w = tl.load(w_ptr + outs[:, None] * K + ks[None, :], mask=(outs < W)[:, None] & k_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter multiplies 16-bit bit patterns as integers
+        x, gp, w = x.to(tl.float32), gp.to(tl.float32), w.to(tl.float32)
+    dsq = tl.load(dsq_ptr + tok64, mask=tok_ok, other=0.0).to(tl.float32)
+    hp = tl.load(hp_ptr + tok64 * N + stream, mask=tok_ok, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + tok64[:, None] * C + cs[None, :], mask=tk, other=0.0).to(tl.float32)
+    acc = tl.dot(gp, w, input_precision=PRECISION) + (2.0 * dsq)[:, None] * x.to(tl.float32) + hp[:, None] * dy
+    for j in tl.static_range(N):
+        a_ij = tl.load(a_ptr + tok64 * (N * N) + stream * N + j, mask=tok_ok, other=0.0).to(tl.float32)
+        g_j = tl.load(g_ptr + tok64[:, None] * K + (j * C + cs)[None, :], mask=tk, other=0.0).to(tl.float32)
+        acc += a_ij[:, None] * g_j
+    tl.store(dx_ptr + tok64[:, None] * K + ks[None, :], acc.to(dx_ptr.dtype.element_ty), mask=tk)
+
+
+def stream_dx_tiles(x, w, dproj, dsq, g, a, hp, dy, n: int, block_t: int = 32, block_k: int = 128, warps: int = 4,
+                    stages: int = 2):
+    """_stream_dx_tile_kernel over every tile (dx only; dφ = dprojᵀ x apart)."""
+    T, K = x.shape
+    C, W = K // n, w.shape[0]
+    block_k = min(block_k, C)
+    assert C % block_k == 0, "a tile holds one stream's channels"
+    dx = torch.empty_like(x)
+    _stream_dx_tile_kernel[(triton.cdiv(T, block_t), K // block_k)](
+        x, w, dproj, dsq, g, a, hp, dy, dx, T, C, W,
+        N=n, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=BLOCK_W, PRECISION=precision(x.dtype), UPCAST=INTERPRETED,
+        num_warps=warps, num_stages=stages)
+    return dx
+
+
 def stream_grad(x, w, dproj, dsq, g, a, hp, dy, n: int, splits: int = 16, block_t: int = 32,
                      block_c: int = 64, warps: int = 4, stages: int = 3, dphi_in_kernel: bool = True):
     """_stream_grad_kernel: (dx [T, n·C] in x's dtype, dφ [W, n·C] float32). Without dphi_in_kernel the
@@ -174,6 +229,10 @@ def check(device: str, T: int, n: int, C: int, dtype: torch.dtype, g_dtype: torc
     report(f"T{T} n{n} C{C} {dtype} g {g_dtype}", dict(zip(("dx", "dphi"), got)), want, dtype)
     got = stream_grad(*args, n=n, splits=5, block_t=16, block_c=block_c, dphi_in_kernel=False)
     report(f"T{T} n{n} C{C} {dtype} g {g_dtype}, dphi by a product", dict(zip(("dx", "dphi"), got)), want, dtype)
+    tile_k = max(d for d in (16, 32, 64, 128) if C % d == 0) if C % 16 == 0 else None
+    if tile_k is not None:
+        dx = stream_dx_tiles(*args, n=n, block_t=16, block_k=min(tile_k, block_c))
+        report(f"T{T} n{n} C{C} {dtype} g {g_dtype}, dx by 2-D tiles", {"dx": dx}, want[:1], dtype)
 
 
 # (splits, BLOCK_T, BLOCK_C, warps): a tile is n_pow2 * BLOCK_C columns wide. Compiled for
@@ -217,6 +276,9 @@ def time_gpu(T: int, n: int, C: int, dx_only: bool = False) -> None:
     # dx alone (per-token work, every program independent), dφ by cuBLAS beside it
     dphi = lambda: torch.mm(dproj.T, x)  # noqa: E731
     print(f"dphi = dproj^T x alone (cuBLAS, bf16 out): {do_bench(dphi) * 1e3:.1f} us", flush=True)
+    for bt, bk, warps, stages in DX_TILE_CONFIGS:
+        ms = do_bench(lambda: stream_dx_tiles(x, w, dproj, dsq, g, a, hp, dy, n, bt, bk, warps, stages))
+        print(f"dx by 2-D tiles BT {bt:3d} BK {bk} warps {warps} stages {stages}: {ms * 1e3:.1f} us", flush=True)
     for bt, bc, warps in DX_ONLY_CONFIGS:
         splits = triton.cdiv(T, bt)
         ms = do_bench(lambda: stream_grad(x, w, dproj, dsq, g, a, hp, dy, n, splits, bt, bc, warps, dphi_in_kernel=False))
@@ -227,6 +289,12 @@ def time_gpu(T: int, n: int, C: int, dx_only: bool = False) -> None:
 
 # (BLOCK_T, BLOCK_C, warps) of the dx-only kernel: one program per token block and channel block
 DX_ONLY_CONFIGS = ((16, 64, 4), (16, 32, 4), (8, 64, 4), (16, 64, 8), (32, 64, 8), (32, 32, 4))
+
+
+# (BLOCK_T, BLOCK_K, warps, stages) of the 2-D tile dx kernel; compiled for sm_90 (Triton 3.9, n 4): 116-184
+# registers without spills (64 x 128 at 4 warps and 128 x 128 at 8 spill, left out)
+DX_TILE_CONFIGS = ((32, 128, 4, 2), (16, 128, 4, 2), (64, 128, 8, 2), (32, 256, 8, 2), (64, 64, 4, 2),
+                   (16, 256, 4, 2), (32, 64, 4, 2))
 
 
 def _dx_only(x, w, dproj, dsq, g, a, hp, dy, n, splits, block_t, block_c, warps):
@@ -256,6 +324,11 @@ def sm90(T: int, n: int, C: int) -> None:
         kw = dict(N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_C=bc, BLOCK_W=BLOCK_W, PRECISION="tf32",
                   UPCAST=False, DPHI=True, num_warps=warps, num_stages=3)
         print("stream grad", kw, resources(compile_launch(_stream_grad_kernel, args, kw)), flush=True)
+    for bt, bk, warps, stages in DX_TILE_CONFIGS:
+        args = (x, w, dproj, dsq, g, a, hp, dy, dx, T, C, W)
+        kw = dict(N=n, BLOCK_T=bt, BLOCK_K=bk, BLOCK_W=BLOCK_W, PRECISION="tf32", UPCAST=False, num_warps=warps,
+                  num_stages=stages)
+        print("dx by 2-D tiles", kw, resources(compile_launch(_stream_dx_tile_kernel, args, kw)), flush=True)
     for bt, bc, warps in DX_ONLY_CONFIGS:
         args = (x, w, dproj, dsq, g, a, hp, dy, dx, dx, T, C, W, bt)
         kw = dict(N=n, N_POW2=triton.next_power_of_2(n), BLOCK_T=bt, BLOCK_C=bc, BLOCK_W=BLOCK_W, PRECISION="tf32",
@@ -284,7 +357,7 @@ def main() -> None:
         interpreter_compat.apply()
     small = 16 if device == "cpu" else 128
     for T, n, C, dtype, g_dtype in ((45, 4, 24, torch.float32, torch.float32), (37, 3, 40, torch.bfloat16, torch.bfloat16),
-                                    (50, 4, 32, torch.bfloat16, torch.float32)):
+                                    (50, 4, 32, torch.bfloat16, torch.float32), (45, 3, 48, torch.float32, torch.float32)):
         check(device, T, n, C, dtype, g_dtype, small)
     if device == "cuda":
         check(device, 1000, 4, 1024, torch.bfloat16, torch.bfloat16, 128)
