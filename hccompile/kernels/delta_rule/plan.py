@@ -167,8 +167,10 @@ HALF_DK_PARTIAL = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL", "1") ==
 # ms (0.983x; the sweep 0.670 ms and the new launch 0.106), B4 T4096 H16 D128 1.956 against 1.646
 # (1.188x). B1's sweep is 128 programs (16 heads x 8 value tiles of 16), one wave of the H200's 132
 # multiprocessors, so each step's latency is the sweep's time and taking work off the step pays; B4's
-# is 256 (64 walks x 4 tiles of 32), two waves. So by default (None) it is on when the backward
-# sweep's grid fits one wave (local_du_wanted). HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 / 0 (read at
+# is 256 (64 walks x 4 tiles of 32), two waves, where the GPU gains nothing (busy 1.529 against 1.494
+# ms: the sweep 0.016 ms faster, the launch 0.051) and the host-bound eager step pays ~0.28 ms of wall
+# for one more backward launch on autograd's device thread (diag_local-du-b4-profile_…6c96e5f.txt). So by
+# default (None) it is on when the backward sweep's grid fits one wave (local_du_wanted). HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 / 0 (read at
 # import) forces it on / off; read when a backward launches.
 _LOCAL_DU_SETTINGS = {"1": True, "0": False, "auto": None}
 _local_du_env = os.environ.get("HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL", "auto")
