@@ -61,9 +61,10 @@ VARIANTS = {
     "REGISTER_DIAGONAL_BLOCKS": (kernel_plan, [False]),
     # wy_solve in two launches (the solve, then W and U~ at WY_FORM_WARPS): a dict sets each of its constants
     "SPLIT_WY_SOLVE": (kernel_plan, [{"SPLIT_WY_SOLVE": True, "WY_FORM_WARPS": w} for w in (2, 4, 8)]),
-    # GDN: dU's local part (scale P^T dO) by a chunk-parallel kernel before the backward sweep (default: in the
-    # sweep); that kernel's warps (default 4) in a process with HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1
-    "LOCAL_DU_KERNEL": (kernel_plan, [True]),
+    # GDN: dU's local part (scale P^T dO) by a chunk-parallel kernel before the backward sweep forced on and
+    # off (default: on where the sweep's grid fits one wave, plan.local_du_wanted); that kernel's warps
+    # (default 4) in a process with HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1
+    "LOCAL_DU_KERNEL": (kernel_plan, [True, False]),
     "LOCAL_DU_WARPS": (local_du, [2, 8]),
     # GDN: dk's partial sum between dqkw and wy_bwd in fp32 (in bf16 the default since session 50: 0.986x at B1)
     "HALF_DK_PARTIAL": (kernel_plan, [False]),
