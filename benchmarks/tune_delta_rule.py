@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hccompile.kernels.delta_rule import chunk, dqkw, gate_cumsum, local_du, output, qk_l2norm, scores, wy_bwd  # noqa: E402
+from hccompile.kernels.delta_rule import chunk, dqkw, gate_cumsum, local_du, output, qk_l2norm, scores, state, wy_bwd  # noqa: E402
 from hccompile.kernels.delta_rule import plan as kernel_plan  # noqa: E402
 from profile_ops import parse_shape  # noqa: E402
 
@@ -94,7 +94,17 @@ VARIANTS = {
     # them loses accuracy in bf16: Kdot 5.8e-3 and P 5.9e-3 against float64 always factored, 4.0e-3 and 2.6e-3
     # at 40, 3.8e-3 and 1.7e-3 always split, in the strong-gate test case)
     "FACTOR_SPAN_LIMIT": (scores, [60.0, float("inf")]),
+    # The backward sweep's widest value tile (K * BV elements; default 64 * 64: BV 32 at K 128). At B4 T4096 H16
+    # the default BV 32 makes 256 programs, two waves at one CTA an SM (177-206 KiB of shared memory); BV 64
+    # makes 128, one wave, and the one-wave rule then turns dU's local part on (plan.local_du_wanted). Compiled
+    # for sm_90 on the CPU (Triton 3.9, session 52): BV 64 at 4 warps spills 184 B with local dU (456-464
+    # without), so 8 warps too. A key "module.NAME" sets another module's constant; "launch" overrides the
+    # options of the named kernels.
+    "STATE_TILE_ELEMENTS": (state, [8192,
+                                    {"STATE_TILE_ELEMENTS": 8192, "launch": {"_state_backward_kernel": dict(num_warps=8)}},
+                                    {"STATE_TILE_ELEMENTS": 8192, "plan.LOCAL_DU_KERNEL": False}]),
 }
+MODULES = {"plan": kernel_plan, "state": state, "chunk": chunk}
 
 
 @contextlib.contextmanager
@@ -193,14 +203,18 @@ def main() -> None:
                 module, variants = VARIANTS[name]
                 original = getattr(module, name)
                 for options in variants:
-                    override = contextlib.nullcontext()
+                    override = contextlib.ExitStack()
                     if name.isupper():
-                        constants = options if isinstance(options, dict) else {name: options}
-                        originals = {key: getattr(module, key) for key in constants}
+                        constants = dict(options) if isinstance(options, dict) else {name: options}
+                        for kernel_name, kernel_options in constants.pop("launch", {}).items():
+                            override.enter_context(launch_override(getattr(chunk, kernel_name), kernel_options))
+                        targets = {key: (MODULES[key.split(".")[0]], key.split(".")[1]) if "." in key else (module, key)
+                                   for key in constants}
+                        originals = {key: getattr(*targets[key]) for key in constants}
                         for key, value in constants.items():
-                            setattr(module, key, value)
+                            setattr(*targets[key], value)
                     else:
-                        override = launch_override(original, options)
+                        override.enter_context(launch_override(original, options))
                     started = time.perf_counter()
                     try:
                         with override:
@@ -212,7 +226,7 @@ def main() -> None:
                         setattr(module, name, original)
                         if name.isupper():
                             for key, value in originals.items():
-                                setattr(module, key, value)
+                                setattr(*targets[key], value)
                     rows.append(dict(op=op, mode=mode, kernel=name, options=options, ms=ms, ratio=ms / base))
                     print(f"{op} {mode:7s} {name:32s} {str(options):22s} {ms:.3f} ms ({ms / base:.3f}x)"
                           f"  [{time.perf_counter() - started:.0f} s]", flush=True)
