@@ -144,14 +144,6 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter does not compile kernels", file=sys.stderr)
         return 2
-    # Compile afresh: a cache entry may hold the cubin alone (the GPU suite's packed caches,
-    # benchmarks/gpu_cache.py), and the counts below read the PTX and TTGIR.
-    with tempfile.TemporaryDirectory(prefix="hccompile-compile-check-") as cache_dir:
-        os.environ["TRITON_CACHE_DIR"] = cache_dir
-        return _report(args)
-
-
-def _report(args) -> int:
     worst = 0
     for dtype in (torch.bfloat16, torch.float32):
         for n in args.streams:
