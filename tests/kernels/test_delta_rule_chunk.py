@@ -863,6 +863,33 @@ def test_local_du_kernel_before_the_sweep(monkeypatch, name, sizes, gate, option
     assert len(launches) == (0 if gate == "channel" else 1)
 
 
+@pytest.mark.parametrize("setting, programs, sms, wanted", [
+    (None, 128, 132, True), (None, 132, 132, True), (None, 256, 132, False), (None, 1, 0, False),
+    (True, 256, 132, True), (False, 16, 132, False)])
+def test_local_du_by_default_where_the_backward_sweep_fits_one_wave(monkeypatch, setting, programs, sms, wanted):
+    """plan.local_du_wanted: LOCAL_DU_KERNEL None (the default) takes dU's local part out of the sweep when
+    the sweep's programs fit one wave of the multiprocessors (GDN B1 T32768 H16 D128 on an H200: 128 of
+    132); True and False force it either way. A CPU device has no multiprocessors: off."""
+    monkeypatch.setattr(kernel_plan, "LOCAL_DU_KERNEL", setting)
+    monkeypatch.setattr(kernel_plan, "_multiprocessor_count", lambda device: sms)
+    assert kernel_plan.local_du_wanted(programs, torch.device("cuda")) is wanted
+
+
+def test_local_du_setting_from_the_environment_is_checked():
+    """HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL takes 1, 0 or auto; anything else is named in a clear error at import."""
+    import subprocess
+    import sys
+
+    code = "import hccompile.kernels.delta_rule.plan as p; print(p.LOCAL_DU_KERNEL)"
+    for value, printed in (("1", "True"), ("0", "False"), ("auto", "None")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL": value})
+        assert out.returncode == 0 and out.stdout.strip() == printed, out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL": "yes"})
+    assert out.returncode != 0 and "HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL" in out.stderr and "'yes'" in out.stderr
+
+
 def _sequence_bounds(inputs, kwargs):
     """(batch, first token, end) of every sequence of the case."""
     cu_seqlens = kwargs.get("cu_seqlens")

@@ -536,8 +536,10 @@ def chunk_delta_rule_bwd(
     if prepared:
         qg, kg = (buffer(batch, time, value_heads, key_dim, dtype=plan.intermediate_dtype) for _ in range(2))
         launch_decayed_keys(plan, fwd.q, fwd.k, cum_arg, qg, kg, plan.num_chunks, table, seqlens)
-    # dU's local part by its own chunk-parallel launch (kernel_plan.LOCAL_DU_KERNEL; not per-channel gates)
-    local_du = kernel_plan.LOCAL_DU_KERNEL and problem.gate != "channel" and bool(plan.num_chunks)
+    # dU's local part by its own chunk-parallel launch (kernel_plan.local_du_wanted; not per-channel gates)
+    sweep_programs = problem.num_sequences * value_heads * cdiv(value_dim, block_v_state)
+    local_du = (problem.gate != "channel" and bool(plan.num_chunks)
+                and kernel_plan.local_du_wanted(sweep_programs, device))
     if local_du:
         launch_local_du(plan, fwd.scores, do, du, plan.num_chunks, table, seqlens, float(scale))
     if problem.num_sequences and (plan.num_chunks or dh0 is not None):

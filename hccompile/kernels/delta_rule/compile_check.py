@@ -22,7 +22,7 @@ import sys
 import torch
 
 from ..launch_recorder import recording_launches
-from ..mhc.compile_check import ARCH, compile_launch, resources
+from ..mhc.compile_check import ARCH, compile_launch, private_triton_cache, resources
 
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory per block on sm_90
 
@@ -110,6 +110,11 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter does not compile kernels", file=sys.stderr)
         return 2
+    with private_triton_cache():
+        return _report(options)
+
+
+def _report(options) -> int:
     seen, failures = set(), 0
     for dtype_name in options.dtypes:
         dtype = getattr(torch, dtype_name)

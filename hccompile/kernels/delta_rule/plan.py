@@ -162,11 +162,21 @@ HALF_DK_PARTIAL = os.environ.get("HCCOMPILE_DELTA_RULE_HALF_DK_PARTIAL", "1") ==
 # (local_du.py, FLA's dv_local) and read by the sweep in place of P and the product, which sit off the
 # sweep's chain but add to every chunk step (benchmarks/analysis/sweep_step_work.py on one H200, GDN B1
 # T32768 H16 D128: the sweep 0.675 ms reading the local part against 0.853 forming it; KDA 1.338 against
-# 1.230, slower, so per-channel gates keep the product in the sweep). The kernel's own cost (P, dO and
-# dU's bytes, ~0.1 ms at that shape) decides it: untimed, off until tune_delta_rule.py's LOCAL_DU_KERNEL
-# row says otherwise. HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 (read at import) turns it on; read when a
-# backward launches.
-LOCAL_DU_KERNEL = os.environ.get("HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL", "0") == "1"
+# 1.230, slower, so per-channel gates keep the product in the sweep). Timed on one H200 (session 51,
+# tune_delta_rule.py, diag_local-du_…f2f9d4a.jsonl), GDN fwd+bwd: B1 T32768 H16 D128 3.803 against 3.870
+# ms (0.983x; the sweep 0.670 ms and the new launch 0.106), B4 T4096 H16 D128 1.956 against 1.646
+# (1.188x). B1's sweep is 128 programs (16 heads x 8 value tiles of 16), one wave of the H200's 132
+# multiprocessors, so each step's latency is the sweep's time and taking work off the step pays; B4's
+# is 256 (64 walks x 4 tiles of 32), two waves, where the GPU gains nothing (busy 1.529 against 1.494
+# ms: the sweep 0.016 ms faster, the launch 0.051) and the host-bound eager step pays ~0.28 ms of wall
+# for one more backward launch on autograd's device thread (diag_local-du-b4-profile_…6c96e5f.txt). So by
+# default (None) it is on when the backward sweep's grid fits one wave (local_du_wanted). HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL=1 / 0 (read at
+# import) forces it on / off; read when a backward launches.
+_LOCAL_DU_SETTINGS = {"1": True, "0": False, "auto": None}
+_local_du_env = os.environ.get("HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL", "auto")
+if _local_du_env not in _LOCAL_DU_SETTINGS:
+    raise ValueError(f"HCCOMPILE_DELTA_RULE_LOCAL_DU_KERNEL: expected one of 1, 0, auto, got {_local_du_env!r}")
+LOCAL_DU_KERNEL: bool | None = _LOCAL_DU_SETTINGS[_local_du_env]
 WY_FORM_WARPS = 4
 
 
@@ -210,6 +220,14 @@ def narrow_for_occupancy(block_v: int, walks: int, value_dim: int, device: torch
     while block_v > floor and 2 * walks * cdiv(value_dim, block_v) <= target:
         block_v //= 2
     return block_v
+
+
+def local_du_wanted(sweep_programs: int, device: torch.device) -> bool:
+    """Whether the backward sweep reads dU's local part from local_du.py's launch (LOCAL_DU_KERNEL, or by
+    default when the sweep's `sweep_programs` fit one wave of the device's multiprocessors)."""
+    if LOCAL_DU_KERNEL is not None:
+        return LOCAL_DU_KERNEL
+    return sweep_programs <= _multiprocessor_count(device)
 
 
 def intermediate_dtype_for(input_dtype: torch.dtype) -> torch.dtype:

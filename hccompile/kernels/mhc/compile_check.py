@@ -16,6 +16,7 @@ without TRITON_INTERPRET, so run it in a process without that variable:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import re
@@ -67,6 +68,23 @@ def recorded_launches(n: int = 4, C: int = 1024, steps: int = 40, dtype=torch.bf
         for i, (kernel, _grid, args, kwargs) in enumerate(calls):
             out.append((name if i == 0 else f"{name}.{i}", kernel, args, kwargs))
     return out
+
+
+@contextlib.contextmanager
+def private_triton_cache():
+    """Compile into a fresh Triton cache for the duration: a shared cache entry may hold the cubin
+    alone (the GPU suite's packed caches, benchmarks/gpu_cache.py), and resources() reads the PTX
+    and TTGIR. TRITON_CACHE_DIR is restored afterwards."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="hccompile-compile-check-") as cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+        try:
+            yield cache_dir
+        finally:
+            if before is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = before
 
 
 def compile_launch(kernel, args, kwargs, arch: int = ARCH):
@@ -144,6 +162,11 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter does not compile kernels", file=sys.stderr)
         return 2
+    with private_triton_cache():
+        return _report(args)
+
+
+def _report(args) -> int:
     worst = 0
     for dtype in (torch.bfloat16, torch.float32):
         for n in args.streams:
